@@ -1,0 +1,68 @@
+"""The algorithm registry. An algorithm decodes a group of rows (each with its own parameters) to the end; the
+engine picks it by the request's ``generation_algorithm``. Acceleration algorithms register here by name."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..params import ParamError
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    name: str
+    default: object
+    description: str
+
+
+COMMON_PARAMS = (
+    ParamInfo("steps", None, "denoising steps over the whole generation (default: one per token); spread evenly "
+              "over the blocks, rounded up, capped at block_length per block"),
+    ParamInfo("block_length", 32, "semi-autoregressive block size; capped at max_tokens; max_tokens is rounded up to "
+              "a multiple of it internally and the output cut back"),
+    ParamInfo("temperature", 0.0, "0 = greedy; > 0 samples with float64 Gumbel-max noise"),
+    ParamInfo("remasking", "low_confidence", "which masked positions to commit: low_confidence or random"),
+    ParamInfo("threshold", None, "Fast-dLLM parallel decoding: commit the most confident masked token of the block "
+              "plus every other one with confidence >= threshold (steps is then ignored)"),
+    ParamInfo("factor", None, "Fast-dLLM dynamic parallel decoding: commit the n most confident tokens while the "
+              "n-th confidence >= 1 - factor/(n+1) (steps is then ignored)"),
+    ParamInfo("seed", None, "per-request seed for temperature sampling and random remasking"),
+)
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    name: str
+    description: str
+    exact: bool                     # token-identical to the published reference loop
+    run: object                     # callable(engine, rows, finisher) -> None
+    families: tuple[str, ...] = ("llada",)
+    params: tuple[ParamInfo, ...] = COMMON_PARAMS
+    extra_params: tuple[ParamInfo, ...] = field(default_factory=tuple)
+
+    def describe(self) -> dict:
+        return {
+            "name": self.name, "description": self.description, "exact": self.exact,
+            "families": list(self.families),
+            "parameters": {p.name: {"default": p.default, "description": p.description}
+                           for p in self.params + self.extra_params},
+        }
+
+
+REGISTRY: dict[str, Algorithm] = {}
+
+
+def register(alg: Algorithm) -> Algorithm:
+    REGISTRY[alg.name] = alg
+    return alg
+
+
+def get(name: str, family: str) -> Algorithm:
+    alg = REGISTRY.get(name)
+    if alg is None or family not in alg.families:
+        names = sorted(n for n, a in REGISTRY.items() if family in a.families)
+        raise ParamError("generation_algorithm",
+                         f"unknown generation_algorithm {name!r} for this model; available: {', '.join(names)}")
+    return alg
+
+
+from . import basic  # noqa: E402,F401  (registers itself)

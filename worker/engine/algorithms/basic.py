@@ -1,0 +1,115 @@
+"""``basic``: the LLaDA reference loop (ML-GSAI/LLaDA ``generate.py``), and Fast-dLLM's ``generate`` when the row
+carries ``threshold`` or ``factor``. Every step is one forward over each row's whole sequence (no cache)."""
+from __future__ import annotations
+
+import torch
+
+from ..rows import Canvas, Finisher, Row
+from ..sampling import denoise
+from . import Algorithm, register
+
+
+def candidate_region(row: Row, gen: list[int], mask_id: int) -> tuple[int, int]:
+    """[start, end) in generation coordinates of the positions this step may commit: the current block, extended
+    back to any earlier position still masked (possible only when the model proposed the mask token itself; the
+    reference ranks those together with the block)."""
+    start, end = row.block_range()
+    try:
+        first = gen.index(mask_id, 0, start)
+    except ValueError:
+        first = start
+    return min(first, start), end
+
+
+def start_block(row: Row, gen: list[int], mask_id: int) -> None:
+    s, e = row.block_range()
+    row.step = 0
+    row.block_masks = sum(1 for t in gen[s:e] if t == mask_id)
+
+
+def advance(row: Row, gen: list[int], mask_id: int) -> bool:
+    """Account one step of ``row``; move to the next block when this one is done. True when the row's whole
+    schedule is done."""
+    row.nfe += 1
+    row.step += 1
+    s, e = row.block_range()
+    if row.fixed_steps:
+        block_done = row.step >= row.plan.steps_per_block
+    else:
+        block_done = mask_id not in gen[s:e]
+    if not block_done:
+        return False
+    if row.block + 1 >= row.plan.num_blocks:
+        return True
+    row.block += 1
+    start_block(row, gen, mask_id)
+    return False
+
+
+def run(engine, rows: list[Row], fin: Finisher) -> None:
+    model, mask_id = engine.model, engine.mask_id
+    canvas = Canvas(rows, mask_id, engine.pad_id, model.device)
+    gens = {}
+
+    def read_back():
+        xc = canvas.x.cpu()
+        for b, r in enumerate(canvas.rows):
+            s = canvas.gen_start(b)
+            gens[r.index] = xc[b, s: s + r.plan.canvas_length].tolist()
+
+    read_back()
+    for r in rows:
+        start_block(r, gens[r.index], mask_id)
+    while canvas.rows:
+        keep = [b for b, r in enumerate(canvas.rows) if not fin.cancelled(r)]
+        if len(keep) < len(canvas.rows):
+            canvas.keep(keep)
+            if not canvas.rows:
+                break
+        active = canvas.rows
+        B = len(active)
+        regions = [candidate_region(r, gens[r.index], mask_id) for r in active]
+        K = max(e - s for s, e in regions)
+        ar = torch.arange(K)
+        gidx = torch.stack([canvas.gen_start(b) + s + torch.clamp(ar, max=e - s - 1) for b, (s, e) in enumerate(regions)])
+        gidx = gidx.to(model.device)
+
+        cfg = [b for b, r in enumerate(active) if r.params.cfg_scale > 0]
+        x, pos, mask = canvas.x, canvas.pos, canvas.mask
+        if cfg:
+            xu, pu, mu = canvas.uncond(cfg)
+            x, pos = torch.cat([x, xu]), torch.cat([pos, pu])
+            mask = None if mask is None else torch.cat([mask, mu])
+        hidden = model(x, pos, mask)
+        D = hidden.shape[-1]
+        h = hidden[:B].gather(1, gidx[..., None].expand(-1, -1, D))
+        logits = model.logits(h)
+        if cfg:
+            hu = hidden[B:].gather(1, gidx[cfg][..., None].expand(-1, -1, D))
+            lu = model.logits(hu)
+            scale = torch.tensor([active[b].params.cfg_scale for b in cfg], device=lu.device, dtype=lu.dtype)
+            logits[cfg] = lu + (scale[:, None, None] + 1) * (logits[cfg] - lu)
+
+        tokens = canvas.x.gather(1, gidx)
+        x0, sel = denoise(logits, tokens, [e - s for s, e in regions], active, mask_id)
+        bi, ki = sel.nonzero(as_tuple=True)
+        canvas.x[bi, gidx[bi, ki]] = x0[bi, ki]
+
+        read_back()
+        done = []
+        for b, r in enumerate(active):
+            gen = gens[r.index]
+            fin.update(r, gen, advance(r, gen, mask_id))
+            if r.done:
+                done.append(b)
+        if done:
+            canvas.keep([b for b in range(B) if b not in done])
+
+
+register(Algorithm(
+    name="basic",
+    description="LLaDA reference sampler: semi-autoregressive blocks, linear transfer schedule, full forward each "
+                "step; with threshold/factor, Fast-dLLM parallel decoding without cache",
+    exact=True,
+    run=run,
+))

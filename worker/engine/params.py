@@ -1,0 +1,92 @@
+"""Per-request generation parameters, their validation and the documented rounding rules."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+class ParamError(ValueError):
+    """A request parameter is invalid. ``param`` names it (OpenAI error body's ``param``)."""
+
+    def __init__(self, param: str | None, message: str):
+        super().__init__(message)
+        self.param = param
+        self.message = message
+
+
+REMASKING = ("low_confidence", "random")
+
+
+@dataclass(frozen=True)
+class GenerationParams:
+    """What one row asks for. ``gen_length`` is the number of new tokens wanted (``max_tokens``)."""
+
+    gen_length: int = 128
+    block_length: int = 32
+    steps: int | None = None          # None: one step per token (steps = gen_length)
+    algorithm: str = "basic"
+    temperature: float = 0.0
+    remasking: str = "low_confidence"
+    cfg_scale: float = 0.0
+    threshold: float | None = None    # Fast-dLLM confidence-threshold parallel decoding
+    factor: float | None = None       # Fast-dLLM dynamic (factor) parallel decoding
+    seed: int | None = None
+    extra: dict = field(default_factory=dict)  # algorithm-specific parameters
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The schedule a row actually runs, after rounding.
+
+    - ``block_length`` is capped at ``gen_length``;
+    - the canvas (``canvas_length``) is ``gen_length`` rounded up to a multiple of ``block_length``; only the first
+      ``gen_length`` tokens are returned;
+    - ``steps`` is spread evenly over the blocks, rounding up (``steps_per_block = ceil(steps / num_blocks)``), and
+      capped at ``block_length`` (extra steps would commit nothing and change no token).
+    """
+
+    params: GenerationParams
+    prompt_length: int
+    gen_length: int
+    block_length: int
+    canvas_length: int
+    num_blocks: int
+    steps_per_block: int
+
+
+def plan(params: GenerationParams, prompt_length: int, max_sequence_length: int) -> Plan:
+    p = params
+    if prompt_length < 1:
+        raise ParamError("prompt", "the prompt is empty")
+    if not isinstance(p.gen_length, int) or p.gen_length < 1:
+        raise ParamError("max_tokens", f"max_tokens must be a positive integer, got {p.gen_length!r}")
+    if not isinstance(p.block_length, int) or p.block_length < 1:
+        raise ParamError("block_length", f"block_length must be a positive integer, got {p.block_length!r}")
+    if p.steps is not None and (not isinstance(p.steps, int) or p.steps < 1):
+        raise ParamError("steps", f"steps must be a positive integer, got {p.steps!r}")
+    if not (isinstance(p.temperature, (int, float)) and 0 <= p.temperature <= 100 and math.isfinite(p.temperature)):
+        raise ParamError("temperature", f"temperature must be between 0 and 100, got {p.temperature!r}")
+    if p.remasking not in REMASKING:
+        raise ParamError("remasking", f"remasking must be one of {', '.join(REMASKING)}, got {p.remasking!r}")
+    if not (isinstance(p.cfg_scale, (int, float)) and 0 <= p.cfg_scale <= 100 and math.isfinite(p.cfg_scale)):
+        raise ParamError("cfg_scale", f"cfg_scale must be between 0 and 100, got {p.cfg_scale!r}")
+    if p.threshold is not None and not (isinstance(p.threshold, (int, float)) and 0 < p.threshold <= 1):
+        raise ParamError("threshold", f"threshold must be in (0, 1], got {p.threshold!r}")
+    if p.factor is not None and not (isinstance(p.factor, (int, float)) and 0 < p.factor <= 1000):
+        raise ParamError("factor", f"factor must be in (0, 1000], got {p.factor!r}")
+    if p.threshold is not None and p.factor is not None:
+        raise ParamError("factor", "threshold and factor are two different parallel-decoding rules: give one")
+    block = min(p.block_length, p.gen_length)
+    num_blocks = -(-p.gen_length // block)
+    canvas = num_blocks * block
+    if prompt_length + canvas > max_sequence_length:
+        raise ParamError(
+            "max_tokens",
+            f"prompt ({prompt_length} tokens) + generation ({canvas} tokens"
+            + (f", max_tokens {p.gen_length} rounded up to a multiple of block_length {block}" if canvas != p.gen_length else "")
+            + f") exceeds the model's maximum sequence length {max_sequence_length}",
+        )
+    steps = p.gen_length if p.steps is None else p.steps
+    spb = min(max(1, -(-steps // num_blocks)), block)
+    return Plan(p, prompt_length, p.gen_length, block, canvas, num_blocks, spb)
+

@@ -1,0 +1,148 @@
+"""Per-row generation state, and the batch canvas that holds the rows of a full-sequence (no cache) forward.
+
+Rows are right-aligned in the batch tensor (left padding), each with its own absolute positions starting at 0 and a
+key-padding mask, so a row's logits do not depend on which rows share its batch."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from .params import GenerationParams, Plan
+
+
+@dataclass
+class Row:
+    index: int                    # position in the caller's request list
+    prompt: list[int]
+    plan: Plan
+    generator: torch.Generator | None
+    block: int = 0                # current block
+    step: int = 0                 # step within the block
+    block_masks: int = 0          # masks in the block when it started (the schedule's m)
+    nfe: int = 0
+    done: bool = False
+    finish_reason: str | None = None
+    tokens: list[int] = field(default_factory=list)   # final answer: ids up to the first stop token
+    canvas: list[int] = field(default_factory=list)   # the whole generated canvas when the row ended
+    reported: int = 0             # length of the final prefix already reported to on_progress
+
+    @property
+    def params(self) -> GenerationParams:
+        return self.plan.params
+
+    @property
+    def fixed_steps(self) -> bool:
+        return self.params.threshold is None and self.params.factor is None
+
+    def block_range(self, block: int | None = None) -> tuple[int, int]:
+        """[start, end) of a block, in generation coordinates (0 = first generated token)."""
+        b = self.block if block is None else block
+        bl = self.plan.block_length
+        return b * bl, (b + 1) * bl
+
+    def scheduled_transfers(self) -> int:
+        """LLaDA's linear schedule: the block's m masks spread over its steps, the remainder to the first steps."""
+        m, s = self.block_masks, self.plan.steps_per_block
+        return m // s + (1 if self.step < m % s else 0)
+
+
+@dataclass
+class StepHooks:
+    """Callbacks from the device loop: ``on_progress(index, final_ids)`` when a row's final prefix grows;
+    ``is_cancelled(index)`` to drop a row whose client has gone."""
+    on_progress: Callable[[int, list[int]], None] | None = None
+    is_cancelled: Callable[[int], bool] | None = None
+
+
+class Finisher:
+    """Decides, after every step, which rows are finished, and reports streamed prefixes.
+
+    A row is finished when its visible window (the first ``gen_length`` generated tokens) holds a stop token with
+    no mask before it, or holds no mask at all (early exit, exact: committed tokens never change), or when its last
+    block's schedule is done. With ``early_exit=False`` only the last rule applies (the reference's full canvas)."""
+
+    def __init__(self, mask_id: int, stop_ids: list[int], early_exit: bool, hooks: StepHooks | None):
+        self.mask_id = mask_id
+        self.stop_ids = set(stop_ids)
+        self.early_exit = early_exit
+        self.hooks = hooks or StepHooks()
+
+    def final_prefix(self, row: Row, gen: list[int]) -> tuple[list[int], bool]:
+        """(the final visible prefix, whether it ends at a stop token)."""
+        window = gen[: row.plan.gen_length]
+        for i, t in enumerate(window):
+            if t == self.mask_id:
+                return window[:i], False
+            if t in self.stop_ids:
+                return window[:i], True
+        return window, False
+
+    def update(self, row: Row, gen: list[int], schedule_done: bool) -> None:
+        """``gen``: the row's generated canvas after this step. Marks the row done when it is finished."""
+        prefix, stopped = self.final_prefix(row, gen)
+        if self.hooks.on_progress is not None and len(prefix) > row.reported:
+            row.reported = len(prefix)
+            self.hooks.on_progress(row.index, prefix)
+        complete = stopped or len(prefix) == row.plan.gen_length
+        if schedule_done or (self.early_exit and complete):
+            window = gen[: row.plan.gen_length]
+            cut = next((i for i, t in enumerate(window) if t in self.stop_ids), None)
+            row.done = True
+            row.tokens = window if cut is None else window[:cut]
+            row.finish_reason = "length" if cut is None else "stop"
+            row.canvas = list(gen)
+
+    def cancelled(self, row: Row) -> bool:
+        if self.hooks.is_cancelled is not None and self.hooks.is_cancelled(row.index):
+            row.done, row.finish_reason = True, "cancelled"
+            return True
+        return False
+
+
+class Canvas:
+    """Batch tensor of rows for the full-sequence forward: ``x`` [B, L] right-aligned, with positions and mask."""
+
+    def __init__(self, rows: list[Row], mask_id: int, pad_id: int, device: torch.device):
+        self.mask_id, self.pad_id, self.device = mask_id, pad_id, device
+        self.rows = list(rows)
+        lengths = [r.plan.prompt_length + r.plan.canvas_length for r in self.rows]
+        width = max(lengths)
+        x = torch.full((len(rows), width), pad_id, dtype=torch.long)
+        for b, (r, n) in enumerate(zip(self.rows, lengths)):
+            x[b, width - n: width - n + r.plan.prompt_length] = torch.tensor(r.prompt, dtype=torch.long)
+            x[b, width - n + r.plan.prompt_length:] = mask_id
+        self.x = x.to(device)
+        self.offsets = [width - n for n in lengths]
+        self._index()
+
+    def _index(self) -> None:
+        B, L = self.x.shape
+        off = torch.tensor(self.offsets, device=self.device)
+        col = torch.arange(L, device=self.device)
+        self.pos = (col[None, :] - off[:, None]).clamp(min=0)
+        # No mask at all when no row is padded: the same kernel path as the reference at batch size 1.
+        self.mask = None if not any(self.offsets) else (col[None, :] >= off[:, None])[:, None, None, :]
+
+    def gen_start(self, b: int) -> int:
+        return self.offsets[b] + self.rows[b].plan.prompt_length
+
+    def keep(self, keep: list[int]) -> None:
+        """Compact to the rows at batch indices ``keep``, trimming the left padding no longer needed."""
+        self.rows = [self.rows[b] for b in keep]
+        if not self.rows:
+            return
+        trim = min(self.offsets[b] for b in keep)
+        self.x = self.x[keep, trim:]
+        self.offsets = [self.offsets[b] - trim for b in keep]
+        self._index()
+
+    def uncond(self, which: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Unconditional copies of rows ``which`` for classifier-free guidance: the prompt replaced by masks."""
+        x = self.x[which].clone()
+        for i, b in enumerate(which):
+            s = self.offsets[b]
+            x[i, s: s + self.rows[b].plan.prompt_length] = self.mask_id
+        mask = None if self.mask is None else self.mask[which]
+        return x, self.pos[which], mask

@@ -1,0 +1,175 @@
+"""Reading checkpoint directories: config.json and weights, without executing any code from the directory.
+
+Weights come from ``model.safetensors``, sharded ``model-0000X-of-0000N.safetensors`` with
+``model.safetensors.index.json``, or ``pytorch_model*.bin`` (``torch.load(weights_only=True)``).
+
+Safetensors files are read with plain ``readinto`` into freshly allocated tensors rather than through mmap: a mapped
+file's resident pages count in the process's RSS on top of the parameters, which would double the host memory needed
+to load a model. Each tensor is converted to the target dtype and device as soon as it is read, so the host never
+holds more than the final weights plus one tensor in flight.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+class CheckpointError(ValueError):
+    """The directory is not a loadable checkpoint of the expected family; the message says what is wrong."""
+
+
+def read_config(path: str | os.PathLike) -> dict:
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not path.is_dir():
+        raise CheckpointError(f"model path {str(path)!r} is not a directory")
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{str(path)!r} has no config.json")
+    with open(cfg_file) as f:
+        return json.load(f)
+
+
+def weight_files(path: str | os.PathLike) -> list[Path]:
+    """The weight files of a checkpoint directory, in a stable order."""
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        files = sorted(set(weight_map.values()))
+        missing = [name for name in files if not (path / name).is_file()]
+        if missing:
+            raise CheckpointError(f"{str(path)!r}: shards named in model.safetensors.index.json are missing: {missing}")
+        return [path / name for name in files]
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    shards = sorted(path.glob("model-*-of-*.safetensors"))
+    if shards:
+        return shards
+    bin_index = path / "pytorch_model.bin.index.json"
+    if bin_index.is_file():
+        with open(bin_index) as f:
+            return [path / name for name in sorted(set(json.load(f)["weight_map"].values()))]
+    bins = sorted(path.glob("pytorch_model*.bin"))
+    if bins:
+        return bins
+    raise CheckpointError(
+        f"{str(path)!r} holds no weights: expected model.safetensors, model-*-of-*.safetensors with "
+        "model.safetensors.index.json, or pytorch_model*.bin"
+    )
+
+
+def safetensors_header(file: Path) -> tuple[dict, int]:
+    """(header without __metadata__, offset of the data section)."""
+    with open(file, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
+def tensor_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every tensor in the checkpoint, read from headers only (no weights loaded)."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in weight_files(path):
+        if file.suffix == ".safetensors":
+            header, _ = safetensors_header(file)
+            shapes.update({k: tuple(v["shape"]) for k, v in header.items()})
+        else:
+            sd = torch.load(file, map_location="meta", weights_only=True)
+            shapes.update({k: tuple(v.shape) for k, v in sd.items()})
+    return shapes
+
+
+def iter_tensors(path: str | os.PathLike, wanted: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, CPU tensor in the file's dtype), one at a time; ``wanted`` restricts which are read."""
+    for file in weight_files(path):
+        if file.suffix == ".safetensors":
+            header, data_start = safetensors_header(file)
+            with open(file, "rb", buffering=0) as f:
+                for name, meta in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+                    if wanted is not None and name not in wanted:
+                        continue
+                    dtype = SAFETENSORS_DTYPES.get(meta["dtype"])
+                    if dtype is None:
+                        raise CheckpointError(f"{file.name}: tensor {name} has unsupported dtype {meta['dtype']}")
+                    begin, end = meta["data_offsets"]
+                    buf = torch.empty(end - begin, dtype=torch.uint8)
+                    f.seek(data_start + begin)
+                    view = memoryview(buf.numpy())
+                    got = 0
+                    while got < len(view):
+                        n = f.readinto(view[got:])
+                        if not n:
+                            raise CheckpointError(f"{file.name} is truncated (tensor {name})")
+                        got += n
+                    yield name, buf.view(dtype).reshape(meta["shape"])
+        else:
+            sd = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+            for name in list(sd):
+                if wanted is None or name in wanted:
+                    yield name, sd.pop(name)
+            del sd
+
+
+def check_shapes(path: str | os.PathLike, expected: dict[str, tuple[int, ...]], family: str) -> None:
+    """Raise CheckpointError naming missing tensors and mismatched shapes."""
+    found = tensor_shapes(path)
+    missing = sorted(k for k in expected if k not in found)
+    wrong = sorted(f"{k}: expected {list(expected[k])}, found {list(found[k])}"
+                   for k in expected if k in found and tuple(found[k]) != tuple(expected[k]))
+    if missing or wrong:
+        parts = [f"{str(path)!r} is not a {family} checkpoint matching its config.json."]
+        if missing:
+            shown = missing[:20]
+            more = f" (and {len(missing) - 20} more)" if len(missing) > 20 else ""
+            parts.append(f"Missing tensors: {', '.join(shown)}{more}.")
+        if wrong:
+            parts.append(f"Mismatched shapes: {'; '.join(wrong[:20])}.")
+        raise CheckpointError(" ".join(parts))
+
+
+def load_state_dict(path: str | os.PathLike, names: dict[str, str], dtype: torch.dtype,
+                    device: torch.device) -> dict[str, torch.Tensor]:
+    """Read the tensors named by ``names`` (checkpoint name -> module name), cast each one to ``dtype`` on
+    ``device`` as soon as it is read. Returns module-name -> tensor."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in iter_tensors(path, set(names)):
+        out[names[name]] = t.to(device=device, dtype=dtype)
+        del t
+    return out
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "auto"):
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+             "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in table:
+        raise ValueError(f"unknown dtype {dtype!r}: use float32, bfloat16 or float16")
+    return table[dtype]
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if isinstance(device, torch.device):
+        return device
+    if device in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was asked for but CUDA is not available")
+    return dev

@@ -1,0 +1,59 @@
+"""Building blocks shared by the model families: RMSNorm in float32, rotate-half RoPE from float32 tables,
+and bidirectional grouped-query attention through torch SDPA with an optional boolean key mask."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    """``weight * (x / rms(x))`` with the normalisation in float32 and the result cast back before the weight."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_tables(head_dim: int, max_positions: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) of shape [max_positions, head_dim], float32, rotate-half layout (each frequency twice)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    pos = torch.arange(max_positions, device=device, dtype=torch.float32)
+    freqs = torch.outer(pos, inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fp32: bool = True) -> torch.Tensor:
+    """x: [B, H, L, D]; cos/sin: [B, L, D] (float32) gathered at each token's position.
+
+    ``fp32=True`` rotates in float32 (LLaDA's ``rope_full_precision``); otherwise the tables are cast to x's dtype
+    first, as Hugging Face's Qwen3 code does."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    if fp32:
+        xf = x.float()
+        return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return x * cos + rotate_half(x) * sin
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Bidirectional attention. q: [B, Hq, Lq, D]; k, v: [B, Hkv, Lk, D] with Hq a multiple of Hkv (kv head j
+    serves query heads j*g .. j*g+g-1); mask: bool [B, 1, 1 or Lq, Lk], True where a key may be attended, or None."""
+    if k.shape[1] != q.shape[1]:
+        g = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(g, dim=1)
+        v = v.repeat_interleave(g, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)

@@ -1,0 +1,160 @@
+"""LLaDA (GSAI-ML/LLaDA-8B-Instruct/-Base, LLaDA-1.5): a Llama-style transformer used as a bidirectional
+mask predictor. Loads the published checkpoint layout (``model.transformer.*`` tensor names) without
+``trust_remote_code``.
+
+Per block: ``x = x + attn_out(SDPA(rope(q), rope(k), v))`` over ``attn_norm(x)`` with no causal mask, then
+``x = x + ff_out(silu(ff_proj(h)) * up_proj(h))`` with ``h = ff_norm(x)``; ``ln_f`` then ``ff_out`` (the LM head,
+tied to ``wte`` when ``weight_tying``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .checkpoint import CheckpointError, check_shapes, load_state_dict, read_config
+from .layers import RMSNorm, apply_rope, attention, rope_tables
+
+PREFIX = "model.transformer."
+
+
+@dataclass(frozen=True)
+class LLaDAConfig:
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    n_layers: int
+    mlp_hidden_size: int
+    vocab_size: int
+    embedding_size: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_sequence_length: int
+    weight_tying: bool
+    mask_token_id: int | None
+    eos_token_id: int | None
+    pad_token_id: int | None
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @classmethod
+    def from_dict(cls, c: dict) -> "LLaDAConfig":
+        unsupported = []
+        for key, ok in [("block_type", lambda v: v in (None, "llama")), ("alibi", lambda v: not v),
+                        ("rope", lambda v: v in (None, True)), ("include_bias", lambda v: not v),
+                        ("include_qkv_bias", lambda v: not v), ("layer_norm_type", lambda v: v in (None, "rms")),
+                        ("activation_type", lambda v: v in (None, "silu", "swiglu")),
+                        ("attention_layer_norm", lambda v: not v), ("input_emb_norm", lambda v: not v),
+                        ("scale_logits", lambda v: not v), ("clip_qkv", lambda v: v is None)]:
+            if key in c and not ok(c[key]):
+                unsupported.append(f"{key}={c[key]!r}")
+        if unsupported:
+            raise CheckpointError(f"unsupported LLaDA config settings: {', '.join(unsupported)}")
+        missing = [k for k in ("d_model", "n_heads", "n_layers") if k not in c]
+        if missing:
+            raise CheckpointError(f"config.json lacks LLaDA fields: {', '.join(missing)}")
+        n_heads = int(c["n_heads"])
+        n_kv = c.get("n_kv_heads")
+        if c.get("multi_query_attention"):
+            n_kv = 1
+        n_kv = int(n_kv or n_heads)
+        if n_heads % n_kv:
+            raise CheckpointError(f"n_heads={n_heads} is not a multiple of n_kv_heads={n_kv}")
+        d_model = int(c["d_model"])
+        mlp = c.get("mlp_hidden_size") or int(c.get("mlp_ratio", 4)) * d_model
+        vocab = int(c.get("vocab_size", 0))
+        return cls(
+            d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv, n_layers=int(c["n_layers"]),
+            mlp_hidden_size=int(mlp), vocab_size=vocab, embedding_size=int(c.get("embedding_size") or vocab),
+            rope_theta=float(c.get("rope_theta", 10000.0)), rms_norm_eps=float(c.get("rms_norm_eps", 1e-5)),
+            max_sequence_length=int(c.get("max_sequence_length", 4096)),
+            weight_tying=bool(c.get("weight_tying", False)),
+            mask_token_id=c.get("mask_token_id"), eos_token_id=c.get("eos_token_id"),
+            pad_token_id=c.get("pad_token_id"),
+        )
+
+
+class LLaDABlock(nn.Module):
+    def __init__(self, cfg: LLaDAConfig):
+        super().__init__()
+        d, hd = cfg.d_model, cfg.head_dim
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, hd
+        self.attn_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.ff_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.q_proj = nn.Linear(d, cfg.n_heads * hd, bias=False)
+        self.k_proj = nn.Linear(d, cfg.n_kv_heads * hd, bias=False)
+        self.v_proj = nn.Linear(d, cfg.n_kv_heads * hd, bias=False)
+        self.attn_out = nn.Linear(cfg.n_heads * hd, d, bias=False)
+        self.ff_proj = nn.Linear(d, cfg.mlp_hidden_size, bias=False)
+        self.up_proj = nn.Linear(d, cfg.mlp_hidden_size, bias=False)
+        self.ff_out = nn.Linear(cfg.mlp_hidden_size, d, bias=False)
+
+    def forward(self, x, cos, sin, mask):
+        B, L, _ = x.shape
+        h = self.attn_norm(x)
+        q = self.q_proj(h).view(B, L, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(h).view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(h).view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        a = attention(q, k, v, mask).transpose(1, 2).reshape(B, L, -1)
+        x = x + self.attn_out(a)
+        h = self.ff_norm(x)
+        return x + self.ff_out(nn.functional.silu(self.ff_proj(h)) * self.up_proj(h))
+
+
+class LLaDAModel(nn.Module):
+    family = "llada"
+
+    def __init__(self, cfg: LLaDAConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.embedding_size, cfg.d_model)
+        self.blocks = nn.ModuleList(LLaDABlock(cfg) for _ in range(cfg.n_layers))
+        self.ln_f = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
+        self.ff_out = None if cfg.weight_tying else nn.Linear(cfg.d_model, cfg.embedding_size, bias=False)
+        self.rope_cos: torch.Tensor | None = None
+        self.rope_sin: torch.Tensor | None = None
+
+    @property
+    def max_sequence_length(self) -> int:
+        return self.cfg.max_sequence_length
+
+    @property
+    def device(self) -> torch.device:
+        return self.wte.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.wte.weight.dtype
+
+    def init_rope(self) -> None:
+        self.rope_cos, self.rope_sin = rope_tables(self.cfg.head_dim, self.cfg.max_sequence_length,
+                                                   self.cfg.rope_theta, self.device)
+
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states after ``ln_f``. ids, pos: [B, L] long; mask: bool [B, 1, 1|L, L] (True = may attend) or
+        None for no masking. Call :meth:`logits` on the rows you need."""
+        cos, sin = self.rope_cos[pos], self.rope_sin[pos]
+        x = self.wte(ids)
+        for block in self.blocks:
+            x = block(x, cos, sin, mask)
+        return self.ln_f(x)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        w = self.wte.weight if self.ff_out is None else self.ff_out.weight
+        return nn.functional.linear(h, w)
+
+
+def load(path: str | Path, device: torch.device, dtype: torch.dtype) -> LLaDAModel:
+    cfg = LLaDAConfig.from_dict(read_config(path))
+    with torch.device("meta"):
+        model = LLaDAModel(cfg)
+    expected = {PREFIX + n: tuple(p.shape) for n, p in model.named_parameters()}
+    check_shapes(path, expected, "LLaDA")
+    sd = load_state_dict(path, {PREFIX + n: n for n in dict(model.named_parameters())}, dtype, device)
+    model.load_state_dict(sd, strict=True, assign=True)
+    model.init_rope()
+    return model.eval().requires_grad_(False)

@@ -1,0 +1,63 @@
+"""Tokenizer and stop tokens from a checkpoint directory (no remote code)."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from transformers import AutoTokenizer
+from transformers.utils import logging as hf_logging
+
+# Tokens that end a turn in the chat formats we serve; their ids always come from the tokenizer itself.
+END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>")
+
+
+def load_tokenizer(path: str | os.PathLike):
+    # transformers warns that it does not know model_type "llada": we only want the tokenizer, so that is expected.
+    level = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()
+    try:
+        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+    finally:
+        hf_logging.set_verbosity(level)
+
+
+def _ids(value) -> list[int]:
+    if value is None:
+        return []
+    if isinstance(value, int):
+        return [value]
+    return [int(v) for v in value]
+
+
+def stop_token_ids(path: str | os.PathLike, tokenizer, config: dict) -> list[int]:
+    """eos from the tokenizer, config.json and generation_config.json, plus end-of-turn tokens the vocabulary has."""
+    ids: list[int] = []
+    ids += _ids(getattr(tokenizer, "eos_token_id", None))
+    ids += _ids(config.get("eos_token_id"))
+    gen_cfg = Path(path) / "generation_config.json"
+    if gen_cfg.is_file():
+        with open(gen_cfg) as f:
+            ids += _ids(json.load(f).get("eos_token_id"))
+    vocab = tokenizer.get_vocab()
+    ids += [vocab[t] for t in END_OF_TURN_TOKENS if t in vocab]
+    return sorted(set(ids))
+
+
+def mask_token_id(tokenizer, config: dict) -> int:
+    """The mask id from config.json (``mask_token_id``), else the tokenizer's mask token."""
+    if config.get("mask_token_id") is not None:
+        return int(config["mask_token_id"])
+    if getattr(tokenizer, "mask_token_id", None) is not None:
+        return int(tokenizer.mask_token_id)
+    for tok in ("<|mdm_mask|>", "<|mask|>"):
+        if tok in tokenizer.get_vocab():
+            return tokenizer.get_vocab()[tok]
+    raise ValueError("the checkpoint names no mask token (config.json mask_token_id or the tokenizer's mask_token)")
+
+
+def apply_chat_template(tokenizer, messages: list[dict]) -> list[int]:
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(out, dict) or hasattr(out, "input_ids"):
+        out = out["input_ids"]
+    return list(out)
