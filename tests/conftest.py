@@ -1,0 +1,33 @@
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+# The fixtures are committed (byte-identical copies of ../shared/fixtures); prefer the shared ones when present.
+SHARED = ROOT.parent / "shared" / "fixtures"
+LOCAL = ROOT / "tests" / "fixtures"
+
+
+def fixture_path(name: str) -> Path:
+    shared = SHARED / name
+    return shared if shared.exists() else LOCAL / name
+
+
+TINY_LLADA = fixture_path("tiny-llada")
+
+
+@pytest.fixture(scope="session")
+def llada_golden() -> dict:
+    with open(fixture_path("tiny-llada-golden.json")) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="session")
+def llada_engine():
+    from worker.engine import Engine
+    return Engine.from_pretrained(TINY_LLADA, device="cpu", dtype="float32")
+
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
