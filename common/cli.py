@@ -82,5 +82,47 @@ def generate(model_path, prompt, chat, prompt_ids, gen_length, block_length, ste
         click.echo(f"[finish_reason={res.finish_reason} nfe={res.nfe} tokens={len(res.token_ids)}]", err=True)
 
 
+def _logging(level: str) -> None:
+    import logging
+    logging.basicConfig(level=getattr(logging, level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+@main.command()
+@click.option("--model-path", required=True, help="Checkpoint directory.")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=8001, show_default=True)
+@click.option("--batch-size", type=click.IntRange(1), default=8, show_default=True, help="Rows per engine batch.")
+@click.option("--max-wait-time", type=click.FloatRange(0), default=0.05, show_default=True,
+              help="Seconds a forming batch waits for more requests, from its first request.")
+@click.option("--max-queue", type=click.IntRange(1), default=256, show_default=True,
+              help="Rows waiting beyond which requests get 429.")
+@click.option("--device", default="auto", show_default=True, help="cuda, cuda:N, cpu or auto.")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
+              show_default=True)
+@click.option("--default-algorithm", default="basic", show_default=True)
+@click.option("--default-max-tokens", type=click.IntRange(1), default=256, show_default=True,
+              help="max_tokens when a request gives none (capped by the context left).")
+@click.option("--default-block-length", type=click.IntRange(1), default=32, show_default=True)
+@click.option("--served-model-name", default=None, help="Model id in the API (default: the directory name).")
+@click.option("--api-key", default=None, envvar="DLLM_API_KEY", help="Require 'Authorization: Bearer KEY'.")
+@click.option("--request-timeout", type=click.FloatRange(0, min_open=True), default=1800.0, show_default=True,
+              help="Seconds before a request is abandoned with 504.")
+@click.option("--drain-timeout", type=click.FloatRange(0), default=60.0, show_default=True,
+              help="Seconds SIGTERM waits for running work before exiting.")
+@click.option("--log-level", default="info", show_default=True)
+def worker(model_path, host, port, batch_size, max_wait_time, max_queue, device, dtype, default_algorithm,
+           default_max_tokens, default_block_length, served_model_name, api_key, request_timeout, drain_timeout,
+           log_level):
+    """Serve one model on one device (OpenAI API + the balancer's /worker/batch)."""
+    from worker.app import WorkerConfig, run
+    _logging(log_level)
+    cfg = WorkerConfig(model_path=model_path, host=host, port=port, batch_size=batch_size,
+                       max_wait_time=max_wait_time, max_queue=max_queue, device=device, dtype=dtype,
+                       default_algorithm=default_algorithm, default_max_tokens=default_max_tokens,
+                       default_block_length=default_block_length, served_model_name=served_model_name,
+                       api_key=api_key, request_timeout=request_timeout, drain_timeout=drain_timeout)
+    sys.exit(run(cfg))
+
+
 if __name__ == "__main__":
     main()

@@ -31,6 +31,7 @@ class GenerationParams:
     threshold: float | None = None    # Fast-dLLM confidence-threshold parallel decoding
     factor: float | None = None       # Fast-dLLM dynamic (factor) parallel decoding
     seed: int | None = None
+    ignore_eos: bool = False          # decode the whole window; stop tokens do not end the row
     extra: dict = field(default_factory=dict)  # algorithm-specific parameters
 
 

@@ -69,13 +69,17 @@ class Finisher:
         self.early_exit = early_exit
         self.hooks = hooks or StepHooks()
 
+    def stops(self, row: Row) -> set[int]:
+        return set() if row.params.ignore_eos else self.stop_ids
+
     def final_prefix(self, row: Row, gen: list[int]) -> tuple[list[int], bool]:
         """(the final visible prefix, whether it ends at a stop token)."""
         window = gen[: row.plan.gen_length]
+        stops = self.stops(row)
         for i, t in enumerate(window):
             if t == self.mask_id:
                 return window[:i], False
-            if t in self.stop_ids:
+            if t in stops:
                 return window[:i], True
         return window, False
 
@@ -88,7 +92,8 @@ class Finisher:
         complete = stopped or len(prefix) == row.plan.gen_length
         if schedule_done or (self.early_exit and complete):
             window = gen[: row.plan.gen_length]
-            cut = next((i for i, t in enumerate(window) if t in self.stop_ids), None)
+            stops = self.stops(row)
+            cut = next((i for i, t in enumerate(window) if t in stops), None)
             row.done = True
             row.tokens = window if cut is None else window[:cut]
             row.finish_reason = "length" if cut is None else "stop"

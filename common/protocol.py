@@ -1,0 +1,249 @@
+"""The wire protocol: pydantic models of the OpenAI requests we accept (with our diffusion fields), response and
+stream-chunk builders, and the OpenAI error body. No torch.
+
+Field policy (documented in docs/api.md):
+- honoured: model, prompt/messages, max_tokens, max_completion_tokens, temperature, stop, seed, stream,
+  stream_options.include_usage, n (=1), user, ignore_eos, and the diffusion fields;
+- accepted only at their neutral value, else a 400 naming the field: top_p (1), frequency_penalty (0),
+  presence_penalty (0), logprobs (null/false), top_logprobs (null/0), echo (false), best_of (1), logit_bias (empty),
+  suffix (null), tools/functions (none), response_format ({"type": "text"});
+- any other field is ignored (clients such as lm-eval and vllm bench send extras).
+"""
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+
+class APIError(Exception):
+    """An error answered in the OpenAI shape."""
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, type: str | None = None,
+                 code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                             405: "invalid_request_error", 413: "invalid_request_error",
+                             429: "rate_limit_error", 503: "service_unavailable"}.get(status, "server_error")
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+# Fields of the OpenAI API we accept only at their neutral value: name -> (is_neutral(value), what we accept).
+NEUTRAL_ONLY = {
+    "top_p": (lambda v: v is None or v == 1, "1"),
+    "frequency_penalty": (lambda v: v is None or v == 0, "0"),
+    "presence_penalty": (lambda v: v is None or v == 0, "0"),
+    "repetition_penalty": (lambda v: v is None or v == 1, "1"),
+    "logprobs": (lambda v: v is None or v is False, "null or false"),
+    "top_logprobs": (lambda v: v is None or v == 0, "null or 0"),
+    "echo": (lambda v: v is None or v is False, "false"),
+    "best_of": (lambda v: v is None or v == 1, "1"),
+    "logit_bias": (lambda v: not v, "empty"),
+    "suffix": (lambda v: v is None, "null"),
+    "tools": (lambda v: not v, "none"),
+    "functions": (lambda v: not v, "none"),
+    "tool_choice": (lambda v: v in (None, "none"), "none"),
+    "response_format": (lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"), '{"type": "text"}'),
+}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    include_usage: bool = False
+
+
+class DiffusionFields(BaseModel):
+    """Our extension fields, at the top level of the body (the openai client's ``extra_body`` puts them there)."""
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    steps: int | None = Field(None, ge=1, le=1 << 20)
+    block_length: int | None = Field(None, ge=1, le=1 << 20)
+    remasking: Literal["low_confidence", "random"] | None = None
+    generation_algorithm: str | None = Field(None, max_length=64)
+    threshold: float | None = Field(None, gt=0, le=1)
+    factor: float | None = Field(None, gt=0, le=1000)
+    cfg_scale: float | None = Field(None, ge=0, le=100)
+    return_token_ids: bool = False
+    ignore_eos: bool = False
+    algorithm_params: dict[str, Any] | None = None   # algorithm-specific parameters (see /generation/algorithms)
+
+
+class CommonFields(DiffusionFields):
+    model: str | None = Field(None, max_length=512)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    stop: str | list[str] | None = Field(None, validate_default=True)
+    seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1)
+    user: str | None = Field(None, max_length=512)
+
+    @field_validator("n")
+    @classmethod
+    def _n_is_one(cls, v: int) -> int:
+        if v != 1:
+            raise ValueError("only n=1 is supported (send several requests, or a list of prompts, instead)")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_list(cls, v):
+        if v is None:
+            return []
+        v = [v] if isinstance(v, str) else v
+        if len(v) > 16 or any(not s or len(s) > 512 for s in v):
+            raise ValueError("stop must be up to 16 non-empty strings of at most 512 characters")
+        return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _neutral_only(cls, data):
+        if isinstance(data, dict):
+            for name, (ok, accepted) in NEUTRAL_ONLY.items():
+                if name in data and not ok(data[name]):
+                    raise ValueError(f"{name} is not supported by this server (accepted: {accepted})")
+        return data
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+TokenIds = list[int]
+
+
+class CompletionRequest(CommonFields):
+    prompt: Union[str, list[str], TokenIds, list[TokenIds]]
+
+    @field_validator("prompt")
+    @classmethod
+    def _prompt_nonempty(cls, v):
+        if isinstance(v, list):
+            if not v:
+                raise ValueError("prompt is an empty list")
+            if isinstance(v[0], list) and any(not p for p in v):
+                raise ValueError("prompt holds an empty token list")
+            if len(v) > 1024 and not isinstance(v[0], int):
+                raise ValueError("at most 1024 prompts per request")
+        return v
+
+    def prompts(self) -> list[str | list[int]]:
+        p = self.prompt
+        if isinstance(p, str):
+            return [p]
+        if p and isinstance(p[0], int):
+            return [p]
+        return list(p)
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(CommonFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+
+
+def parse_request(kind: Literal["chat", "completion"], data: Any) -> CompletionRequest | ChatCompletionRequest:
+    """Validate a decoded JSON body; raises APIError(400) naming the first offending field."""
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = [str(x) for x in err.get("loc", ())]
+        # union members appear in loc (e.g. prompt.str): keep the field path only
+        param = ".".join(x for x in loc if not x.startswith(("str", "list[", "int", "TextPart"))) or None
+        if err.get("type") == "value_error" and not loc:
+            msg = str(err.get("ctx", {}).get("error", err["msg"]))
+            name = next((n for n in NEUTRAL_ONLY if msg.startswith(n + " ")), None)
+            raise APIError(400, msg, param=name)
+        msg = err["msg"].removeprefix("Value error, ")
+        raise APIError(400, f"{param or 'body'}: {msg}", param=param)
+
+
+# ---------------------------------------------------------------- responses
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion_choice(kind: str, index: int, text: str, finish_reason: str | None, nfe: int | None = None,
+                      token_ids: list[int] | None = None) -> dict:
+    if kind == "chat":
+        choice = {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": finish_reason}
+    else:
+        choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+    if nfe is not None:
+        choice["nfe"] = nfe
+    if token_ids is not None:
+        choice["token_ids"] = token_ids
+    return choice
+
+
+def response(kind: str, rid: str, model: str, choices: list[dict], use: dict, created: int | None = None) -> dict:
+    return {"id": rid, "object": "chat.completion" if kind == "chat" else "text_completion",
+            "created": created or int(time.time()), "model": model, "choices": choices, "usage": use}
+
+
+def chunk(kind: str, rid: str, model: str, created: int, index: int, text: str | None,
+          finish_reason: str | None = None, *, first: bool = False, extra: dict | None = None) -> dict:
+    if kind == "chat":
+        delta: dict = {}
+        if first:
+            delta["role"] = "assistant"
+        if text is not None:
+            delta["content"] = text
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        obj = "text_completion"
+    if extra:
+        choice.update(extra)
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+
+
+def usage_chunk(kind: str, rid: str, model: str, created: int, use: dict) -> dict:
+    return {"id": rid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+            "created": created, "model": model, "choices": [], "usage": use}

@@ -1,0 +1,460 @@
+"""The worker: one process, one device. aiohttp server over the engine with a local batching queue.
+
+Routes: POST /v1/completions, /v1/chat/completions, /worker/batch (the balancer's door), /worker/cancel;
+GET /health, /v1/models, /batch/stats, /generation/algorithms, /metrics."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from dataclasses import dataclass, field
+
+import orjson
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from common.protocol import APIError, error_body
+
+log = logging.getLogger("dllm.worker")
+
+
+@dataclass
+class WorkerConfig:
+    model_path: str
+    host: str = "127.0.0.1"
+    port: int = 8001
+    batch_size: int = 8
+    max_wait_time: float = 0.05
+    max_queue: int = 256
+    device: str = "auto"
+    dtype: str = "auto"
+    default_algorithm: str = "basic"
+    default_max_tokens: int = 256
+    default_block_length: int = 32
+    served_model_name: str | None = None
+    api_key: str | None = None
+    request_timeout: float = 1800.0
+    drain_timeout: float = 60.0
+
+
+class Metrics:
+    def __init__(self, state: "WorkerState"):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("dllm_worker_requests", "Requests answered", ["endpoint", "status"], registry=r)
+        self.latency = Histogram("dllm_worker_request_latency_seconds", "Request latency", ["endpoint"], registry=r,
+                                 buckets=(.05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600))
+        self.batch_size = Histogram("dllm_worker_batch_size", "Rows per engine batch", registry=r,
+                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
+        self.batch_seconds = Histogram("dllm_worker_batch_seconds", "Engine time per batch", registry=r,
+                                       buckets=(.01, .05, .1, .5, 1, 2.5, 5, 10, 30, 60, 300))
+        self.tokens = Counter("dllm_worker_completion_tokens", "Completion tokens returned", registry=r)
+        self.nfe = Counter("dllm_worker_forward_passes", "Row forward passes (nfe summed over rows)", registry=r)
+        Gauge("dllm_worker_queue_depth", "Rows waiting", registry=r).set_function(
+            lambda: state.batcher.queue_depth if state.batcher else 0)
+        Gauge("dllm_worker_running_rows", "Rows in the running batch", registry=r).set_function(
+            lambda: len(state.batcher.running) if state.batcher else 0)
+        Gauge("dllm_worker_ready", "1 when the model is loaded and the worker admits requests", registry=r
+              ).set_function(lambda: 1 if state.status == "ready" else 0)
+
+
+@dataclass
+class WorkerState:
+    config: WorkerConfig
+    status: str = "loading"          # loading | ready | draining | failed
+    engine: object = None
+    batcher: object = None
+    serving: object = None
+    started: float = field(default_factory=time.time)
+    runs: dict = field(default_factory=dict)     # balancer request id -> Run (for /worker/cancel)
+    active: int = 0                              # requests being answered
+    error: str | None = None
+    metrics: Metrics | None = None
+
+    @property
+    def model_name(self) -> str:
+        from pathlib import Path
+        return self.config.served_model_name or Path(self.config.model_path).name
+
+
+STATE = web.AppKey("state", WorkerState)
+
+
+def json_response(data, status: int = 200, headers: dict | None = None) -> web.Response:
+    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json", headers=headers)
+
+
+def error_response(e: APIError) -> web.Response:
+    return json_response(e.body(), e.status, e.headers)
+
+
+# ---------------------------------------------------------------- middlewares
+OPEN_PATHS = ("/health", "/metrics")
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except APIError as e:
+        return error_response(e)
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        typ = "not_found_error" if e.status == 404 else "invalid_request_error"
+        return json_response(error_body(e.reason or str(e), typ if e.status < 500 else "server_error"),
+                             e.status, {k: v for k, v in e.headers.items() if k.lower() in ("allow", "retry-after")})
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception as e:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return json_response(error_body(f"internal error: {type(e).__name__}", "server_error"), 500)
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler):
+    key = request.app[STATE].config.api_key
+    if key and not request.path.startswith(OPEN_PATHS):
+        got = request.headers.get("Authorization", "")
+        if got != f"Bearer {key}":
+            raise APIError(401, "invalid or missing API key (Authorization: Bearer ...)", code="invalid_api_key")
+    return await handler(request)
+
+
+# ---------------------------------------------------------------- helpers
+async def read_json(request: web.Request):
+    raw = await request.read()
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}")
+
+
+def require_ready(state: WorkerState) -> None:
+    if state.status != "ready":
+        msg = {"loading": "the model is still loading", "draining": "the worker is shutting down",
+               "failed": f"the model failed to load: {state.error}"}[state.status]
+        raise APIError(503, msg, headers={"Retry-After": "5" if state.status == "loading" else "30"})
+
+
+async def sse_write(resp: web.StreamResponse, data) -> None:
+    await resp.write(b"data: " + (data if isinstance(data, bytes) else orjson.dumps(data)) + b"\n\n")
+
+
+# ---------------------------------------------------------------- OpenAI endpoints
+async def _openai(request: web.Request, kind: str) -> web.StreamResponse:
+    state = request.app[STATE]
+    endpoint = request.path
+    t0 = time.monotonic()
+    status = 200
+    try:
+        require_ready(state)
+        body = await read_json(request)
+        prep = state.serving.prepare(kind, body)
+        run = state.serving.submit(prep)
+    except APIError as e:
+        status = e.status
+        state.metrics.requests.labels(endpoint, str(status)).inc()
+        raise
+    state.active += 1
+    try:
+        async with asyncio.timeout(state.config.request_timeout):
+            if prep.req.stream:
+                return await _stream(request, run)
+            async for kind_, data in run.events():
+                if kind_ == "error":
+                    status, body = data
+                    return json_response(body, status)
+                _count(state, data)
+                return json_response(data)
+    except TimeoutError:
+        status = 504
+        return json_response(error_body(f"the request took longer than --request-timeout "
+                                        f"({state.config.request_timeout:g} s)", "timeout"), 504)
+    finally:
+        run.cancel()
+        state.active -= 1
+        state.metrics.requests.labels(endpoint, str(status)).inc()
+        state.metrics.latency.labels(endpoint).observe(time.monotonic() - t0)
+
+
+def _count(state: WorkerState, response: dict) -> None:
+    state.metrics.tokens.inc(response["usage"]["completion_tokens"])
+    state.metrics.nfe.inc(sum(c.get("nfe", 0) for c in response["choices"]))
+
+
+async def _stream(request: web.Request, run) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                       "X-Accel-Buffering": "no"})
+    await resp.prepare(request)
+    try:
+        async for kind, data in run.events():
+            if kind == "error":
+                await sse_write(resp, data[1])
+                break
+            await sse_write(resp, data)
+            if data.get("usage"):
+                request.app[STATE].metrics.tokens.inc(data["usage"]["completion_tokens"])
+    except TimeoutError:
+        raise
+    except Exception as e:   # headers are sent: the error goes in the stream
+        log.exception("stream failed")
+        await sse_write(resp, error_body(f"internal error: {type(e).__name__}", "server_error"))
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+async def completions(request: web.Request):
+    return await _openai(request, "completion")
+
+
+async def chat_completions(request: web.Request):
+    return await _openai(request, "chat")
+
+
+# ---------------------------------------------------------------- the balancer's door
+async def worker_batch(request: web.Request) -> web.StreamResponse:
+    """One call carries a whole batch; per-request events come back as NDJSON lines (docs/api.md)."""
+    state = request.app[STATE]
+    require_ready(state)
+    body = await read_json(request)
+    items = body.get("requests") if isinstance(body, dict) else None
+    if not isinstance(items, list) or not items:
+        raise APIError(400, "body must be {\"requests\": [{\"id\", \"kind\", \"body\"}, ...]}", param="requests")
+    out: asyncio.Queue = asyncio.Queue()
+    runs = {}
+    pending = 0
+    for item in items:
+        rid = item.get("id") if isinstance(item, dict) else None
+        if not isinstance(rid, str) or not rid:
+            raise APIError(400, "every request needs a string id", param="requests.id")
+        if rid in runs or rid in state.runs:
+            raise APIError(400, f"duplicate request id {rid!r}", param="requests.id")
+        kind = item.get("kind")
+        try:
+            if kind not in ("chat", "completion"):
+                raise APIError(400, "kind must be 'chat' or 'completion'", param="kind")
+            prep = state.serving.prepare(kind, item.get("body"))
+            runs[rid] = state.serving.submit(prep)
+        except APIError as e:
+            out.put_nowait({"id": rid, "event": "error", "status": e.status, "data": e.body()})
+            continue
+        pending += 1
+
+    async def pump(rid, run):
+        try:
+            async for kind_, data in run.events():
+                if kind_ == "error":
+                    out.put_nowait({"id": rid, "event": "error", "status": data[0], "data": data[1]})
+                    break
+                if kind_ == "response":
+                    _count(state, data)
+                out.put_nowait({"id": rid, "event": kind_, "data": data})
+                if kind_ == "chunk" and data.get("usage"):
+                    state.metrics.tokens.inc(data["usage"]["completion_tokens"])
+        except Exception as e:   # a bug must still answer this id
+            log.exception("request %s failed", rid)
+            out.put_nowait({"id": rid, "event": "error", "status": 500,
+                            "data": error_body(f"internal error: {type(e).__name__}", "server_error")})
+        finally:
+            out.put_nowait({"id": rid, "event": "end"})
+
+    state.runs.update(runs)
+    state.active += 1
+    tasks = [asyncio.create_task(pump(rid, run)) for rid, run in runs.items()]
+    resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+    try:
+        await resp.prepare(request)
+        async with asyncio.timeout(state.config.request_timeout):
+            while pending or not out.empty():
+                ev = await out.get()
+                if ev["event"] == "end":
+                    pending -= 1
+                    continue
+                await resp.write(orjson.dumps(ev) + b"\n")
+        await resp.write_eof()
+        return resp
+    finally:
+        for t in tasks:
+            t.cancel()
+        for rid, run in runs.items():
+            run.cancel()
+            state.runs.pop(rid, None)
+        state.active -= 1
+        state.metrics.requests.labels("/worker/batch", "200").inc()
+
+
+async def worker_cancel(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    body = await read_json(request)
+    ids = body.get("ids") if isinstance(body, dict) else None
+    if not isinstance(ids, list):
+        raise APIError(400, "body must be {\"ids\": [...]}", param="ids")
+    found = 0
+    for rid in ids:
+        run = state.runs.get(rid)
+        if run is not None:
+            run.cancel()
+            found += 1
+    return json_response({"cancelled": found})
+
+
+# ---------------------------------------------------------------- status endpoints
+async def health(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    b, e = state.batcher, state.engine
+    data = {
+        "status": state.status,
+        "busy": bool(b and b.busy),
+        "running_batch_size": len(b.running) if b else 0,
+        "queue_depth": b.queue_depth if b else 0,
+        "seconds_since_last_step": round(time.monotonic() - e.last_step_time, 3) if e else None,
+        "model": state.model_name,
+        "family": e.family if e else None,
+        "device": str(e.device) if e else state.config.device,
+        "uptime_seconds": round(time.time() - state.started, 1),
+    }
+    if state.error:
+        data["error"] = state.error
+    return json_response(data, 200 if state.status in ("ready", "loading", "draining") else 503)
+
+
+async def models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    require_ready(state)
+    e = state.engine
+    return json_response({"object": "list", "data": [{
+        "id": state.model_name, "object": "model", "created": int(state.started), "owned_by": "dllm-serve",
+        "root": state.config.model_path, "parent": None, "max_model_len": e.max_sequence_length,
+        "family": e.family}]})
+
+
+async def batch_stats(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    b, c = state.batcher, state.config
+    n = b.batches_processed if b else 0
+    return json_response({
+        "max_batch_size": c.batch_size, "max_wait_time": c.max_wait_time, "max_queue": c.max_queue,
+        "pending_requests": b.queue_depth if b else 0, "running_batch_size": len(b.running) if b else 0,
+        "batches_processed": n, "requests_processed": b.rows_processed if b else 0,
+        "avg_batch_size": round(b.rows_processed / n, 3) if n else 0.0,
+        "batch_size_histogram": {str(k): v for k, v in sorted(b.histogram.items())} if b else {},
+        "dropped_before_start": b.dropped_before_start if b else 0,
+    })
+
+
+async def generation_algorithms(request: web.Request) -> web.Response:
+    from worker.engine import ALGORITHMS
+    state = request.app[STATE]
+    c = state.config
+    family = state.engine.family if state.engine else None
+    return json_response({
+        "family": family,
+        "default_algorithm": c.default_algorithm,
+        "defaults": {"max_tokens": c.default_max_tokens, "block_length": c.default_block_length,
+                     "steps": "max_tokens (one step per token)", "temperature": 0.0, "remasking": "low_confidence",
+                     "cfg_scale": 0.0, "threshold": None, "factor": None},
+        "algorithms": [a.describe() for a in ALGORITHMS.values() if family is None or family in a.families],
+    })
+
+
+async def metrics(request: web.Request) -> web.Response:
+    body = generate_latest(request.app[STATE].metrics.registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+# ---------------------------------------------------------------- app and lifecycle
+async def _load(app: web.Application) -> None:
+    """Load the model off the event loop; /health says 'loading' meanwhile."""
+    from worker.batcher import Batcher
+    from worker.engine import Engine
+    from worker.serving import Defaults, Serving
+    state = app[STATE]
+    c = state.config
+    try:
+        engine = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: Engine.from_pretrained(c.model_path, device=c.device, dtype=c.dtype))
+        from worker.engine import algorithms
+        algorithms.get(c.default_algorithm, engine.family)
+    except Exception as e:
+        log.exception("model load failed")
+        state.status, state.error = "failed", f"{type(e).__name__}: {e}"
+        app["load_failed"].set()
+        return
+    batcher = Batcher(engine, batch_size=c.batch_size, max_wait_time=c.max_wait_time, max_queue=c.max_queue)
+    batcher.on_batch = lambda n, secs: (state.metrics.batch_size.observe(n), state.metrics.batch_seconds.observe(secs))
+    batcher.start()
+    state.engine, state.batcher = engine, batcher
+    aliases = (c.model_path,)
+    state.serving = Serving(engine, batcher, state.model_name,
+                            Defaults(c.default_algorithm, c.default_max_tokens, c.default_block_length), aliases)
+    state.status = "ready"
+    log.info("ready: %s (%s) on %s", state.model_name, engine.family, engine.device)
+
+
+async def _lifecycle(app: web.Application):
+    task = asyncio.create_task(_load(app))
+    yield
+    task.cancel()
+    state = app[STATE]
+    if state.batcher:
+        await state.batcher.close()
+
+
+def make_app(config: WorkerConfig) -> web.Application:
+    app = web.Application(middlewares=[errors_middleware, auth_middleware], client_max_size=256 * 1024 ** 2)
+    state = WorkerState(config)
+    state.metrics = Metrics(state)
+    app[STATE] = state
+    app["load_failed"] = asyncio.Event()
+    app.cleanup_ctx.append(_lifecycle)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/worker/batch", worker_batch)
+    app.router.add_post("/worker/cancel", worker_cancel)
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/batch/stats", batch_stats)
+    app.router.add_get("/generation/algorithms", generation_algorithms)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+async def serve(config: WorkerConfig) -> int:
+    """Run until SIGTERM/SIGINT (drain: stop admitting, finish what is running, exit) or a failed model load."""
+    app = make_app(config)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port, reuse_address=True)
+    await site.start()
+    log.info("worker listening on http://%s:%d (model %s)", config.host, config.port, config.model_path)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    failed = app["load_failed"]
+    await asyncio.wait([asyncio.create_task(stop.wait()), asyncio.create_task(failed.wait())],
+                       return_when=asyncio.FIRST_COMPLETED)
+    state = app[STATE]
+    code = 1 if failed.is_set() else 0
+    if not failed.is_set():
+        state.status = "draining"
+        log.info("draining (up to %.0f s)", config.drain_timeout)
+        try:
+            async with asyncio.timeout(config.drain_timeout):
+                while state.active or (state.batcher and (state.batcher.pending or state.batcher.running)):
+                    await asyncio.sleep(0.05)
+        except TimeoutError:
+            log.warning("drain timeout: stopping with work in flight")
+    await runner.cleanup()
+    return code
+
+
+def run(config: WorkerConfig) -> int:
+    try:
+        import uvloop
+        return uvloop.run(serve(config))
+    except ImportError:
+        return asyncio.run(serve(config))
