@@ -187,7 +187,7 @@ def parse_request(kind: Literal["chat", "completion"], data: Any) -> CompletionR
         err = e.errors()[0]
         loc = [str(x) for x in err.get("loc", ())]
         # union members appear in loc (e.g. prompt.str): keep the field path only
-        param = ".".join(x for x in loc if not x.startswith(("str", "list[", "int", "TextPart"))) or None
+        param = ".".join(x for x in loc if x not in ("str", "int", "TextPart") and not x.startswith("list[")) or None
         if err.get("type") == "value_error" and not loc:
             msg = str(err.get("ctx", {}).get("error", err["msg"]))
             name = next((n for n in NEUTRAL_ONLY if msg.startswith(n + " ")), None)

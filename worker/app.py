@@ -79,6 +79,7 @@ class WorkerState:
 
 
 STATE = web.AppKey("state", WorkerState)
+LOAD_FAILED = web.AppKey("load_failed", asyncio.Event)
 
 
 def json_response(data, status: int = 200, headers: dict | None = None) -> web.Response:
@@ -381,7 +382,7 @@ async def _load(app: web.Application) -> None:
     except Exception as e:
         log.exception("model load failed")
         state.status, state.error = "failed", f"{type(e).__name__}: {e}"
-        app["load_failed"].set()
+        app[LOAD_FAILED].set()
         return
     batcher = Batcher(engine, batch_size=c.batch_size, max_wait_time=c.max_wait_time, max_queue=c.max_queue)
     batcher.on_batch = lambda n, secs: (state.metrics.batch_size.observe(n), state.metrics.batch_seconds.observe(secs))
@@ -408,7 +409,7 @@ def make_app(config: WorkerConfig) -> web.Application:
     state = WorkerState(config)
     state.metrics = Metrics(state)
     app[STATE] = state
-    app["load_failed"] = asyncio.Event()
+    app[LOAD_FAILED] = asyncio.Event()
     app.cleanup_ctx.append(_lifecycle)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
@@ -434,7 +435,7 @@ async def serve(config: WorkerConfig) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    failed = app["load_failed"]
+    failed = app[LOAD_FAILED]
     await asyncio.wait([asyncio.create_task(stop.wait()), asyncio.create_task(failed.wait())],
                        return_when=asyncio.FIRST_COMPLETED)
     state = app[STATE]

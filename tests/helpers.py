@@ -1,0 +1,89 @@
+"""Starting real server subprocesses for end-to-end tests."""
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import json
+import urllib.error
+import urllib.request
+
+ROOT = Path(__file__).resolve().parent.parent
+DLLM = [sys.executable, "-m", "common.cli"]
+
+
+def get_json(url: str, timeout: float = 10.0) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def post_json(url: str, body, timeout: float = 60.0, headers: dict | None = None) -> tuple[int, dict]:
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read() or b"{}")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Proc:
+    def __init__(self, args: list[str], port: int, log: Path, env: dict | None = None):
+        self.port = port
+        self.url = f"http://127.0.0.1:{port}"
+        self.log = log
+        self._f = open(log, "wb")
+        self.p = subprocess.Popen(DLLM + args, stdout=self._f, stderr=subprocess.STDOUT, cwd=ROOT,
+                                  env={**os.environ, **(env or {})}, start_new_session=True)
+
+    def wait_ready(self, timeout: float = 90.0, path: str = "/health", want: str | None = "ready") -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.p.poll() is not None:
+                raise RuntimeError(f"process exited with {self.p.returncode}:\n{self.tail()}")
+            try:
+                status, body = get_json(self.url + path, timeout=2)
+                if want is None or (status == 200 and body.get("status") == want):
+                    return
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"{self.url} not {want} after {timeout} s:\n{self.tail()}")
+
+    def tail(self, n: int = 4000) -> str:
+        self._f.flush()
+        return self.log.read_bytes()[-n:].decode(errors="replace")
+
+    def signal(self, sig: int) -> None:
+        self.p.send_signal(sig)
+
+    def stop(self, timeout: float = 30.0) -> int:
+        if self.p.poll() is None:
+            self.p.send_signal(signal.SIGTERM)
+            try:
+                self.p.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.p.pid, signal.SIGKILL)
+                self.p.wait()
+        self._f.close()
+        return self.p.returncode
+
+
+def start_worker(tmp: Path, model: Path, *extra: str, port: int | None = None, name: str = "worker") -> Proc:
+    port = port or free_port()
+    return Proc(["worker", "--model-path", str(model), "--port", str(port), "--device", "cpu", *extra],
+                port, tmp / f"{name}-{port}.log")

@@ -1,0 +1,151 @@
+"""Worker app in-process (pytest-aiohttp) on the tiny fixture, and the batcher with a fault-injecting engine."""
+import asyncio
+
+import orjson
+import pytest
+import torch
+
+from tests.conftest import TINY_LLADA
+from worker.app import STATE, WorkerConfig, make_app
+from worker.batcher import Batcher, Job
+from worker.engine import GenerationParams, Result
+
+
+async def ready_client(aiohttp_client, **kw):
+    client = await aiohttp_client(make_app(WorkerConfig(model_path=str(TINY_LLADA), device="cpu", **kw)))
+    first = await (await client.get("/health")).json()
+    for _ in range(600):
+        h = await (await client.get("/health")).json()
+        if h["status"] == "ready":
+            return client, first
+        await asyncio.sleep(0.05)
+    raise TimeoutError(h)
+
+
+async def test_health_loading_then_ready_and_status_endpoints(aiohttp_client):
+    client, first = await ready_client(aiohttp_client)
+    assert first["status"] in ("loading", "ready")
+    h = await (await client.get("/health")).json()
+    assert h["model"] == "tiny-llada" and h["family"] == "llada" and h["device"] == "cpu"
+    assert {"busy", "running_batch_size", "queue_depth", "seconds_since_last_step"} <= set(h)
+    models = await (await client.get("/v1/models")).json()
+    m = models["data"][0]
+    assert m["id"] == "tiny-llada" and m["max_model_len"] == 4096 and {"object", "created", "owned_by", "root"} <= set(m)
+    algos = await (await client.get("/generation/algorithms")).json()
+    basic = next(a for a in algos["algorithms"] if a["name"] == "basic")
+    assert basic["exact"] is True and "steps" in basic["parameters"]
+    assert algos["defaults"]["block_length"] == 32
+    r = await client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4})
+    assert r.status == 200
+    metrics = await (await client.get("/metrics")).text()
+    assert "dllm_worker_batch_size_bucket" in metrics and "dllm_worker_queue_depth" in metrics
+    stats = await (await client.get("/batch/stats")).json()
+    assert stats["batches_processed"] >= 1 and stats["max_batch_size"] == 8
+
+
+async def test_errors_have_the_openai_shape(aiohttp_client):
+    client, _ = await ready_client(aiohttp_client)
+    for method, path, body, status in [
+        ("post", "/v1/completions", b"{not json", 400),
+        ("post", "/v1/completions", b"[1, 2]", 400),
+        ("post", "/v1/completions", orjson.dumps({"prompt": "x", "generation_algorithm": "warp"}), 400),
+        ("post", "/v1/completions", orjson.dumps({"prompt": [1, 99999]}), 400),
+        ("post", "/v1/completions", orjson.dumps({"prompt": "x", "model": "other"}), 404),
+        ("post", "/v1/completions", orjson.dumps({"prompt": [1] * 4000, "max_tokens": 200}), 400),
+        ("get", "/nope", None, 404),
+        ("get", "/v1/completions", None, 405),
+    ]:
+        r = await getattr(client, method)(path, data=body)
+        assert r.status == status, (path, body, await r.text())
+        err = (await r.json())["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["message"]
+
+
+async def test_api_key(aiohttp_client):
+    client, _ = await ready_client(aiohttp_client, api_key="sekret")
+    r = await client.post("/v1/completions", json={"prompt": [1], "max_tokens": 2})
+    assert r.status == 401 and (await r.json())["error"]["code"] == "invalid_api_key"
+    r = await client.post("/v1/completions", json={"prompt": [1], "max_tokens": 2},
+                          headers={"Authorization": "Bearer sekret"})
+    assert r.status == 200
+    assert (await client.get("/health")).status == 200
+
+
+async def test_worker_batch_mixed_requests(aiohttp_client):
+    client, _ = await ready_client(aiohttp_client)
+    body = {"requests": [
+        {"id": "s", "kind": "completion", "body": {"prompt": [1, 2, 3], "max_tokens": 16, "block_length": 4,
+                                                   "stream": True, "stream_options": {"include_usage": True}}},
+        {"id": "c", "kind": "chat", "body": {"messages": [{"role": "user", "content": "di vo"}], "max_tokens": 4}},
+        {"id": "bad", "kind": "completion", "body": {"prompt": "x", "steps": 0}},
+        {"id": "bad2", "kind": "embedding", "body": {}},
+    ]}
+    r = await client.post("/worker/batch", json=body)
+    assert r.status == 200 and r.content_type == "application/x-ndjson"
+    events = [orjson.loads(line) for line in (await r.read()).splitlines()]
+    by = {}
+    for ev in events:
+        by.setdefault(ev["id"], []).append(ev)
+    assert by["bad"] == [{"id": "bad", "event": "error", "status": 400, "data": by["bad"][0]["data"]}]
+    assert by["bad"][0]["data"]["error"]["param"] == "steps"
+    assert by["bad2"][0]["status"] == 400
+    assert [e["event"] for e in by["c"]] == ["response"]
+    assert by["c"][0]["data"]["object"] == "chat.completion"
+    chunks = [e["data"] for e in by["s"]]
+    assert all(e["event"] == "chunk" for e in by["s"])
+    texts = [c["choices"][0]["text"] for c in chunks if c["choices"]]
+    assert sum(1 for t in texts if t) >= 2                       # streamed block by block, not at the end
+    assert chunks[-1]["usage"]["completion_tokens"] <= 16
+    finals = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    assert finals[-1] in ("stop", "length") and all(f is None for f in finals[:-1])
+
+
+async def test_worker_cancel_drops_a_running_row(aiohttp_client):
+    client, _ = await ready_client(aiohttp_client)
+    body = {"requests": [{"id": "long", "kind": "completion",
+                          "body": {"prompt": [5, 6], "max_tokens": 2048, "block_length": 2048, "ignore_eos": True}}]}
+    task = asyncio.create_task(client.post("/worker/batch", json=body))
+    state = client.server.app[STATE]
+    for _ in range(400):
+        if state.batcher.running:
+            break
+        await asyncio.sleep(0.01)
+    r = await client.post("/worker/cancel", json={"ids": ["long", "unknown"]})
+    assert (await r.json()) == {"cancelled": 1}
+    resp = await asyncio.wait_for(task, 30)
+    events = [orjson.loads(line) for line in (await resp.read()).splitlines()]
+    assert events[-1]["data"]["choices"][0]["nfe"] < 2048
+
+
+class FakeEngine:
+    """Raises CUDA OOM for batches above ``limit`` rows; otherwise echoes the prompt."""
+
+    def __init__(self, limit):
+        self.limit, self.calls = limit, []
+
+    def generate(self, reqs, hooks=None):
+        self.calls.append(len(reqs))
+        if len(reqs) > self.limit:
+            raise torch.cuda.OutOfMemoryError("simulated")
+        return [Result(list(r.prompt_ids), "length", 1, list(r.prompt_ids), len(r.prompt_ids)) for r in reqs]
+
+
+@pytest.mark.parametrize("limit", [2, 0])
+async def test_oom_is_retried_in_smaller_pieces(limit):
+    engine = FakeEngine(limit)
+    b = Batcher(engine, batch_size=8, max_wait_time=0.01)
+    b.start()
+    got = {}
+    jobs = [Job([i], GenerationParams(), sink=lambda i, kind, payload: got.setdefault(i, (kind, payload)), index=i)
+            for i in range(8)]
+    for j in jobs:
+        b.submit(j)
+    await b.idle()
+    await asyncio.sleep(0.05)
+    await b.close()
+    assert engine.calls[0] == 8
+    if limit:
+        assert all(got[i] == ("done", Result([i], "length", 1, [i], 1)) for i in range(8))
+        assert engine.calls == [8, 4, 2, 2, 4, 2, 2]
+    else:   # not even one row fits: each row gets a 503, none is lost
+        assert all(got[i][0] == "error" and got[i][1][0] == 503 for i in range(8))

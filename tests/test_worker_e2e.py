@@ -1,0 +1,228 @@
+"""End to end: `dllm-serve worker` as a subprocess on the fixture, driven by the official openai client."""
+import asyncio
+import json
+import signal
+import threading
+import time
+import urllib.request
+
+import openai
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.conftest import TINY_LLADA
+from tests.helpers import get_json, post_json, start_worker
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory):
+    w = start_worker(tmp_path_factory.mktemp("w"), TINY_LLADA, "--batch-size", "8", "--max-wait-time", "0.05")
+    w.wait_ready()
+    yield w
+    assert w.stop() == 0, w.tail()
+
+
+@pytest.fixture
+def client(worker):
+    return openai.OpenAI(base_url=worker.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture
+def aclient(worker):
+    return openai.AsyncOpenAI(base_url=worker.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_completions_and_chat(client):
+    r = client.completions.create(model="tiny-llada", prompt="di vo refo", max_tokens=16,
+                                  extra_body={"steps": 16, "block_length": 16, "return_token_ids": True})
+    c = r.choices[0]
+    assert r.object == "text_completion" and r.model == "tiny-llada" and r.id and r.created
+    assert c.finish_reason in ("stop", "length") and isinstance(c.text, str)
+    ids = c.model_extra["token_ids"]
+    assert r.usage.completion_tokens == len(ids) <= 16
+    assert c.model_extra["nfe"] >= 1
+    chat = client.chat.completions.create(model="tiny-llada", max_tokens=8,
+                                          messages=[{"role": "system", "content": "vo"},
+                                                    {"role": "user", "content": "di refo"}])
+    assert chat.choices[0].message.role == "assistant" and chat.object == "chat.completion"
+    assert chat.usage.prompt_tokens > 5
+
+
+def test_token_id_prompts(client):
+    r = client.completions.create(model="tiny-llada", prompt=[[1, 2, 3], [4, 5]], max_tokens=6,
+                                  extra_body={"return_token_ids": True})
+    assert [c.index for c in r.choices] == [0, 1]
+    assert r.usage.prompt_tokens == 5
+    assert r.usage.completion_tokens == sum(len(c.model_extra["token_ids"]) for c in r.choices)
+    single = client.completions.create(model="tiny-llada", prompt=[1, 2, 3], max_tokens=6,
+                                       extra_body={"return_token_ids": True})
+    assert single.choices[0].model_extra["token_ids"] == r.choices[0].model_extra["token_ids"]
+
+
+def test_streaming_matches_non_streaming(client):
+    kw = dict(model="tiny-llada", prompt=[7, 8, 9], max_tokens=32, extra_body={"block_length": 8, "ignore_eos": True})
+    full = client.completions.create(**kw).choices[0].text
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    texts = [c.choices[0].text for c in chunks if c.choices]
+    assert "".join(texts) == full
+    assert sum(1 for t in texts if t) >= 3                      # block by block, not one chunk at the end
+    assert chunks[-1].usage.completion_tokens == 32 and not chunks[-1].choices
+    chat = list(client.chat.completions.create(model="tiny-llada", messages=[{"role": "user", "content": "di"}],
+                                               max_tokens=16, stream=True, extra_body={"block_length": 4}))
+    assert chat[0].choices[0].delta.role == "assistant"
+    assert chat[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_stop_strings(client):
+    full = client.completions.create(model="tiny-llada", prompt=[7, 8, 9], max_tokens=32,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    words = full.split()
+    stop = words[3]
+    cut = full.index(stop)
+    r = client.completions.create(model="tiny-llada", prompt=[7, 8, 9], max_tokens=32, stop=[stop],
+                                  extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert r.choices[0].text == full[:cut] and r.choices[0].finish_reason == "stop"
+    assert r.usage.completion_tokens == len(r.choices[0].model_extra["token_ids"]) < 32
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="tiny-llada", prompt=[7, 8, 9], max_tokens=32, stop=[stop], stream=True,
+        extra_body={"ignore_eos": True}) if c.choices)
+    assert streamed == full[:cut]
+
+
+@pytest.mark.parametrize("kw, exc, param", [
+    (dict(max_tokens=5, extra_body={"steps": 0}), openai.BadRequestError, "steps"),
+    (dict(max_tokens=5, n=2), openai.BadRequestError, "n"),
+    (dict(max_tokens=5, top_p=0.3), openai.BadRequestError, "top_p"),
+    (dict(max_tokens=5000), openai.BadRequestError, "max_tokens"),
+    (dict(max_tokens=5, extra_body={"generation_algorithm": "nope"}), openai.BadRequestError, "generation_algorithm"),
+    (dict(max_tokens=5, model="gpt-4"), openai.NotFoundError, "model"),
+])
+def test_errors(client, kw, exc, param):
+    kw = {"model": "tiny-llada", **kw}
+    with pytest.raises(exc) as e:
+        client.completions.create(prompt="di", **kw)
+    assert e.value.body["param"] == param if isinstance(e.value.body, dict) and "param" in e.value.body \
+        else e.value.response.json()["error"]["param"] == param
+
+
+def test_golden_basic_cases_through_the_api(worker, llada_golden):
+    stops = {288, 289}
+    for c in [c for c in llada_golden["cases"] if c["algorithm"] == "basic"]:
+        body = {"prompt": c["prompt"], "max_tokens": c["gen_length"], "block_length": c["block_length"],
+                "steps": c["steps"], "return_token_ids": True}
+        for k in ("cfg_scale", "threshold"):
+            if c.get(k) is not None:
+                body[k] = c[k]
+        status, r = post_json(worker.url + "/v1/completions", dict(body, ignore_eos=True))
+        assert status == 200, r
+        assert r["choices"][0]["token_ids"] == c["output"]
+        if c["nfe"] is not None:
+            assert r["choices"][0]["nfe"] == c["nfe"]
+        status, r = post_json(worker.url + "/v1/completions", body)
+        cut = next((i for i, t in enumerate(c["output"]) if t in stops), len(c["output"]))
+        assert r["choices"][0]["token_ids"] == c["output"][:cut]
+        assert r["choices"][0]["finish_reason"] == ("stop" if cut < len(c["output"]) else "length")
+
+
+def test_concurrent_requests_form_batches(worker, aclient):
+    _, before = get_json(worker.url + "/batch/stats")
+
+    async def main():
+        return await asyncio.gather(*[
+            aclient.completions.create(model="tiny-llada", prompt=[i + 1, 2, 3], max_tokens=16,
+                                       extra_body={"block_length": 8, "steps": 8 + i % 5})
+            for i in range(32)])
+
+    results = asyncio.run(main())
+    assert len(results) == 32 and all(r.choices[0].finish_reason in ("stop", "length") for r in results)
+    _, after = get_json(worker.url + "/batch/stats")
+    batches = after["batches_processed"] - before["batches_processed"]
+    rows = after["requests_processed"] - before["requests_processed"]
+    assert rows == 32 and rows / batches > 1
+    assert after["avg_batch_size"] > 1
+
+
+def test_health_is_fast_during_a_long_generation(worker):
+    body = {"prompt": [5, 6, 7], "max_tokens": 1536, "block_length": 1536, "steps": 400, "ignore_eos": True}
+    t = threading.Thread(target=post_json, args=(worker.url + "/v1/completions", body, 300))
+    t.start()
+    latencies, busy = [], 0
+    deadline = time.monotonic() + 120
+    while t.is_alive() and time.monotonic() < deadline:
+        t0 = time.perf_counter()
+        _, h = get_json(worker.url + "/health", timeout=5)
+        latencies.append(time.perf_counter() - t0)
+        busy += h["busy"]
+        time.sleep(0.05)
+    t.join()
+    assert busy >= 5, "the generation was too short to measure anything"
+    assert max(latencies) < 0.1, sorted(latencies)[-5:]
+
+
+_values = st.one_of(st.none(), st.booleans(), st.integers(-3, 10), st.floats(allow_nan=True), st.text(max_size=8),
+                    st.lists(st.integers(-5, 400), max_size=4), st.dictionaries(st.text(max_size=4), st.integers()))
+_fields = ["prompt", "messages", "max_tokens", "steps", "block_length", "temperature", "stop", "seed", "stream",
+           "n", "remasking", "threshold", "factor", "cfg_scale", "generation_algorithm", "model", "top_p",
+           "logprobs", "stream_options", "return_token_ids", "max_completion_tokens", "algorithm_params"]
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+@given(body=st.one_of(st.dictionaries(st.sampled_from(_fields), _values, max_size=8),
+                      st.lists(st.integers(), max_size=3), st.text(max_size=10), st.binary(max_size=16)),
+       chat=st.booleans())
+def test_fuzzed_bodies_never_get_a_5xx(worker, body, chat):
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    req = urllib.request.Request(worker.url + path, data=raw, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            status = r.status
+            r.read()
+    except urllib.error.HTTPError as e:
+        status = e.code
+        err = json.loads(e.read())["error"]
+        assert err["message"] and "type" in err and "param" in err
+    assert status < 500
+
+
+def test_queue_limit_disconnect_and_drain(tmp_path):
+    """--max-queue gives 429 with Retry-After; a client gone before its row is scheduled costs nothing;
+    SIGTERM lets the running request finish, then the worker exits 0."""
+    w = start_worker(tmp_path, TINY_LLADA, "--batch-size", "1", "--max-queue", "2", "--max-wait-time", "0")
+    try:
+        w.wait_ready()
+        long = {"prompt": [5, 6], "max_tokens": 1024, "block_length": 1024, "steps": 300, "ignore_eos": True}
+        results = []
+        threads = [threading.Thread(target=lambda: results.append(post_json(w.url + "/v1/completions", long, 300)))]
+        threads[0].start()
+        while not get_json(w.url + "/health")[1]["busy"]:
+            time.sleep(0.01)
+        # a client that gives up while queued
+        req = urllib.request.Request(w.url + "/v1/completions", data=json.dumps(long).encode())
+        with pytest.raises(OSError):
+            urllib.request.urlopen(req, timeout=0.5)
+        time.sleep(0.2)
+        statuses = []
+        for _ in range(4):
+            th = threading.Thread(target=lambda: statuses.append(post_json(
+                w.url + "/v1/completions", {"prompt": [1], "max_tokens": 4}, 300)))
+            th.start()
+            threads.append(th)
+            time.sleep(0.05)
+        time.sleep(0.3)
+        too_many = urllib.request.Request(w.url + "/v1/completions", data=b'{"prompt":[1],"max_tokens":4}')
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(too_many, timeout=10)
+        assert e.value.code == 429 and e.value.headers["Retry-After"]
+        w.signal(signal.SIGTERM)
+        for th in threads:
+            th.join(120)
+        assert results[0][0] == 200, results
+        assert all(s in (200, 429) for s, _ in statuses)
+        assert w.p.wait(60) == 0
+        assert "draining" in w.tail()
+    finally:
+        w.stop()
