@@ -149,3 +149,19 @@ async def test_oom_is_retried_in_smaller_pieces(limit):
         assert engine.calls == [8, 4, 2, 2, 4, 2, 2]
     else:   # not even one row fits: each row gets a 503, none is lost
         assert all(got[i][0] == "error" and got[i][1][0] == 503 for i in range(8))
+
+
+async def test_a_row_cancelled_before_scheduling_is_not_computed():
+    engine = FakeEngine(limit=100)
+    b = Batcher(engine, batch_size=4, max_wait_time=0.05)
+    b.start()
+    got = {}
+    jobs = [Job([i], GenerationParams(), sink=lambda i, kind, payload: got.setdefault(i, kind), index=i)
+            for i in range(3)]
+    for j in jobs:
+        b.submit(j)
+    jobs[1].cancelled = True          # its client went away while it waited
+    await b.idle()
+    await asyncio.sleep(0.05)
+    await b.close()
+    assert engine.calls == [2] and set(got) == {0, 2} and b.dropped_before_start == 1
