@@ -124,5 +124,63 @@ def worker(model_path, host, port, batch_size, max_wait_time, max_queue, device,
     sys.exit(run(cfg))
 
 
+@main.command()
+@click.option("--worker-urls", required=True, help="Comma-separated worker base URLs (http://h:8001,http://h:8002).")
+@click.option("--host", default="127.0.0.1", show_default=True)
+@click.option("--port", type=int, default=8000, show_default=True)
+@click.option("--batch-size", type=click.IntRange(1), default=16, show_default=True,
+              help="Most requests per dispatched batch.")
+@click.option("--batch-wait-time", type=click.FloatRange(0), default=0.02, show_default=True,
+              help="Seconds a forming batch waits for more requests, from its first request.")
+@click.option("--max-inflight-per-worker", type=click.IntRange(1), default=2, show_default=True,
+              help="Batches in flight per worker (2: the next batch is queued on the worker while one runs).")
+@click.option("--max-queue", type=click.IntRange(1), default=4096, show_default=True,
+              help="Queued requests beyond which new ones get 429.")
+@click.option("--request-timeout", type=click.FloatRange(0, min_open=True), default=1800.0, show_default=True,
+              help="Seconds before a request is answered 504.")
+@click.option("--max-retries", type=click.IntRange(0), default=2, show_default=True,
+              help="Re-dispatches of a request after worker failures.")
+@click.option("--health-check-interval", type=click.FloatRange(0.05), default=2.0, show_default=True)
+@click.option("--health-timeout", type=click.FloatRange(0.05), default=5.0, show_default=True,
+              help="Seconds one /health probe may take.")
+@click.option("--unhealthy-threshold", type=click.IntRange(1), default=3, show_default=True,
+              help="Failed probes in a row that mark an idle worker unhealthy.")
+@click.option("--healthy-threshold", type=click.IntRange(1), default=2, show_default=True,
+              help="Good probes in a row that re-admit a worker.")
+@click.option("--stall-timeout", type=click.FloatRange(0.1), default=60.0, show_default=True,
+              help="Seconds without denoising progress while holding work before a worker is 'stalled' and its "
+                   "work re-dispatched.")
+@click.option("--connect-timeout", type=click.FloatRange(0.1), default=5.0, show_default=True)
+@click.option("--no-worker-grace", type=click.FloatRange(0), default=30.0, show_default=True,
+              help="Seconds queued requests wait for a healthy worker before 503.")
+@click.option("--drain-timeout", type=click.FloatRange(0), default=60.0, show_default=True)
+@click.option("--api-key", default=None, envvar="DLLM_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1.")
+@click.option("--worker-api-key", default=None, envvar="DLLM_WORKER_API_KEY",
+              help="Bearer key the balancer sends to workers.")
+@click.option("--log-level", default="info", show_default=True)
+def balancer(worker_urls, host, port, batch_size, batch_wait_time, max_inflight_per_worker, max_queue,
+             request_timeout, max_retries, health_check_interval, health_timeout, unhealthy_threshold,
+             healthy_threshold, stall_timeout, connect_timeout, no_worker_grace, drain_timeout, api_key,
+             worker_api_key, log_level):
+    """Centralized batching in front of N workers (never imports torch)."""
+    from balancer.app import BalancerConfig, run
+    from balancer.batcher import BatchConfig
+    from balancer.pool import HealthConfig
+    _logging(log_level)
+    urls = [u.strip() for u in worker_urls.split(",") if u.strip()]
+    if not urls:
+        raise click.BadParameter("no worker URL", param_hint="--worker-urls")
+    cfg = BalancerConfig(
+        worker_urls=urls, host=host, port=port, request_timeout=request_timeout, drain_timeout=drain_timeout,
+        api_key=api_key, worker_api_key=worker_api_key,
+        batch=BatchConfig(batch_size=batch_size, wait_time=batch_wait_time,
+                          max_inflight_per_worker=max_inflight_per_worker, max_queue=max_queue,
+                          max_retries=max_retries, connect_timeout=connect_timeout, no_worker_grace=no_worker_grace),
+        health=HealthConfig(interval=health_check_interval, timeout=health_timeout,
+                            unhealthy_threshold=unhealthy_threshold, healthy_threshold=healthy_threshold,
+                            stall_timeout=stall_timeout))
+    sys.exit(run(cfg))
+
+
 if __name__ == "__main__":
     main()

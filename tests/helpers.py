@@ -87,3 +87,35 @@ def start_worker(tmp: Path, model: Path, *extra: str, port: int | None = None, n
     port = port or free_port()
     return Proc(["worker", "--model-path", str(model), "--port", str(port), "--device", "cpu", *extra],
                 port, tmp / f"{name}-{port}.log")
+
+
+class Cluster:
+    """N real workers on the fixture plus a balancer, as subprocesses."""
+
+    def __init__(self, tmp: Path, model: Path, n: int = 2, worker_args=(), balancer_args=()):
+        self.workers = [start_worker(tmp, model, *worker_args, name=f"worker{i}") for i in range(n)]
+        port = free_port()
+        urls = ",".join(w.url for w in self.workers)
+        self.balancer = Proc(["balancer", "--worker-urls", urls, "--port", str(port), *balancer_args], port,
+                             tmp / "balancer.log")
+        self.url = self.balancer.url
+
+    def wait_ready(self, n: int | None = None, timeout: float = 90) -> None:
+        for w in self.workers:
+            w.wait_ready(timeout)
+        want = len(self.workers) if n is None else n
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                status, body = get_json(self.url + "/health", timeout=2)
+                if body.get("healthy_workers", 0) >= want:
+                    return
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(self.balancer.tail())
+
+    def stop(self) -> None:
+        self.balancer.stop()
+        for w in self.workers:
+            w.stop()

@@ -225,14 +225,15 @@ async def worker_batch(request: web.Request) -> web.StreamResponse:
     if not isinstance(items, list) or not items:
         raise APIError(400, "body must be {\"requests\": [{\"id\", \"kind\", \"body\"}, ...]}", param="requests")
     out: asyncio.Queue = asyncio.Queue()
+    ids = [item.get("id") if isinstance(item, dict) else None for item in items]
+    if not all(isinstance(rid, str) and rid for rid in ids):
+        raise APIError(400, "every request needs a non-empty string id", param="requests.id")
+    dup = [rid for rid in ids if rid in state.runs] or ([rid for rid in ids if ids.count(rid) > 1])
+    if dup:
+        raise APIError(400, f"duplicate request id {dup[0]!r}", param="requests.id")
     runs = {}
-    pending = 0
-    for item in items:
-        rid = item.get("id") if isinstance(item, dict) else None
-        if not isinstance(rid, str) or not rid:
-            raise APIError(400, "every request needs a string id", param="requests.id")
-        if rid in runs or rid in state.runs:
-            raise APIError(400, f"duplicate request id {rid!r}", param="requests.id")
+    pending = len(items)          # requests without their "end" line yet
+    for rid, item in zip(ids, items):
         kind = item.get("kind")
         try:
             if kind not in ("chat", "completion"):
@@ -241,8 +242,7 @@ async def worker_batch(request: web.Request) -> web.StreamResponse:
             runs[rid] = state.serving.submit(prep)
         except APIError as e:
             out.put_nowait({"id": rid, "event": "error", "status": e.status, "data": e.body()})
-            continue
-        pending += 1
+            out.put_nowait({"id": rid, "event": "end"})
 
     async def pump(rid, run):
         try:
@@ -273,7 +273,6 @@ async def worker_batch(request: web.Request) -> web.StreamResponse:
                 ev = await out.get()
                 if ev["event"] == "end":
                     pending -= 1
-                    continue
                 await resp.write(orjson.dumps(ev) + b"\n")
         await resp.write_eof()
         return resp

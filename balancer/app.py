@@ -1,0 +1,392 @@
+"""The balancer: one OpenAI endpoint in front of N workers. Never imports torch.
+
+Routes: POST /v1/completions, /v1/chat/completions; GET /v1/models, /health, /stats, /worker-status, /metrics."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import aiohttp
+import orjson
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from balancer.batcher import BatchConfig, CentralBatcher, Pending
+from balancer.pool import HealthConfig, WorkerPool
+from balancer.stats import Window
+from common.protocol import APIError, error_body, parse_request
+
+log = logging.getLogger("dllm.balancer")
+
+STATUSES = ("starting", "idle", "busy", "stalled", "unhealthy", "draining")
+
+
+@dataclass
+class BalancerConfig:
+    worker_urls: list[str]
+    host: str = "127.0.0.1"
+    port: int = 8000
+    batch: BatchConfig = field(default_factory=BatchConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
+    request_timeout: float = 1800.0
+    drain_timeout: float = 60.0
+    api_key: str | None = None
+    worker_api_key: str | None = None
+
+
+class Metrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("dllm_balancer_requests", "Requests answered", ["endpoint", "status"], registry=r)
+        self.latency = Histogram("dllm_balancer_request_latency_seconds", "Request latency", ["endpoint"],
+                                 registry=r, buckets=(.01, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600))
+        self.batch_size = Histogram("dllm_balancer_batch_size", "Requests per dispatched batch", registry=r,
+                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128))
+        self.queue_depth = Gauge("dllm_balancer_queue_depth", "Requests waiting for a batch", registry=r)
+        self.in_flight = Gauge("dllm_balancer_in_flight", "Requests on workers", registry=r)
+        self.workers = Gauge("dllm_balancer_workers", "Workers by status", ["status"], registry=r)
+        self.retries = Gauge("dllm_balancer_redispatched", "Requests re-dispatched after a worker failure (total)",
+                             registry=r)
+
+
+class BalancerState:
+    def __init__(self, cfg: BalancerConfig):
+        self.cfg = cfg
+        self.session: aiohttp.ClientSession | None = None
+        headers = {"Authorization": f"Bearer {cfg.worker_api_key}"} if cfg.worker_api_key else {}
+        self.pool = WorkerPool(cfg.worker_urls, lambda: self.session, cfg.health, headers)
+        self.batcher = CentralBatcher(self.pool, lambda: self.session, cfg.batch, headers)
+        self.metrics = Metrics()
+        self.batcher.on_batch = self.metrics.batch_size.observe
+        self.window = Window(60.0)
+        self.total_requests = 0
+        self.active = 0
+        self.draining = False
+        self.started = time.time()
+        self._models: tuple[float, dict] | None = None
+
+
+STATE = web.AppKey("state", BalancerState)
+
+
+def json_response(data, status: int = 200, headers: dict | None = None) -> web.Response:
+    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json", headers=headers)
+
+
+def retry_headers(status: int) -> dict | None:
+    return {"Retry-After": "1" if status == 429 else "5"} if status in (429, 503) else None
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler):
+    try:
+        return await handler(request)
+    except APIError as e:
+        return json_response(e.body(), e.status, e.headers or retry_headers(e.status))
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        return json_response(error_body(e.reason or str(e), "not_found_error" if e.status == 404 else
+                                        "invalid_request_error"), e.status,
+                             {k: v for k, v in e.headers.items() if k.lower() == "allow"})
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception as e:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return json_response(error_body(f"internal error: {type(e).__name__}", "server_error"), 500)
+
+
+@web.middleware
+async def auth_middleware(request: web.Request, handler):
+    key = request.app[STATE].cfg.api_key
+    if key and request.path.startswith("/v1/") and request.headers.get("Authorization", "") != f"Bearer {key}":
+        raise APIError(401, "invalid or missing API key (Authorization: Bearer ...)", code="invalid_api_key")
+    return await handler(request)
+
+
+# ---------------------------------------------------------------- OpenAI endpoints
+def _meaningful(chunk: dict) -> bool:
+    """A chunk worth opening the client's stream for (the chat role-only chunk is held back, so a request whose
+    worker fails before any text can still be re-dispatched)."""
+    if chunk.get("usage"):
+        return True
+    for c in chunk.get("choices", ()):
+        if c.get("finish_reason") or c.get("text") or (c.get("delta") or {}).get("content"):
+            return True
+    return False
+
+
+async def _openai(request: web.Request, kind: str) -> web.StreamResponse:
+    state = request.app[STATE]
+    t0 = time.monotonic()
+    status = 500
+    p = None
+    try:
+        if state.draining:
+            raise APIError(503, "the balancer is shutting down")
+        raw = await request.read()
+        try:
+            body = orjson.loads(raw)
+        except orjson.JSONDecodeError as e:
+            raise APIError(400, f"the request body is not valid JSON: {e}")
+        req = parse_request(kind, body)
+        if not state.pool.healthy():
+            raise APIError(503, "no healthy worker", type="service_unavailable")
+        if state.batcher.queue_depth >= state.cfg.batch.max_queue:
+            raise APIError(429, f"the balancer queue is full ({state.cfg.batch.max_queue} requests waiting)")
+        state.total_requests += 1
+        state.active += 1
+        p = Pending(id=uuid.uuid4().hex, kind=kind, body=body, stream=req.stream)
+        state.batcher.submit(p)
+        try:
+            async with asyncio.timeout(state.cfg.request_timeout):
+                if req.stream:
+                    resp, status = await _stream(request, p)
+                    return resp
+                resp, status = await _single(p)
+                return resp
+        except TimeoutError:
+            status = 504
+            return json_response(error_body(f"no answer within --request-timeout ({state.cfg.request_timeout:g} s)",
+                                            "timeout"), 504)
+    except APIError as e:
+        status = e.status
+        raise
+    finally:
+        if p is not None:
+            state.active -= 1
+            if not p.done:
+                state.batcher.cancel(p)
+        state.metrics.requests.labels(request.path, str(status)).inc()
+        state.metrics.latency.labels(request.path).observe(time.monotonic() - t0)
+        state.window.add(time.monotonic() - t0, status)
+
+
+async def _next(p: Pending):
+    while True:
+        attempt, event, status, data = await p.events.get()
+        if attempt == p.attempt:
+            return event, status, data
+
+
+async def _single(p: Pending) -> tuple[web.Response, int]:
+    result = None
+    while True:
+        event, status, data = await _next(p)
+        if event in ("response", "error"):
+            result = (data, status)
+        elif event == "end":
+            break
+    if result is None:
+        return json_response(error_body("the worker ended the request without an answer", "server_error"), 502), 502
+    data, status = result
+    return json_response(data, status, retry_headers(status)), status
+
+
+async def _stream(request: web.Request, p: Pending) -> tuple[web.StreamResponse, int]:
+    resp = None
+    held: list[tuple[int, dict]] = []
+    status = 200
+    while True:
+        attempt, event, st, data = await p.events.get()
+        if attempt != p.attempt:
+            continue
+        if held and held[0][0] != attempt:
+            held = []
+        if event == "end":
+            break
+        if event == "error":
+            if resp is None:
+                return json_response(data, st, retry_headers(st)), st
+            await resp.write(b"data: " + orjson.dumps(data) + b"\n\n")
+            status = st
+            continue
+        if event != "chunk":
+            continue
+        if resp is None and not _meaningful(data):
+            held.append((attempt, data))
+            continue
+        if resp is None:
+            p.sent_bytes = True
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                               "X-Accel-Buffering": "no"})
+            await resp.prepare(request)
+            for _, h in held:
+                await resp.write(b"data: " + orjson.dumps(h) + b"\n\n")
+            held = []
+        await resp.write(b"data: " + orjson.dumps(data) + b"\n\n")
+    if resp is None:
+        p.sent_bytes = True
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        for _, h in held:
+            await resp.write(b"data: " + orjson.dumps(h) + b"\n\n")
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp, status
+
+
+async def completions(request):
+    return await _openai(request, "completion")
+
+
+async def chat_completions(request):
+    return await _openai(request, "chat")
+
+
+# ---------------------------------------------------------------- status endpoints
+async def models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    now = time.monotonic()
+    if state._models and now - state._models[0] < 30:
+        return json_response(state._models[1])
+    for w in state.pool.healthy() + [w for w in state.pool.workers if not w.healthy]:
+        try:
+            async with state.session.get(w.url + "/v1/models", headers=state.pool.headers,
+                                         timeout=aiohttp.ClientTimeout(total=5)) as r:
+                if r.status == 200:
+                    data = await r.json(content_type=None)
+                    state._models = (now, data)
+                    return json_response(data)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            continue
+    raise APIError(503, "no worker could list its model")
+
+
+async def health(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    healthy = len(state.pool.healthy())
+    status = "draining" if state.draining else ("ok" if healthy else "no_healthy_workers")
+    return json_response({"status": status, "healthy_workers": healthy, "total_workers": len(state.pool.workers)},
+                         200 if healthy and not state.draining else 503)
+
+
+def _system_status(state: BalancerState) -> str:
+    healthy = len(state.pool.healthy())
+    if not healthy:
+        return "down"
+    if healthy < len(state.pool.workers):
+        return "degraded"
+    cfg = state.cfg.batch
+    full = all(w.inflight_batches >= cfg.max_inflight_per_worker for w in state.pool.workers)
+    if full and state.batcher.queue_depth >= cfg.batch_size:
+        return "overloaded"
+    return "normal"
+
+
+async def stats(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    b, cfg = state.batcher, state.cfg.batch
+    return json_response({
+        "total_workers": len(state.pool.workers),
+        "healthy_workers": len(state.pool.healthy()),
+        "system_status": _system_status(state),
+        "total_requests": state.total_requests,
+        "in_flight": b.in_flight,
+        "queue_depth": b.queue_depth,
+        "redispatched_requests": b.retries,
+        "failed_midstream": b.failed_midstream,
+        "workers": [w.snapshot() for w in state.pool.workers],
+        "centralized_batching": {
+            "enabled": True, "max_batch_size": cfg.batch_size, "max_wait_time": cfg.wait_time,
+            "max_inflight_per_worker": cfg.max_inflight_per_worker,
+            "pending_requests": b.queue_depth, "total_batches_processed": b.batches,
+            "total_requests_batched": b.rows,
+            "avg_batch_size": round(b.rows / b.batches, 3) if b.batches else 0.0,
+            "batch_size_histogram": {str(k): v for k, v in sorted(b.histogram.items())},
+        },
+        "last_minute": state.window.summary(),
+        "uptime_seconds": round(time.time() - state.started, 1),
+    })
+
+
+async def worker_status(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    return json_response({
+        "timestamp": time.time(),
+        "healthy_workers": len(state.pool.healthy()),
+        "total_workers": len(state.pool.workers),
+        "system_status": _system_status(state),
+        "queue_depth": state.batcher.queue_depth,
+        "workers": [w.snapshot() for w in state.pool.workers],
+    })
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    m = state.metrics
+    m.queue_depth.set(state.batcher.queue_depth)
+    m.in_flight.set(state.batcher.in_flight)
+    m.retries.set(state.batcher.retries)
+    counts = {s: 0 for s in STATUSES}
+    for w in state.pool.workers:
+        counts[w.status] += 1
+    for s, n in counts.items():
+        m.workers.labels(s).set(n)
+    return web.Response(body=generate_latest(m.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+# ---------------------------------------------------------------- app and lifecycle
+async def _lifecycle(app: web.Application):
+    state = app[STATE]
+    state.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
+                                          json_serialize=lambda o: orjson.dumps(o).decode())
+    state.pool.start()
+    state.batcher.start()
+    yield
+    await state.batcher.close()
+    await state.pool.close()
+    await state.session.close()
+
+
+def make_app(cfg: BalancerConfig) -> web.Application:
+    app = web.Application(middlewares=[errors_middleware, auth_middleware], client_max_size=64 * 1024 ** 2)
+    app[STATE] = BalancerState(cfg)
+    app.cleanup_ctx.append(_lifecycle)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/stats", stats)
+    app.router.add_get("/worker-status", worker_status)
+    app.router.add_get("/metrics", metrics)
+    return app
+
+
+async def serve(cfg: BalancerConfig, stop: asyncio.Event | None = None) -> int:
+    """Serve until SIGTERM/SIGINT (or ``stop``): then stop admitting (503), finish what is queued and in flight
+    (up to ``drain_timeout``), exit."""
+    app = make_app(cfg)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True).start()
+    log.info("balancer on http://%s:%d over %d workers", cfg.host, cfg.port, len(cfg.worker_urls))
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    state = app[STATE]
+    state.draining = True
+    log.info("draining (up to %.0f s)", cfg.drain_timeout)
+    try:
+        async with asyncio.timeout(cfg.drain_timeout):
+            while state.active or state.batcher.queue_depth or state.batcher.in_flight:
+                await asyncio.sleep(0.05)
+    except TimeoutError:
+        log.warning("drain timeout: stopping with %d requests unfinished", state.active)
+    await runner.cleanup()
+    return 0
+
+
+def run(cfg: BalancerConfig) -> int:
+    try:
+        import uvloop
+        return uvloop.run(serve(cfg))
+    except ImportError:
+        return asyncio.run(serve(cfg))

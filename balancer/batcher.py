@@ -1,0 +1,281 @@
+"""Centralized batching: OpenAI requests accumulate into batches (the wait timer starts with a batch's first
+request); each whole batch goes in one call to the least-loaded healthy worker's ``POST /worker/batch`` whenever a
+worker has free capacity. While every worker is busy, requests keep accumulating, so batches grow under load.
+
+Failover: when a worker dies, stalls or its connection breaks mid-batch, every request of that batch that has not
+yet sent bytes to its client goes back to the front of the queue (bounded retries, the failed worker excluded while
+others are healthy); a streaming request that already sent bytes ends with an error event. Events carry the attempt
+number they belong to, so a request is never answered twice."""
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+import orjson
+
+from balancer.pool import Worker, WorkerPool
+from common.protocol import error_body
+
+log = logging.getLogger("dllm.balancer.batcher")
+
+
+@dataclass
+class Pending:
+    id: str
+    kind: str                      # "chat" | "completion"
+    body: dict
+    stream: bool
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)   # (attempt, event, status, data)
+    attempt: int = 0
+    tries: int = 0
+    sent_bytes: bool = False       # set by the handler just before it writes anything to its client
+    cancelled: bool = False
+    done: bool = False
+    excluded: set = field(default_factory=set)
+    worker: Worker | None = None
+    enqueued_at: float = field(default_factory=time.monotonic)
+
+    def deliver(self, attempt: int, event: str, status: int = 200, data=None) -> None:
+        self.events.put_nowait((attempt, event, status, data))
+
+    def fail(self, status: int, message: str, type_: str = "server_error") -> None:
+        self.done = True
+        self.deliver(self.attempt, "error", status, error_body(message, type_))
+        self.deliver(self.attempt, "end")
+
+
+@dataclass
+class BatchConfig:
+    batch_size: int = 16
+    wait_time: float = 0.02
+    max_inflight_per_worker: int = 2
+    max_queue: int = 4096
+    max_retries: int = 2                 # re-dispatches of one request after worker failures
+    connect_timeout: float = 5.0
+    no_worker_grace: float = 30.0        # queued requests fail with 503 after this long with no healthy worker
+
+
+class CentralBatcher:
+    def __init__(self, pool: WorkerPool, session_factory, cfg: BatchConfig, headers: dict | None = None):
+        self.pool = pool
+        self.cfg = cfg
+        self.headers = headers or {}
+        self._session_factory = session_factory
+        self.queue: collections.deque[Pending] = collections.deque()
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self.batches = 0
+        self.rows = 0
+        self.histogram: collections.Counter[int] = collections.Counter()
+        self.retries = 0
+        self.failed_midstream = 0
+        self.on_batch = None           # callback(batch_size) for metrics
+        self._no_worker_since: float | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._loop(), name="central-batcher")
+
+    async def close(self) -> None:
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        tasks = [t for w in self.pool.workers for t in w.dispatches]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    # ------------------------------------------------------------ admission
+    @property
+    def queue_depth(self) -> int:
+        return sum(1 for p in self.queue if not p.cancelled)
+
+    @property
+    def in_flight(self) -> int:
+        return sum(w.inflight_rows for w in self.pool.workers)
+
+    def submit(self, p: Pending) -> None:
+        p.enqueued_at = time.monotonic()
+        self.queue.append(p)
+        self._wake.set()
+
+    def cancel(self, p: Pending) -> None:
+        """The client is gone: drop a queued request, or tell its worker to drop the row."""
+        if p.done:
+            return
+        p.cancelled = True
+        p.done = True
+        if p.worker is not None:
+            asyncio.create_task(self._cancel_on_worker(p.worker, p.id))
+        self._wake.set()
+
+    async def _cancel_on_worker(self, w: Worker, rid: str) -> None:
+        try:
+            async with self._session_factory().post(w.url + "/worker/cancel", json={"ids": [rid]},
+                                                    headers=self.headers,
+                                                    timeout=aiohttp.ClientTimeout(total=5)) as r:
+                await r.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            pass
+
+    # ------------------------------------------------------------ forming and dispatching batches
+    def _free_workers(self) -> list[Worker]:
+        return [w for w in self.pool.healthy() if w.inflight_batches < self.cfg.max_inflight_per_worker]
+
+    def _drop_cancelled(self) -> None:
+        if any(p.cancelled for p in self.queue):
+            self.queue = collections.deque(p for p in self.queue if not p.cancelled)
+
+    async def _wait(self, timeout: float | None) -> None:
+        self._wake.clear()
+        self.pool.changed.clear()
+        waits = [asyncio.create_task(self._wake.wait()), asyncio.create_task(self.pool.changed.wait())]
+        try:
+            await asyncio.wait(waits, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in waits:
+                t.cancel()
+
+    async def _loop(self) -> None:
+        while True:
+            self._drop_cancelled()
+            if not self.queue:
+                await self._wait(None)
+                continue
+            free = self._free_workers()
+            if not free:
+                self._check_no_workers()
+                await self._wait(1.0)
+                continue
+            self._no_worker_since = None
+            deadline = self.queue[0].enqueued_at + self.cfg.wait_time
+            now = time.monotonic()
+            if len(self.queue) < self.cfg.batch_size and now < deadline:
+                await self._wait(deadline - now)
+                continue
+            worker = min(free, key=lambda w: (w.inflight_rows, w.inflight_batches, w.last_dispatch))
+            batch = self._take(worker)
+            if not batch:
+                # every queued request excludes this worker: try another one soon
+                await self._wait(0.05)
+                continue
+            worker.last_dispatch = time.monotonic()
+            task = asyncio.create_task(self._dispatch(worker, batch))
+            worker.dispatches.add(task)
+            task.add_done_callback(worker.dispatches.discard)
+
+    def _take(self, worker: Worker) -> list[Pending]:
+        healthy = {w.index for w in self.pool.healthy()}
+        batch, keep = [], collections.deque()
+        while self.queue and len(batch) < self.cfg.batch_size:
+            p = self.queue.popleft()
+            if p.cancelled:
+                continue
+            if worker.index in p.excluded and (healthy - p.excluded):
+                keep.append(p)
+                continue
+            batch.append(p)
+        keep.extend(self.queue)
+        self.queue = keep
+        return batch
+
+    def _check_no_workers(self) -> None:
+        if self.pool.healthy():
+            self._no_worker_since = None
+            return
+        now = time.monotonic()
+        if self._no_worker_since is None:
+            self._no_worker_since = now
+        elif now - self._no_worker_since > self.cfg.no_worker_grace:
+            for p in self.queue:
+                if not p.cancelled:
+                    p.fail(503, f"no healthy worker for {self.cfg.no_worker_grace:g} s", "service_unavailable")
+            self.queue.clear()
+
+    async def _dispatch(self, w: Worker, batch: list[Pending]) -> None:
+        attempts = {}
+        for p in batch:
+            p.attempt += 1
+            p.tries += 1
+            p.worker = w
+            attempts[p.id] = p.attempt
+        open_ = {p.id: p for p in batch}
+        w.inflight_batches += 1
+        w.inflight_rows += len(batch)
+        self.batches += 1
+        self.rows += len(batch)
+        self.histogram[len(batch)] += 1
+        if self.on_batch:
+            self.on_batch(len(batch))
+        payload = orjson.dumps({"requests": [{"id": p.id, "kind": p.kind, "body": p.body} for p in batch]})
+        failure = None
+        try:
+            async with self._session_factory().post(
+                    w.url + "/worker/batch", data=payload,
+                    headers={**self.headers, "Content-Type": "application/json"},
+                    timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout)) as r:
+                if r.status != 200:
+                    text = (await r.read())[:300].decode(errors="replace")
+                    failure = f"worker answered {r.status}: {text}"
+                    if r.status not in (429, 503):
+                        w.errors += 1
+                else:
+                    async for line in r.content:
+                        if not line.strip():
+                            continue
+                        ev = orjson.loads(line)
+                        w.last_activity = w.last_progress = time.monotonic()
+                        p = open_.get(ev.get("id"))
+                        if p is None:
+                            continue
+                        kind = ev.get("event")
+                        if kind == "end":
+                            del open_[p.id]
+                            w.requests_served += 1
+                            p.done = True
+                            p.worker = None
+                        p.deliver(attempts[p.id], kind, ev.get("status", 200), ev.get("data"))
+                    if open_:
+                        failure = "the worker closed the batch stream early"
+        except asyncio.CancelledError as e:
+            msg = str(e.args[0]) if e.args else ""
+            if not msg.startswith("abort:"):
+                raise
+            failure = f"worker {msg[6:]}"
+        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, ValueError) as e:
+            failure = f"{type(e).__name__}: {e}"
+            w.errors += 1
+            w.consecutive_errors += 1
+            if isinstance(e, aiohttp.ClientConnectorError) and w.ever_ready and not w.down:
+                w.down = True
+                log.warning("worker %d (%s) is down: %s", w.index, w.url, e)
+        finally:
+            w.inflight_batches -= 1
+            w.inflight_rows -= len(batch)
+            self.pool.notify()
+        if failure and open_:
+            self._failover(w, list(open_.values()), attempts, failure)
+        self._wake.set()
+
+    def _failover(self, w: Worker, unfinished: list[Pending], attempts: dict, why: str) -> None:
+        log.warning("batch on worker %d failed (%s): %d requests unfinished", w.index, why, len(unfinished))
+        requeue = []
+        for p in unfinished:
+            p.worker = None
+            if p.cancelled or p.done:
+                continue
+            if p.sent_bytes:
+                self.failed_midstream += 1
+                p.fail(502, f"the worker serving this stream failed ({why}); the stream cannot be resumed")
+            elif p.tries > self.cfg.max_retries:
+                p.fail(502, f"failed on {p.tries} workers; last failure: {why}")
+            else:
+                p.excluded.add(w.index)
+                p.attempt += 1          # whatever the failed attempt already queued for the handler is now stale
+                requeue.append(p)
+        if requeue:
+            self.retries += len(requeue)
+            self.queue.extendleft(reversed(requeue))

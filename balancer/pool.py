@@ -1,0 +1,178 @@
+"""The worker pool: live load the balancer tracks itself, and health from periodic /health probes.
+
+Statuses: ``starting`` (never ready yet, or loading), ``idle`` / ``busy`` (healthy, by the balancer's own in-flight
+work), ``stalled`` (holds work but has made no denoising progress for ``stall_timeout``), ``unhealthy`` (refused a
+connection, or ``unhealthy_threshold`` probes failed in a row while it held no work), ``draining`` (says so).
+A down or stalled worker is re-admitted after ``healthy_threshold`` good probes in a row."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+
+log = logging.getLogger("dllm.balancer.pool")
+
+
+@dataclass
+class HealthConfig:
+    interval: float = 2.0            # seconds between probes of one worker
+    timeout: float = 5.0             # one probe's total timeout
+    unhealthy_threshold: int = 3     # failed probes in a row that mark an idle worker down
+    healthy_threshold: int = 2       # good probes in a row that re-admit a down or stalled worker
+    stall_timeout: float = 60.0      # no progress for this long while holding work: stalled, work re-dispatched
+
+
+@dataclass
+class Worker:
+    index: int
+    url: str
+    ever_ready: bool = False
+    down: bool = False
+    stalled: bool = False
+    draining: bool = False
+    consecutive_errors: int = 0
+    consecutive_ok: int = 0
+    requests_served: int = 0
+    errors: int = 0
+    inflight_batches: int = 0
+    inflight_rows: int = 0
+    last_progress: float = field(default_factory=time.monotonic)   # last sign the device loop moves
+    last_activity: float | None = None                               # last event received from it
+    last_health: dict = field(default_factory=dict)
+    last_dispatch: float = 0.0
+    dispatches: set = field(default_factory=set)                     # in-flight dispatch tasks
+
+    @property
+    def status(self) -> str:
+        if self.draining:
+            return "draining"
+        if not self.ever_ready:
+            return "starting"
+        if self.stalled:
+            return "stalled"
+        if self.down:
+            return "unhealthy"
+        return "busy" if self.inflight_batches else "idle"
+
+    @property
+    def healthy(self) -> bool:
+        return self.status in ("idle", "busy")
+
+    def snapshot(self) -> dict:
+        now = time.monotonic()
+        return {
+            "index": self.index, "worker_id": self.index, "url": self.url, "status": self.status,
+            "requests_served": self.requests_served, "errors": self.errors,
+            "consecutive_errors": self.consecutive_errors, "in_flight": self.inflight_rows,
+            "in_flight_batches": self.inflight_batches,
+            "last_activity_seconds_ago": None if self.last_activity is None else round(now - self.last_activity, 3),
+            "seconds_since_progress": round(now - self.last_progress, 3),
+            "worker_health": self.last_health,
+        }
+
+
+class WorkerPool:
+    def __init__(self, urls: list[str], session_factory, health: HealthConfig, headers: dict | None = None):
+        self.workers = [Worker(i, u.rstrip("/")) for i, u in enumerate(urls)]
+        self.health = health
+        self.headers = headers or {}
+        self._session_factory = session_factory
+        self._tasks: list[asyncio.Task] = []
+        self.changed = asyncio.Event()        # set whenever capacity or health may have changed
+        self.model_card: dict | None = None   # /v1/models of the first ready worker
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(self._probe_loop(w), name=f"health-{w.index}") for w in self.workers]
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def healthy(self) -> list[Worker]:
+        return [w for w in self.workers if w.healthy]
+
+    def any_may_recover(self) -> bool:
+        return any(w.status in ("starting", "stalled", "unhealthy") for w in self.workers)
+
+    def notify(self) -> None:
+        self.changed.set()
+
+    # ------------------------------------------------------------ probing
+    async def _probe_loop(self, w: Worker) -> None:
+        session = self._session_factory()
+        while True:
+            await self.probe(w, session)
+            await asyncio.sleep(self.health.interval)
+
+    async def probe(self, w: Worker, session: aiohttp.ClientSession) -> None:
+        hc = self.health
+        now = time.monotonic()
+        try:
+            async with session.get(w.url + "/health", headers=self.headers,
+                                   timeout=aiohttp.ClientTimeout(total=hc.timeout)) as r:
+                data = await r.json(content_type=None)
+            if not isinstance(data, dict):
+                raise ValueError("bad /health body")
+        except (aiohttp.ClientConnectorError, ConnectionRefusedError) as e:
+            self._failed(w, f"connection refused: {e}", refused=True)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+            self._failed(w, f"{type(e).__name__}: {e}")
+        else:
+            self._answered(w, data, now)
+        self._check_stall(w)
+        self.notify()
+
+    def _failed(self, w: Worker, why: str, refused: bool = False) -> None:
+        w.consecutive_errors += 1
+        w.consecutive_ok = 0
+        if refused and w.ever_ready and not w.down:
+            log.warning("worker %d (%s) is down: %s", w.index, w.url, why)
+            w.down = True
+            self.abort(w, "connection refused")
+        elif not w.inflight_batches and w.consecutive_errors >= self.health.unhealthy_threshold and not w.down \
+                and w.ever_ready:
+            log.warning("worker %d (%s) is unhealthy after %d failed probes: %s", w.index, w.url,
+                        w.consecutive_errors, why)
+            w.down = True
+
+    def _answered(self, w: Worker, data: dict, now: float) -> None:
+        w.last_health = data
+        status = data.get("status")
+        w.draining = status == "draining"
+        if status != "ready":
+            w.consecutive_ok = 0
+            if status in ("failed",):
+                w.down = w.ever_ready
+            return
+        since = data.get("seconds_since_last_step")
+        busy = bool(data.get("busy"))
+        if busy and isinstance(since, (int, float)):
+            w.last_progress = max(w.last_progress, now - since)
+        elif not busy:
+            w.last_progress = now
+        progressing = (now - w.last_progress) < self.health.stall_timeout
+        w.consecutive_errors = 0
+        w.consecutive_ok += 1
+        if not w.ever_ready:
+            w.ever_ready = True
+            log.info("worker %d (%s) is ready", w.index, w.url)
+        if (w.down or w.stalled) and progressing and w.consecutive_ok >= self.health.healthy_threshold:
+            log.info("worker %d (%s) re-admitted", w.index, w.url)
+            w.down = w.stalled = False
+
+    def _check_stall(self, w: Worker) -> None:
+        if w.inflight_batches and not w.stalled and time.monotonic() - w.last_progress > self.health.stall_timeout:
+            log.warning("worker %d (%s) stalled: no progress for %.1f s with %d batches in flight; re-dispatching",
+                        w.index, w.url, time.monotonic() - w.last_progress, w.inflight_batches)
+            w.stalled = True
+            w.consecutive_ok = 0
+            self.abort(w, "stalled")
+
+    def abort(self, w: Worker, why: str) -> None:
+        """Break every in-flight dispatch to ``w``; their unsent requests go back to the queue."""
+        for task in list(w.dispatches):
+            task.cancel(msg=f"abort:{why}")

@@ -1,0 +1,220 @@
+"""End to end: a real balancer in front of real worker subprocesses on the fixture (kill -9, SIGSTOP, overload,
+streaming, disconnects)."""
+import asyncio
+import os
+import signal
+import threading
+import time
+import urllib.request
+
+import openai
+import pytest
+
+from tests.conftest import TINY_LLADA
+from tests.helpers import Cluster, get_json, post_json
+
+pytestmark = pytest.mark.slow
+FAST_HEALTH = ["--health-check-interval", "0.3", "--health-timeout", "1", "--unhealthy-threshold", "2",
+               "--healthy-threshold", "2"]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = Cluster(tmp_path_factory.mktemp("c"), TINY_LLADA, 2, worker_args=["--batch-size", "16"],
+                balancer_args=["--batch-size", "16", "--batch-wait-time", "0.02", *FAST_HEALTH])
+    try:
+        c.wait_ready()
+        yield c
+    finally:
+        c.stop()
+
+
+def aclient(url):
+    return openai.AsyncOpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+
+
+async def _mixed_load(url, n, max_tokens=16, **extra):
+    client = aclient(url)
+
+    async def one(i):
+        kw = dict(model="tiny-llada", max_tokens=max_tokens, extra_body={"block_length": 8, **extra})
+        if i % 3 == 0:
+            r = await client.chat.completions.create(messages=[{"role": "user", "content": "di vo"}], **kw)
+            return r.choices[0].finish_reason
+        if i % 3 == 1:
+            r = await client.completions.create(prompt=[i % 200 + 1, 2, 3], **kw)
+            return r.choices[0].finish_reason
+        stream = await client.completions.create(prompt=[i % 200 + 1, 5], stream=True, **kw)   # HTTP 200 here
+        chunks = []
+        try:
+            async for c in stream:
+                chunks.append(c)
+        except openai.APIError as e:          # an SSE error event: the stream's worker died after bytes were sent
+            return "midstream-error" if chunks and "cannot be resumed" in str(e) else e
+        return chunks[-1].choices[0].finish_reason
+
+    return await asyncio.gather(*[one(i) for i in range(n)], return_exceptions=True)
+
+
+def test_64_concurrent_clients_are_batched_over_both_workers(cluster):
+    results = asyncio.run(_mixed_load(cluster.url, 64))
+    assert [r for r in results if r not in ("stop", "length")] == []
+    stats = get_json(cluster.url + "/stats")[1]
+    cb = stats["centralized_batching"]
+    assert cb["total_requests_batched"] >= 64 and cb["avg_batch_size"] > 1
+    assert all(w["requests_served"] > 0 for w in stats["workers"])
+    assert stats["last_minute"]["requests"] >= 64 and stats["last_minute"]["latency_p50"] is not None
+    ws = get_json(cluster.url + "/worker-status")[1]
+    assert ws["system_status"] == "normal" and ws["healthy_workers"] == 2
+    assert {w["status"] for w in ws["workers"]} <= {"idle", "busy"}
+    metrics = urllib.request.urlopen(cluster.url + "/metrics").read().decode()
+    assert "dllm_balancer_batch_size_bucket" in metrics and 'dllm_balancer_workers{status="idle"}' in metrics
+
+
+def test_streaming_and_models_through_the_balancer(cluster):
+    client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="x", max_retries=0)
+    kw = dict(model="tiny-llada", prompt=[7, 8, 9], max_tokens=32, extra_body={"block_length": 8, "ignore_eos": True})
+    full = client.completions.create(**kw).choices[0].text
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full
+    assert sum(1 for c in chunks if c.choices and c.choices[0].text) >= 3
+    assert chunks[-1].usage.completion_tokens == 32
+    assert client.models.list().data[0].id == "tiny-llada"
+    with pytest.raises(openai.BadRequestError):
+        client.completions.create(model="tiny-llada", prompt="x", max_tokens=5, extra_body={"steps": 0})
+    with pytest.raises(openai.BadRequestError) as e:   # caught by the worker (needs the tokenizer): still a 400
+        client.completions.create(model="tiny-llada", prompt=[1] * 4090, max_tokens=64)
+    assert "maximum sequence length" in str(e.value)
+
+
+def test_busy_worker_is_never_marked_unhealthy(cluster):
+    body = {"prompt": [5, 6, 7], "max_tokens": 1536, "block_length": 1536, "steps": 300, "ignore_eos": True}
+    t = threading.Thread(target=post_json, args=(cluster.url + "/v1/completions", body, 300))
+    t.start()
+    seen = set()
+    while t.is_alive():
+        ws = get_json(cluster.url + "/worker-status")[1]
+        seen |= {w["status"] for w in ws["workers"]}
+        time.sleep(0.1)
+    t.join()
+    assert "busy" in seen and seen <= {"idle", "busy"}
+
+
+def test_client_disconnect_cancels_queued_and_running_work(tmp_path):
+    c = Cluster(tmp_path, TINY_LLADA, 1, worker_args=["--batch-size", "1"],
+                balancer_args=["--batch-size", "1", "--max-inflight-per-worker", "1", *FAST_HEALTH])
+    try:
+        c.wait_ready()
+        long = {"prompt": [5, 6], "max_tokens": 2048, "block_length": 2048, "steps": 600, "ignore_eos": True}
+
+        def give_up_after(seconds):
+            req = urllib.request.Request(c.url + "/v1/completions", data=post_body(long))
+            with pytest.raises(OSError):
+                urllib.request.urlopen(req, timeout=seconds)
+
+        running = threading.Thread(target=give_up_after, args=(4.0,))
+        running.start()
+        while not get_json(c.workers[0].url + "/health")[1]["busy"]:
+            time.sleep(0.02)
+        give_up_after(0.5)                  # queued at the balancer behind the running one, then gone
+        time.sleep(0.5)
+        st = get_json(c.url + "/stats")[1]
+        assert st["queue_depth"] == 0 and st["centralized_batching"]["total_requests_batched"] == 1
+        running.join()
+        deadline = time.monotonic() + 5
+        while get_json(c.workers[0].url + "/health")[1]["busy"]:
+            assert time.monotonic() < deadline, "the running row was not dropped on the worker"
+            time.sleep(0.05)
+        assert get_json(c.url + "/stats")[1]["centralized_batching"]["total_requests_batched"] == 1
+        assert post_json(c.url + "/v1/completions", {"prompt": [1], "max_tokens": 4})[0] == 200
+    finally:
+        c.stop()
+
+
+def post_body(d):
+    import json
+    return json.dumps(d).encode()
+
+
+def test_overload_gives_429_and_no_crash(tmp_path):
+    c = Cluster(tmp_path, TINY_LLADA, 1, balancer_args=["--batch-size", "1", "--max-inflight-per-worker", "1",
+                                                        "--max-queue", "3", *FAST_HEALTH])
+    try:
+        c.wait_ready()
+        body = {"prompt": [5, 6], "max_tokens": 256, "block_length": 256, "steps": 128, "ignore_eos": True}
+        results = []
+        threads = [threading.Thread(target=lambda: results.append(post_json(c.url + "/v1/completions", body, 120)))
+                   for _ in range(20)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        codes = sorted(s for s, _ in results)
+        assert codes.count(429) >= 10 and codes.count(200) >= 4 and set(codes) <= {200, 429}, codes
+        assert get_json(c.url + "/health")[0] == 200
+    finally:
+        c.stop()
+
+
+def _load_in_thread(url, n, max_tokens, out):
+    out.extend(asyncio.run(_mixed_load(url, n, max_tokens=max_tokens, steps=max_tokens)))
+
+
+def test_kill_9_of_a_worker_under_load_loses_no_request(tmp_path):
+    c = Cluster(tmp_path, TINY_LLADA, 2, worker_args=["--batch-size", "8"],
+                balancer_args=["--batch-size", "8", *FAST_HEALTH])
+    try:
+        c.wait_ready()
+        results = []
+        t = threading.Thread(target=_load_in_thread, args=(c.url, 64, 256, results))
+        t.start()
+        victim = c.workers[0]
+        while get_json(c.url + "/stats")[1]["workers"][0]["in_flight"] == 0:
+            time.sleep(0.02)
+        time.sleep(0.3)
+        os.kill(victim.p.pid, signal.SIGKILL)
+        t.join(300)
+        # every request answered 200: complete, or (streams that had already sent text) ended with an SSE error
+        assert len(results) == 64
+        assert [r for r in results if r not in ("stop", "length", "midstream-error")] == []
+        stats = get_json(c.url + "/stats")[1]
+        assert results.count("midstream-error") == stats["failed_midstream"]
+        assert stats["redispatched_requests"] > 0
+        minute = stats["last_minute"]
+        assert minute["requests"] >= 64 and minute["ok"] + stats["failed_midstream"] == minute["requests"]
+        assert stats["workers"][0]["status"] == "unhealthy" and stats["workers"][1]["status"] in ("idle", "busy")
+    finally:
+        c.stop()
+
+
+def test_sigstop_is_stalled_then_readmitted(tmp_path):
+    c = Cluster(tmp_path, TINY_LLADA, 2, worker_args=["--batch-size", "8"],
+                balancer_args=["--batch-size", "8", *FAST_HEALTH, "--stall-timeout", "2"])
+    try:
+        c.wait_ready()
+        results = []
+        t = threading.Thread(target=_load_in_thread, args=(c.url, 24, 384, results))
+        t.start()
+        victim = c.workers[0]
+        while get_json(c.url + "/stats")[1]["workers"][0]["in_flight"] == 0:
+            time.sleep(0.02)
+        os.kill(victim.p.pid, signal.SIGSTOP)
+        seen = set()
+        try:
+            deadline = time.monotonic() + 60
+            while t.is_alive() and time.monotonic() < deadline:
+                seen.add(get_json(c.url + "/worker-status")[1]["workers"][0]["status"])
+                time.sleep(0.1)
+            t.join(120)
+            seen.add(get_json(c.url + "/worker-status")[1]["workers"][0]["status"])
+        finally:
+            os.kill(victim.p.pid, signal.SIGCONT)
+        assert "stalled" in seen, seen
+        assert len(results) == 24 and all(r in ("stop", "length", "midstream-error") for r in results), results
+        assert get_json(c.url + "/stats")[1]["redispatched_requests"] > 0
+        deadline = time.monotonic() + 30
+        while get_json(c.url + "/worker-status")[1]["workers"][0]["status"] not in ("idle", "busy"):
+            assert time.monotonic() < deadline, "SIGCONT did not re-admit the worker"
+            time.sleep(0.1)
+    finally:
+        c.stop()
