@@ -124,7 +124,7 @@ def _meaningful(chunk: dict) -> bool:
 async def _openai(request: web.Request, kind: str) -> web.StreamResponse:
     state = request.app[STATE]
     t0 = time.monotonic()
-    status = 500
+    status = 499          # the client went away before an answer (nginx's convention), unless set below
     p = None
     try:
         if state.draining:

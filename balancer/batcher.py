@@ -163,6 +163,8 @@ class CentralBatcher:
                 await self._wait(0.05)
                 continue
             worker.last_dispatch = time.monotonic()
+            worker.inflight_batches += 1          # counted now, before the task runs: capacity is exact
+            worker.inflight_rows += len(batch)
             task = asyncio.create_task(self._dispatch(worker, batch))
             worker.dispatches.add(task)
             task.add_done_callback(worker.dispatches.discard)
@@ -203,8 +205,6 @@ class CentralBatcher:
             p.worker = w
             attempts[p.id] = p.attempt
         open_ = {p.id: p for p in batch}
-        w.inflight_batches += 1
-        w.inflight_rows += len(batch)
         self.batches += 1
         self.rows += len(batch)
         self.histogram[len(batch)] += 1

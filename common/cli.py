@@ -109,10 +109,13 @@ def _logging(level: str) -> None:
               help="Seconds before a request is abandoned with 504.")
 @click.option("--drain-timeout", type=click.FloatRange(0), default=60.0, show_default=True,
               help="Seconds SIGTERM waits for running work before exiting.")
+@click.option("--simulate-device", default=None, metavar="BASE,PER_ROW",
+              help="Test double: no model; each batch sleeps BASE + PER_ROW x rows seconds and echoes the prompt "
+                   "(load and scaling tests). The model path still provides the tokenizer.")
 @click.option("--log-level", default="info", show_default=True)
 def worker(model_path, host, port, batch_size, max_wait_time, max_queue, device, dtype, default_algorithm,
            default_max_tokens, default_block_length, served_model_name, api_key, request_timeout, drain_timeout,
-           log_level):
+           simulate_device, log_level):
     """Serve one model on one device (OpenAI API + the balancer's /worker/batch)."""
     from worker.app import WorkerConfig, run
     _logging(log_level)
@@ -120,8 +123,23 @@ def worker(model_path, host, port, batch_size, max_wait_time, max_queue, device,
                        max_wait_time=max_wait_time, max_queue=max_queue, device=device, dtype=dtype,
                        default_algorithm=default_algorithm, default_max_tokens=default_max_tokens,
                        default_block_length=default_block_length, served_model_name=served_model_name,
-                       api_key=api_key, request_timeout=request_timeout, drain_timeout=drain_timeout)
+                       api_key=api_key, request_timeout=request_timeout, drain_timeout=drain_timeout,
+                       simulate_device=_cost_model(simulate_device))
     sys.exit(run(cfg))
+
+
+def _cost_model(value: str | None) -> tuple[float, float] | None:
+    if value is None:
+        return None
+    try:
+        parts = [float(v) for v in value.split(",")]
+    except ValueError:
+        raise click.BadParameter("expected BASE,PER_ROW seconds, e.g. 0.04,0.003 (or 0 for instant)")
+    if len(parts) == 1:
+        parts.append(0.0)
+    if len(parts) != 2 or min(parts) < 0:
+        raise click.BadParameter("expected BASE,PER_ROW seconds, e.g. 0.04,0.003 (or 0 for instant)")
+    return parts[0], parts[1]
 
 
 @main.command()

@@ -159,7 +159,7 @@ async def test_a_row_cancelled_before_scheduling_is_not_computed():
     b = Batcher(engine, batch_size=4, max_wait_time=0.05)
     b.start()
     got = {}
-    jobs = [Job([i], GenerationParams(), sink=lambda i, kind, payload: got.setdefault(i, kind), index=i)
+    jobs = [Job([i], GenerationParams(), sink=lambda i, kind, payload: got.setdefault(i, (kind, payload)), index=i)
             for i in range(3)]
     for j in jobs:
         b.submit(j)
@@ -167,4 +167,6 @@ async def test_a_row_cancelled_before_scheduling_is_not_computed():
     await b.idle()
     await asyncio.sleep(0.05)
     await b.close()
-    assert engine.calls == [2] and set(got) == {0, 2} and b.dropped_before_start == 1
+    assert engine.calls == [2] and b.dropped_before_start == 1
+    assert got[1] == ("done", Result([], "cancelled", 0, [], 1))    # still ends, so its request can finish
+    assert got[0][1].nfe == got[2][1].nfe == 1

@@ -37,6 +37,7 @@ class WorkerConfig:
     api_key: str | None = None
     request_timeout: float = 1800.0
     drain_timeout: float = 60.0
+    simulate_device: tuple[float, float] | None = None   # (base s, per-row s): no model, a simulated device
 
 
 class Metrics:
@@ -369,15 +370,19 @@ async def metrics(request: web.Request) -> web.Response:
 async def _load(app: web.Application) -> None:
     """Load the model off the event loop; /health says 'loading' meanwhile."""
     from worker.batcher import Batcher
-    from worker.engine import Engine
+    from worker.engine import Engine, GenerationParams
     from worker.serving import Defaults, Serving
     state = app[STATE]
     c = state.config
     try:
-        engine = await asyncio.get_running_loop().run_in_executor(
-            None, lambda: Engine.from_pretrained(c.model_path, device=c.device, dtype=c.dtype))
-        from worker.engine import algorithms
-        algorithms.get(c.default_algorithm, engine.family)
+        if c.simulate_device is not None:
+            from worker.simulated import SimulatedEngine
+            engine = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: SimulatedEngine(c.model_path, *c.simulate_device))
+        else:
+            engine = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: Engine.from_pretrained(c.model_path, device=c.device, dtype=c.dtype))
+        engine.plan([1], GenerationParams(algorithm=c.default_algorithm))
     except Exception as e:
         log.exception("model load failed")
         state.status, state.error = "failed", f"{type(e).__name__}: {e}"

@@ -133,9 +133,15 @@ class Batcher:
                 self.on_batch(len(batch), time.monotonic() - t)
 
     def _drop_cancelled(self) -> None:
+        """Drop rows cancelled while waiting; each still gets its terminal event (never computed, nfe 0)."""
         if any(j.cancelled for j in self.pending):
-            keep = [j for j in self.pending if not j.cancelled]
-            self.dropped_before_start += len(self.pending) - len(keep)
+            keep = []
+            for j in self.pending:
+                if j.cancelled:
+                    self.dropped_before_start += 1
+                    j.sink(j.index, "done", Result([], "cancelled", 0, [], len(j.prompt_ids)))
+                else:
+                    keep.append(j)
             self.pending = collections.deque(keep)
 
     # ------------------------------------------------------------ device thread

@@ -1,0 +1,247 @@
+"""Balancer benchmarks (not tests): prints numbers. Workers are real `dllm-serve worker` processes with a simulated
+device (`--simulate-device BASE,PER_ROW`: no model, each batch sleeps BASE + PER_ROW x rows seconds).
+
+  # (a) the balancer's own throughput and added latency with instant workers, side by side with nginx
+  python bench/balancer_bench.py proxy --workers 2 --connections 256 --duration 10
+  # (b) scaling over 1, 2, 4, 8 workers at saturation on a simulated device (40 ms + 3 ms x rows)
+  python bench/balancer_bench.py scaling --counts 1,2,4,8 --cost 0.04,0.003 --batch-size 16
+
+Load comes from wrk (Debian package `wrk`) when installed, else from an aiohttp client in this process.
+nginx (Debian `nginx-light`) is a plain reverse proxy (least_conn, keepalive) over the workers' /v1/completions.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = ROOT / "tests" / "fixtures" / "tiny-llada"
+BODY = {"prompt": [5, 6, 7, 8], "max_tokens": 8}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_http(url: str, timeout: float = 120, check=lambda d: True) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as r:
+                if check(json.loads(r.read())):
+                    return
+        except Exception:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(url)
+
+
+class Procs:
+    def __init__(self, logdir: Path):
+        self.procs: list[subprocess.Popen] = []
+        self.logdir = logdir
+
+    def start(self, args: list[str], name: str) -> subprocess.Popen:
+        f = open(self.logdir / f"{name}.log", "wb")
+        p = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
+        self.procs.append(p)
+        return p
+
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+        self.procs.clear()
+
+
+def start_workers(procs: Procs, n: int, cost: str, batch_size: int, max_wait: float) -> list[str]:
+    urls = []
+    for i in range(n):
+        port = free_port()
+        procs.start([sys.executable, "-m", "common.cli", "worker", "--model-path", str(MODEL), "--port", str(port),
+                     "--simulate-device", cost, "--batch-size", str(batch_size), "--max-wait-time", str(max_wait),
+                     "--max-queue", "100000", "--log-level", "warning"], f"worker{i}")
+        urls.append(f"http://127.0.0.1:{port}")
+    for u in urls:
+        wait_http(u + "/health", check=lambda d: d.get("status") == "ready")
+    return urls
+
+
+def start_balancer(procs: Procs, urls: list[str], batch_size: int, wait: float, inflight: int) -> str:
+    port = free_port()
+    procs.start([sys.executable, "-m", "common.cli", "balancer", "--worker-urls", ",".join(urls), "--port", str(port),
+                 "--batch-size", str(batch_size), "--batch-wait-time", str(wait), "--max-queue", "100000",
+                 "--max-inflight-per-worker", str(inflight), "--log-level", "warning"], "balancer")
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url + "/health", check=lambda d: d.get("healthy_workers") == len(urls))
+    return url
+
+
+def start_nginx(procs: Procs, urls: list[str], tmp: Path) -> str:
+    nginx = shutil.which("nginx") or "/usr/sbin/nginx"
+    if not Path(nginx).exists():
+        raise SystemExit("nginx is not installed (apt-get install nginx-light)")
+    port = free_port()
+    servers = "\n".join(f"server {u.removeprefix('http://')};" for u in urls)
+    conf = tmp / "nginx.conf"
+    conf.write_text(f"""
+worker_processes 1;
+pid {tmp}/nginx.pid;
+error_log {tmp}/nginx-error.log warn;
+events {{ worker_connections 8192; }}
+http {{
+  access_log off;
+  client_body_temp_path {tmp}/body; proxy_temp_path {tmp}/proxy;
+  fastcgi_temp_path {tmp}/fcgi; uwsgi_temp_path {tmp}/uwsgi; scgi_temp_path {tmp}/scgi;
+  upstream workers {{ least_conn; {servers} keepalive 512; }}
+  server {{
+    listen 127.0.0.1:{port};
+    location / {{ proxy_pass http://workers; proxy_http_version 1.1; proxy_set_header Connection "";
+                 proxy_buffering off; proxy_read_timeout 600s; }}
+  }}
+}}
+""")
+    procs.start([nginx, "-c", str(conf), "-p", str(tmp), "-g", "daemon off;"], "nginx")
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url + "/health")
+    return url
+
+
+def load_wrk(url: str, connections: int, duration: float, tmp: Path) -> dict:
+    script = tmp / "post.lua"
+    script.write_text('wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
+                      f"wrk.body = '{json.dumps(BODY)}'\n"
+                      "done = function(summary, latency, requests)\n"
+                      "  io.write(string.format('JSON {\"requests\": %d, \"errors\": %d, \"p50\": %f, \"p99\": %f}\\n',"
+                      " summary.requests, summary.errors.status + summary.errors.connect + summary.errors.read"
+                      " + summary.errors.write + summary.errors.timeout,"
+                      " latency:percentile(50) / 1e6, latency:percentile(99) / 1e6))\nend\n")
+    out = subprocess.run(["wrk", "-t2", f"-c{connections}", f"-d{max(1, round(duration))}s", "--timeout", "60s", "-s", str(script),
+                          url + "/v1/completions"], capture_output=True, text=True, check=True).stdout
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
+    stats = json.loads(out[out.index("JSON ") + 5:].splitlines()[0])
+    return {"rps": rps, "errors": stats["errors"], "p50_ms": stats["p50"] * 1e3, "p99_ms": stats["p99"] * 1e3}
+
+
+def load_python(url: str, connections: int, duration: float) -> dict:
+    import aiohttp
+
+    async def main():
+        lat, errors = [], 0
+        stop = time.monotonic() + duration
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+            async def client():
+                nonlocal errors
+                while time.monotonic() < stop:
+                    t = time.perf_counter()
+                    async with s.post(url + "/v1/completions", json=BODY) as r:
+                        await r.read()
+                        if r.status != 200:
+                            errors += 1
+                    lat.append(time.perf_counter() - t)
+            t0 = time.monotonic()
+            await asyncio.gather(*[client() for _ in range(connections)])
+            wall = time.monotonic() - t0
+        lat.sort()
+        return {"rps": len(lat) / wall, "errors": errors, "p50_ms": lat[len(lat) // 2] * 1e3,
+                "p99_ms": lat[int(len(lat) * 0.99)] * 1e3}
+    return asyncio.run(main())
+
+
+def load(url: str, connections: int, duration: float, tmp: Path) -> dict:
+    if shutil.which("wrk"):
+        load_wrk(url, connections, min(2.0, duration), tmp)      # warm-up
+        return load_wrk(url, connections, duration, tmp)
+    load_python(url, connections, min(2.0, duration))
+    return load_python(url, connections, duration)
+
+
+def proxy_bench(args) -> None:
+    with tempfile.TemporaryDirectory() as tmpd:
+        tmp = Path(tmpd)
+        procs = Procs(tmp)
+        try:
+            urls = start_workers(procs, args.workers, "0", args.worker_batch_size, args.worker_wait)
+            bal = start_balancer(procs, urls, args.batch_size, args.batch_wait, args.inflight)
+            ngx = start_nginx(procs, urls, tmp)
+            rows = [("workers direct (worker 0)", urls[0]), ("nginx (least_conn)", ngx), ("dllm-serve balancer", bal)]
+            print(f"{args.workers} instant workers (--simulate-device 0, worker batch {args.worker_batch_size}, "
+                  f"wait {args.worker_wait}); {args.connections} connections, {args.duration:g} s each; "
+                  f"load: {'wrk' if shutil.which('wrk') else 'python aiohttp'}")
+            print(f"{'target':<28} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'errors':>7}")
+            for name, url in rows:
+                r = load(url, args.connections, args.duration, tmp)
+                print(f"{name:<28} {r['rps']:>9.0f} {r['p50_ms']:>8.1f} {r['p99_ms']:>8.1f} {r['errors']:>7}", flush=True)
+        finally:
+            procs.stop()
+
+
+def scaling_bench(args) -> None:
+    counts = [int(c) for c in args.counts.split(",")]
+    base = None
+    print(f"simulated device {args.cost} (s base, s per row); balancer batch {args.batch_size}, wait "
+          f"{args.batch_wait}, in-flight/worker {args.inflight}; {args.per_worker_connections} connections per "
+          f"worker, {args.duration:g} s; load: {'wrk' if shutil.which('wrk') else 'python aiohttp'}")
+    print(f"{'workers':>7} {'req/s':>9} {'speedup':>8} {'p50 ms':>8} {'p99 ms':>8} {'avg batch':>9} {'errors':>7}")
+    for n in counts:
+        with tempfile.TemporaryDirectory() as tmpd:
+            tmp = Path(tmpd)
+            procs = Procs(tmp)
+            try:
+                urls = start_workers(procs, n, args.cost, args.batch_size * args.inflight, 0.0)
+                bal = start_balancer(procs, urls, args.batch_size, args.batch_wait, args.inflight)
+                r = load(bal, args.per_worker_connections * n, args.duration, tmp)
+                with urllib.request.urlopen(bal + "/stats") as s:
+                    avg = json.loads(s.read())["centralized_batching"]["avg_batch_size"]
+                base = base or r["rps"]
+                print(f"{n:>7} {r['rps']:>9.1f} {r['rps'] / base:>7.2f}x {r['p50_ms']:>8.1f} {r['p99_ms']:>8.1f} "
+                      f"{avg:>9.1f} {r['errors']:>7}", flush=True)
+            finally:
+                procs.stop()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = ap.add_subparsers(dest="mode", required=True)
+    p = sub.add_parser("proxy")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--connections", type=int, default=256)
+    p.add_argument("--duration", type=float, default=10)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--batch-wait", type=float, default=0.005)
+    p.add_argument("--inflight", type=int, default=2)
+    p.add_argument("--worker-batch-size", type=int, default=128)
+    p.add_argument("--worker-wait", type=float, default=0.005)
+    s = sub.add_parser("scaling")
+    s.add_argument("--counts", default="1,2,4,8")
+    s.add_argument("--cost", default="0.04,0.003")
+    s.add_argument("--batch-size", type=int, default=16)
+    s.add_argument("--batch-wait", type=float, default=0.02)
+    s.add_argument("--inflight", type=int, default=2)
+    s.add_argument("--per-worker-connections", type=int, default=64)
+    s.add_argument("--duration", type=float, default=15)
+    args = ap.parse_args()
+    (proxy_bench if args.mode == "proxy" else scaling_bench)(args)
+
+
+if __name__ == "__main__":
+    main()
