@@ -129,12 +129,8 @@ async def _openai(request: web.Request, kind: str) -> web.StreamResponse:
     try:
         if state.draining:
             raise APIError(503, "the balancer is shutting down")
-        raw = await request.read()
-        try:
-            body = orjson.loads(raw)
-        except orjson.JSONDecodeError as e:
-            raise APIError(400, f"the request body is not valid JSON: {e}")
-        req = parse_request(kind, body)
+        body = await request.read()
+        req = parse_request(kind, body)      # validated from the raw bytes; forwarded to the worker as they are
         if not state.pool.healthy():
             raise APIError(503, "no healthy worker", type="service_unavailable")
         if state.batcher.queue_depth >= state.cfg.batch.max_queue:

@@ -177,14 +177,20 @@ class ChatCompletionRequest(CommonFields):
 
 
 def parse_request(kind: Literal["chat", "completion"], data: Any) -> CompletionRequest | ChatCompletionRequest:
-    """Validate a decoded JSON body; raises APIError(400) naming the first offending field."""
-    if not isinstance(data, dict):
+    """Validate a body (decoded JSON, or raw JSON bytes: parsed and validated in one pass); raises APIError(400)
+    naming the first offending field."""
+    raw = isinstance(data, (bytes, bytearray))
+    if not raw and not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
     cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
     try:
-        return cls.model_validate(data)
+        return cls.model_validate_json(data) if raw else cls.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
+        if err.get("type") == "json_invalid":
+            raise APIError(400, f"the request body is not valid JSON: {err.get('ctx', {}).get('error', '')}")
+        if err.get("type") == "model_type" and not err.get("loc"):
+            raise APIError(400, "the request body must be a JSON object")
         loc = [str(x) for x in err.get("loc", ())]
         # union members appear in loc (e.g. prompt.str): keep the field path only
         param = ".".join(x for x in loc if x not in ("str", "int", "TextPart") and not x.startswith("list[")) or None

@@ -163,7 +163,7 @@ async def test_a_row_cancelled_before_scheduling_is_not_computed():
             for i in range(3)]
     for j in jobs:
         b.submit(j)
-    jobs[1].cancelled = True          # its client went away while it waited
+    b.cancel(jobs[1])                 # its client went away while it waited
     await b.idle()
     await asyncio.sleep(0.05)
     await b.close()

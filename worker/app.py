@@ -270,11 +270,12 @@ async def worker_batch(request: web.Request) -> web.StreamResponse:
     try:
         await resp.prepare(request)
         async with asyncio.timeout(state.config.request_timeout):
-            while pending or not out.empty():
-                ev = await out.get()
-                if ev["event"] == "end":
-                    pending -= 1
-                await resp.write(orjson.dumps(ev) + b"\n")
+            while pending:
+                events = [await out.get()]
+                while not out.empty():          # write whatever is ready in one go
+                    events.append(out.get_nowait())
+                pending -= sum(1 for ev in events if ev["event"] == "end")
+                await resp.write(b"".join(orjson.dumps(ev) + b"\n" for ev in events))
         await resp.write_eof()
         return resp
     finally:

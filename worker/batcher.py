@@ -30,7 +30,9 @@ class Job:
     params: GenerationParams
     sink: object
     index: int = 0
+    wants_progress: bool = True       # False: only the final result matters (non-streaming, no stop strings)
     cancelled: bool = False
+    queued: bool = False              # waiting in the batcher (not yet in a batch)
     enqueued_at: float = field(default_factory=time.monotonic)
 
 
@@ -52,6 +54,7 @@ class Batcher:
         self.rows_processed = 0
         self.dropped_before_start = 0
         self.histogram: collections.Counter[int] = collections.Counter()
+        self._cancelled_queued = 0      # cancelled rows still in ``pending`` (dropped at the next scheduling)
         self.on_batch = None    # optional callback(batch_size, seconds) for metrics
 
     # ------------------------------------------------------------ public
@@ -78,12 +81,22 @@ class Batcher:
             # A fixed seed per row makes a retried batch (after CUDA OOM) give the same tokens it already streamed.
             job.params = replace(p, seed=random.getrandbits(63))
         job.enqueued_at = time.monotonic()
+        job.queued = True
         self.pending.append(job)
         self._wake.set()
 
+    def cancel(self, job: Job) -> None:
+        """Drop a row: before it is scheduled it is never computed; while running, at the next denoising step."""
+        if job.cancelled:
+            return
+        job.cancelled = True
+        if job.queued:
+            self._cancelled_queued += 1
+            self._wake.set()
+
     @property
     def queue_depth(self) -> int:
-        return sum(1 for j in self.pending if not j.cancelled)
+        return len(self.pending) - self._cancelled_queued
 
     @property
     def busy(self) -> bool:
@@ -118,12 +131,15 @@ class Batcher:
             batch = [self.pending.popleft() for _ in range(min(self.batch_size, len(self.pending)))]
             if not batch:
                 continue
+            for j in batch:
+                j.queued = False
             self.running = batch
             t = time.monotonic()
             try:
-                await asyncio.get_running_loop().run_in_executor(self._executor, self._run, batch)
-            except Exception:   # never lose the scheduler; _run already reported to every job
+                outcome = await asyncio.get_running_loop().run_in_executor(self._executor, self._run, batch)
+            except Exception as e:   # never lose the scheduler or a row
                 log.exception("batch failed")
+                outcome = [(j, "error", (500, f"internal error: {type(e).__name__}")) for j in batch]
             finally:
                 self.running = []
             self.batches_processed += 1
@@ -131,45 +147,48 @@ class Batcher:
             self.histogram[len(batch)] += 1
             if self.on_batch:
                 self.on_batch(len(batch), time.monotonic() - t)
+            for job, kind, payload in outcome:      # after the statistics, so a client sees them counted
+                job.sink(job.index, kind, payload)
 
     def _drop_cancelled(self) -> None:
         """Drop rows cancelled while waiting; each still gets its terminal event (never computed, nfe 0)."""
-        if any(j.cancelled for j in self.pending):
+        if self._cancelled_queued:
             keep = []
             for j in self.pending:
                 if j.cancelled:
+                    j.queued = False
                     self.dropped_before_start += 1
                     j.sink(j.index, "done", Result([], "cancelled", 0, [], len(j.prompt_ids)))
                 else:
                     keep.append(j)
+            self._cancelled_queued = 0
             self.pending = collections.deque(keep)
 
     # ------------------------------------------------------------ device thread
     def _emit(self, job: Job, kind: str, payload) -> None:
         self._loop.call_soon_threadsafe(job.sink, job.index, kind, payload)
 
-    def _run(self, jobs: list[Job]) -> None:
+    def _run(self, jobs: list[Job]) -> list[tuple[Job, str, object]]:
+        """Device thread: run one batch; progress goes to the loop as it happens, the terminal events are
+        returned ((job, "done", Result) or (job, "error", (status, message)))."""
         import torch
-        hooks = StepHooks(on_progress=lambda i, ids: self._emit(jobs[i], "progress", ids),
-                          is_cancelled=lambda i: jobs[i].cancelled)
+
+        def progress(i, ids):
+            if jobs[i].wants_progress:
+                self._emit(jobs[i], "progress", ids)
+        hooks = StepHooks(on_progress=progress, is_cancelled=lambda i: jobs[i].cancelled)
         try:
             results: list[Result] = self.engine.generate([Request(j.prompt_ids, j.params) for j in jobs], hooks=hooks)
         except torch.cuda.OutOfMemoryError:
             torch.cuda.empty_cache()
             if len(jobs) == 1:
                 log.error("CUDA out of memory on a single row (prompt %d tokens)", len(jobs[0].prompt_ids))
-                self._emit(jobs[0], "error", (503, "the GPU ran out of memory on this request alone; "
-                                                  "try a shorter prompt or fewer max_tokens"))
-                return
+                return [(jobs[0], "error", (503, "the GPU ran out of memory on this request alone; "
+                                                 "try a shorter prompt or fewer max_tokens"))]
             half = len(jobs) // 2
             log.warning("CUDA out of memory on a batch of %d: retrying as %d + %d", len(jobs), half, len(jobs) - half)
-            self._run(jobs[:half])
-            self._run(jobs[half:])
-            return
+            return self._run(jobs[:half]) + self._run(jobs[half:])
         except Exception as e:  # a bug: report to every row of this batch, keep serving
             log.exception("engine failure on a batch of %d", len(jobs))
-            for j in jobs:
-                self._emit(j, "error", (500, f"internal error during generation: {type(e).__name__}: {e}"))
-            return
-        for j, r in zip(jobs, results):
-            self._emit(j, "done", r)
+            return [(j, "error", (500, f"internal error during generation: {type(e).__name__}: {e}")) for j in jobs]
+        return [(j, "done", r) for j, r in zip(jobs, results)]

@@ -92,8 +92,9 @@ class Serving:
     def submit(self, prep: Prepared) -> "Run":
         """Queue the request's rows; raises APIError(429) when the queue is full (nothing is queued then)."""
         q: asyncio.Queue = asyncio.Queue()
-        jobs = [Job(ids, p, sink=lambda i, kind, payload: q.put_nowait((i, kind, payload)), index=i)
-                for i, (ids, p) in enumerate(zip(prep.prompts, prep.params))]
+        progress = prep.req.stream or bool(prep.req.stop)
+        jobs = [Job(ids, p, sink=lambda i, kind, payload: q.put_nowait((i, kind, payload)), index=i,
+                    wants_progress=progress) for i, (ids, p) in enumerate(zip(prep.prompts, prep.params))]
         if self.batcher.queue_depth + len(jobs) > self.batcher.max_queue:
             raise APIError(429, f"the worker queue is full ({self.batcher.max_queue} rows waiting)",
                            headers={"Retry-After": "1"})
@@ -112,7 +113,7 @@ class Run:
 
     def cancel(self) -> None:
         for j in self.jobs:
-            j.cancelled = True
+            self.serving.batcher.cancel(j)
 
     async def events(self):
         try:
@@ -136,8 +137,7 @@ class Run:
             st = states[i]
             if what == "error":
                 status, message = payload
-                for j in jobs:
-                    j.cancelled = True
+                self.cancel()
                 yield "error", (status, APIError(status, message).body())
                 return
             if what == "progress":
@@ -145,7 +145,7 @@ class Run:
                     continue
                 delta = st.progress(payload)
                 if st.stopped:      # a stop string appeared: the row can stop decoding
-                    jobs[i].cancelled = True
+                    self.serving.batcher.cancel(jobs[i])
             else:
                 delta = st.finish(payload)
                 remaining -= 1

@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from worker.engine import algorithms
 from worker.engine.params import GenerationParams, Plan, plan
 from worker.engine.engine import Request, Result
 from worker.models.checkpoint import read_config
@@ -29,7 +30,6 @@ class SimulatedEngine:
         self.last_step_time = time.monotonic()
 
     def plan(self, prompt_ids: list[int], params: GenerationParams) -> Plan:
-        from worker.engine import algorithms
         algorithms.get(params.algorithm, "llada")
         return plan(params, len(prompt_ids), self.max_sequence_length)
 
