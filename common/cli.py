@@ -200,5 +200,157 @@ def balancer(worker_urls, host, port, batch_size, batch_wait_time, max_inflight_
     sys.exit(run(cfg))
 
 
+def _gpu_ids(gpus: int | None, gpu_ids: str | None) -> list[str] | None:
+    """Worker devices: --gpu-ids as given; --gpus N takes the first N of the GPUs this process may use
+    (CUDA_VISIBLE_DEVICES when set, as under SLURM), else 0..N-1."""
+    import os
+    if gpu_ids:
+        return [g.strip() for g in gpu_ids.split(",") if g.strip()]
+    if gpus:
+        visible = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
+        if visible:
+            if gpus > len(visible):
+                raise click.BadParameter(f"--gpus {gpus} but CUDA_VISIBLE_DEVICES lists {len(visible)}",
+                                         param_hint="--gpus")
+            return visible[:gpus]
+        return [str(i) for i in range(gpus)]
+    return None
+
+
+def _serve_options(f):
+    options = [
+        click.option("--local", is_flag=True, help="Run here (else submit the SLURM job in slurm/)."),
+        click.option("--model-path", default=None, help="Checkpoint directory or hub id (default: the built-in "
+                     "demo model)."),
+        click.option("--dcp-path", default=None, help="A torch.distributed.checkpoint directory to serve "
+                     "(converted once, with --base-model)."),
+        click.option("--base-model", default=None, help="Checkpoint whose config/tokenizer/names a DCP uses."),
+        click.option("--gpus", type=click.IntRange(1), default=None, help="One worker per GPU, N GPUs."),
+        click.option("--gpu-ids", default=None, help="One worker per listed GPU, e.g. 0,2,4."),
+        click.option("--workers", type=click.IntRange(1), default=1, show_default=True,
+                     help="CPU workers when no GPU is named."),
+        click.option("--host", default="127.0.0.1", show_default=True, help="Balancer address."),
+        click.option("--port", type=int, default=8000, show_default=True),
+        click.option("--worker-host", default="127.0.0.1", show_default=True),
+        click.option("--worker-base-port", type=int, default=8001, show_default=True),
+        click.option("--batch-size", type=click.IntRange(1), default=16, show_default=True,
+                     help="Balancer batch size (workers get the same)."),
+        click.option("--max-wait-time", type=click.FloatRange(0), default=0.02, show_default=True,
+                     help="Balancer batch wait time in seconds."),
+        click.option("--default-algorithm", default="basic", show_default=True),
+        click.option("--default-max-tokens", type=click.IntRange(1), default=256, show_default=True),
+        click.option("--dtype", default="auto", show_default=True),
+        click.option("--api-key", default=None, envvar="DLLM_API_KEY", help="Clients must send this Bearer key."),
+        click.option("--worker-api-key", default=None, envvar="DLLM_WORKER_API_KEY",
+                     help="Key between balancer and workers (generated per SLURM job)."),
+        click.option("--log-dir", default="logs", show_default=True, type=click.Path(file_okay=False)),
+        click.option("--server-info-file", default=None, type=click.Path(dir_okay=False),
+                     help='KEY="VAL" file eval jobs wait on (SERVER_STATUS=running).'),
+        click.option("--stagger", type=click.FloatRange(0), default=2.0, show_default=True,
+                     help="Seconds between worker starts."),
+        click.option("--min-workers", type=click.IntRange(1), default=1, show_default=True,
+                     help="Ready workers needed before the balancer serves."),
+        click.option("--startup-timeout", type=click.FloatRange(1), default=1800.0, show_default=True),
+        click.option("--request-timeout", type=click.FloatRange(0, min_open=True), default=1800.0, show_default=True),
+        click.option("--stall-timeout", type=click.FloatRange(0.1), default=60.0, show_default=True),
+        click.option("--health-check-interval", type=click.FloatRange(0.05), default=2.0, show_default=True),
+        click.option("--drain-timeout", type=click.FloatRange(0), default=60.0, show_default=True),
+        click.option("--extra-worker-urls", default=None, help="Workers started elsewhere (multi-node)."),
+        click.option("--no-balancer", is_flag=True, help="Workers only (other nodes of a multi-node job)."),
+        click.option("--slurm-script", default=None, help="sbatch script for SLURM mode (default: slurm/"
+                     "serve_single_node.sbatch)."),
+        click.option("--log-level", default="info", show_default=True),
+    ]
+    for o in reversed(options):
+        f = o(f)
+    return f
+
+
+@main.command()
+@_serve_options
+def serve(local, model_path, dcp_path, base_model, gpus, gpu_ids, workers, host, port, worker_host,
+          worker_base_port, batch_size, max_wait_time, default_algorithm, default_max_tokens, dtype, api_key,
+          worker_api_key, log_dir, server_info_file, stagger, min_workers, startup_timeout, request_timeout,
+          stall_timeout, health_check_interval, drain_timeout, extra_worker_urls, no_balancer, slurm_script,
+          log_level):
+    """Workers (one per GPU, or CPU workers) plus the balancer, supervised: ``--local``, or a SLURM job."""
+    import os
+    from pathlib import Path
+    _logging(log_level)
+    if not local:
+        from common.slurm import submit
+        sys.exit(submit(slurm_script, sys.argv[2:] if len(sys.argv) > 2 else []))
+    from balancer.app import BalancerConfig
+    from balancer.batcher import BatchConfig
+    from balancer.pool import HealthConfig
+    from balancer.supervisor import ServeConfig, run
+    from common.resolve import ResolveError, resolve_model
+    try:
+        if dcp_path:
+            from common.dcp_launch import ensure_converted
+            resolved = ensure_converted(dcp_path, base_model, log=lambda m: click.echo(m, err=True))
+        else:
+            resolved = resolve_model(model_path)
+    except (ResolveError, RuntimeError) as e:
+        raise click.ClickException(str(e))
+    ids = _gpu_ids(gpus, gpu_ids)
+    worker_args = ["--batch-size", str(batch_size * 2), "--max-wait-time", "0", "--default-algorithm",
+                   default_algorithm, "--default-max-tokens", str(default_max_tokens), "--dtype", dtype,
+                   "--request-timeout", str(request_timeout), "--drain-timeout", str(drain_timeout),
+                   "--max-queue", str(max(1024, batch_size * 8)), "--log-level", log_level]
+    bcfg = BalancerConfig(worker_urls=[], request_timeout=request_timeout, drain_timeout=drain_timeout,
+                          api_key=api_key,
+                          batch=BatchConfig(batch_size=batch_size, wait_time=max_wait_time),
+                          health=HealthConfig(interval=health_check_interval, stall_timeout=stall_timeout))
+    cfg = ServeConfig(model_path=str(resolved), gpu_ids=ids, cpu_workers=workers, host=host, port=port,
+                      worker_host=worker_host, worker_base_port=worker_base_port, worker_args=worker_args,
+                      worker_api_key=worker_api_key, balancer=bcfg,
+                      extra_worker_urls=[u for u in (extra_worker_urls or "").split(",") if u],
+                      no_balancer=no_balancer, log_dir=Path(log_dir),
+                      server_info_file=Path(server_info_file) if server_info_file else None, stagger=stagger,
+                      min_workers=min_workers, startup_timeout=startup_timeout)
+    click.echo(f"dllm-serve: model {resolved}; {len(ids) if ids else workers} "
+               f"{'GPU' if ids else 'CPU'} worker(s); balancer on http://{host}:{port}; logs in {log_dir}/",
+               err=True)
+    sys.exit(run(cfg))
+
+
+@main.command("convert-dcp")
+@click.option("--dcp-path", required=True, help="torch.distributed.checkpoint directory (structured or legacy).")
+@click.option("--base-model", required=True, help="Checkpoint the DCP was trained from (config, tokenizer, names).")
+@click.option("--output", default=None, help="Where to write (default: a cache directory keyed by the DCP path).")
+@click.option("--no-cache", is_flag=True, help="Convert straight into --output (no lock, no reuse).")
+def convert_dcp(dcp_path, base_model, output, no_cache):
+    """Convert a DCP checkpoint into a servable directory (once; reused while unchanged)."""
+    if no_cache:
+        from worker.dcp import convert
+        from worker.models import CheckpointError
+        if output is None:
+            raise click.UsageError("--no-cache needs --output")
+        try:
+            convert(dcp_path, base_model, output)
+        except CheckpointError as e:
+            raise click.ClickException(str(e))
+        click.echo(output)
+        return
+    from common.dcp_launch import ensure_converted
+    try:
+        click.echo(ensure_converted(dcp_path, base_model, output, log=lambda m: click.echo(m, err=True)))
+    except (RuntimeError, ValueError) as e:
+        raise click.ClickException(str(e))
+
+
+@main.command()
+@click.option("--url", default="http://127.0.0.1:8000", show_default=True, envvar="DLLM_URL",
+              help="The balancer's base URL.")
+@click.option("--monitor", is_flag=True, help="Live view, refreshed every --interval seconds (Ctrl-C to quit).")
+@click.option("--interval", type=click.FloatRange(0.1), default=2.0, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print /worker-status and /stats as JSON.")
+def status(url, monitor, interval, as_json):
+    """Worker status table. Exit code: 0 all healthy, 1 degraded, 2 down or unreachable."""
+    from common.status import main as status_main
+    sys.exit(status_main(url, monitor, interval, as_json))
+
+
 if __name__ == "__main__":
     main()

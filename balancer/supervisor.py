@@ -1,0 +1,291 @@
+"""The local supervisor (`dllm-serve serve --local`): one parent process that starts one worker per GPU (or CPU
+workers), waits for their readiness through /health (never fixed sleeps), serves the balancer in-process as soon as
+``min_workers`` are ready, restarts crashed workers with backoff, reports crash loops with the log tail, keeps a
+server-info file of KEY="VAL" lines, and on SIGINT/SIGTERM drains and stops everything. Never imports torch."""
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+
+from balancer.app import STATE, BalancerConfig, make_app
+
+log = logging.getLogger("dllm.supervisor")
+
+
+@dataclass
+class ServeConfig:
+    model_path: str
+    gpu_ids: list[str] | None = None      # one worker per id (CUDA_VISIBLE_DEVICES); None: CPU workers
+    cpu_workers: int = 1
+    host: str = "127.0.0.1"               # the balancer's address
+    port: int = 8000
+    worker_host: str = "127.0.0.1"
+    worker_base_port: int = 8001
+    worker_args: list[str] = field(default_factory=list)   # passed to every `dllm-serve worker`
+    worker_api_key: str | None = None
+    balancer: BalancerConfig | None = None
+    extra_worker_urls: list[str] = field(default_factory=list)   # workers run elsewhere (multi-node)
+    no_balancer: bool = False             # workers only (the other nodes of a multi-node job)
+    log_dir: Path = Path("logs")
+    server_info_file: Path | None = None
+    stagger: float = 2.0                  # seconds between worker starts
+    min_workers: int = 1
+    startup_timeout: float = 1800.0       # seconds for the first min_workers to become ready
+    restart_backoff: float = 1.0          # first restart delay, doubled per crash up to restart_backoff_max
+    restart_backoff_max: float = 60.0
+    crash_loop: int = 3                   # this many crashes within crash_window seconds is a crash loop
+    crash_window: float = 120.0
+    stop_timeout: float = 30.0            # seconds workers get to exit after SIGTERM before SIGKILL
+
+
+def _die_with_parent() -> None:
+    """Child side (Linux): receive SIGTERM when the supervisor dies, however it dies: no orphan workers."""
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+@dataclass
+class WorkerProc:
+    index: int
+    port: int
+    gpu: str | None
+    log_path: Path
+    proc: subprocess.Popen | None = None
+    crashes: list[float] = field(default_factory=list)
+    restart_at: float | None = None
+    ready: bool = False
+    ever_ready: bool = False
+    started_at: float = 0.0
+
+
+def log_tail(path: Path, n: int = 40) -> str:
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return "(no log)"
+    return "\n".join(lines[-n:])
+
+
+class Supervisor:
+    def __init__(self, cfg: ServeConfig):
+        self.cfg = cfg
+        cfg.log_dir.mkdir(parents=True, exist_ok=True)
+        ids = cfg.gpu_ids if cfg.gpu_ids is not None else [None] * cfg.cpu_workers
+        self.workers = [WorkerProc(i, cfg.worker_base_port + i, gpu, cfg.log_dir / f"worker-{i}.log")
+                        for i, gpu in enumerate(ids)]
+        self.stopping = False
+        self.status = "initializing"
+        self.runner: web.AppRunner | None = None
+        self.app: web.Application | None = None
+        self.fatal: str | None = None
+
+    # ------------------------------------------------------------ server-info file
+    @property
+    def base_url(self) -> str:
+        host = self.cfg.host if self.cfg.host not in ("0.0.0.0", "::") else os.uname().nodename
+        return f"http://{host}:{self.cfg.port}"
+
+    def write_info(self) -> None:
+        if not self.cfg.server_info_file:
+            return
+        info = {
+            "SERVER_STATUS": self.status,
+            "SERVER_BASE_URL": self.base_url,
+            "SERVER_HEALTH_URL": self.base_url + "/health",
+            "SERVER_STATS_URL": self.base_url + "/stats",
+            "SERVER_HOST": self.cfg.host,
+            "SERVER_PORT": str(self.cfg.port),
+            "SERVER_PID": str(os.getpid()),
+            "MODEL_PATH": self.cfg.model_path,
+            "NUM_WORKERS": str(len(self.workers) + len(self.cfg.extra_worker_urls)),
+            "WORKER_URLS": ",".join(self.worker_urls()),
+            "LOG_DIR": str(self.cfg.log_dir),
+            "UPDATED": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        if os.environ.get("SLURM_JOB_ID"):
+            info["SLURM_JOB_ID"] = os.environ["SLURM_JOB_ID"]
+        if self.fatal:
+            info["SERVER_ERROR"] = self.fatal.replace('"', "'").replace("\n", " ")[:2000]
+        path = self.cfg.server_info_file
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(f'{k}="{v}"\n' for k, v in info.items()))
+        os.replace(tmp, path)
+
+    def worker_urls(self) -> list[str]:
+        host = self.cfg.worker_host if self.cfg.worker_host not in ("0.0.0.0", "::") else "127.0.0.1"
+        return [f"http://{host}:{w.port}" for w in self.workers] + self.cfg.extra_worker_urls
+
+    # ------------------------------------------------------------ workers
+    def _spawn(self, w: WorkerProc) -> None:
+        c = self.cfg
+        args = [sys.executable, "-m", "common.cli", "worker", "--model-path", c.model_path,
+                "--host", c.worker_host, "--port", str(w.port), *c.worker_args]
+        env = dict(os.environ)
+        if c.worker_api_key:
+            env["DLLM_API_KEY"] = c.worker_api_key
+        if w.gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = w.gpu
+            args += ["--device", "cuda"]
+        else:
+            env["CUDA_VISIBLE_DEVICES"] = ""
+            args += ["--device", "cpu"]
+        logf = open(w.log_path, "ab")
+        logf.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} starting worker {w.index} on "
+                   f"{'GPU ' + w.gpu if w.gpu is not None else 'CPU'}: {' '.join(args)}\n".encode())
+        logf.flush()
+        w.proc = subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                  preexec_fn=_die_with_parent, cwd=Path(__file__).resolve().parent.parent)
+        logf.close()
+        w.ready = False
+        w.started_at = time.monotonic()
+        w.restart_at = None
+        log.info("worker %d started (pid %d, port %d, %s)", w.index, w.proc.pid, w.port,
+                 f"GPU {w.gpu}" if w.gpu is not None else "CPU")
+
+    async def _probe(self, session: aiohttp.ClientSession, w: WorkerProc) -> bool:
+        try:
+            headers = {"Authorization": f"Bearer {self.cfg.worker_api_key}"} if self.cfg.worker_api_key else {}
+            async with session.get(f"http://127.0.0.1:{w.port}/health", headers=headers,
+                                   timeout=aiohttp.ClientTimeout(total=2)) as r:
+                return r.status == 200 and (await r.json(content_type=None)).get("status") == "ready"
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+            return False
+
+    def _on_exit(self, w: WorkerProc) -> None:
+        code = w.proc.returncode
+        now = time.monotonic()
+        w.crashes = [t for t in w.crashes if now - t < self.cfg.crash_window] + [now]
+        w.ready = False
+        delay = min(self.cfg.restart_backoff * 2 ** (len(w.crashes) - 1), self.cfg.restart_backoff_max)
+        w.restart_at = now + delay
+        tail = log_tail(w.log_path)
+        if len(w.crashes) >= self.cfg.crash_loop:
+            log.error("worker %d is in a crash loop (%d exits in %.0f s, last code %s); restarting in %.0f s. "
+                      "Last lines of %s:\n%s", w.index, len(w.crashes), self.cfg.crash_window, code, delay,
+                      w.log_path, tail)
+        else:
+            log.warning("worker %d exited with code %s; restarting in %.1f s. Last lines of %s:\n%s",
+                        w.index, code, delay, w.log_path, log_tail(w.log_path, 10))
+        if not any(x.ever_ready for x in self.workers) and all(len(x.crashes) >= self.cfg.crash_loop
+                                                                for x in self.workers):
+            self.fatal = (f"every worker crashed {self.cfg.crash_loop} times before becoming ready; "
+                          f"last lines of {w.log_path}:\n{tail}")
+
+    # ------------------------------------------------------------ main loop
+    async def run(self, stop: asyncio.Event | None = None) -> int:
+        stop = stop or asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        self.write_info()
+        async with aiohttp.ClientSession() as session:
+            next_start = time.monotonic()
+            pending_start = list(self.workers)
+            t0 = time.monotonic()
+            while not stop.is_set():
+                now = time.monotonic()
+                if pending_start and now >= next_start:         # staggered starts
+                    self._spawn(pending_start.pop(0))
+                    next_start = now + self.cfg.stagger
+                for w in self.workers:
+                    if w.proc is None:
+                        continue
+                    if w.proc.poll() is not None and w.restart_at is None:
+                        self._on_exit(w)
+                    elif w.restart_at is not None and now >= w.restart_at:
+                        self._spawn(w)
+                    elif w.proc.poll() is None and not w.ready and await self._probe(session, w):
+                        w.ready = w.ever_ready = True
+                        log.info("worker %d ready after %.1f s", w.index, time.monotonic() - w.started_at)
+                if self.fatal:
+                    log.error("giving up: %s", self.fatal)
+                    self.status = "failed"
+                    break
+                ready = sum(w.ready for w in self.workers)
+                if self.status == "initializing":
+                    if ready >= min(self.cfg.min_workers, len(self.workers)) or (not self.workers and not
+                                                                                  self.cfg.no_balancer):
+                        await self._start_balancer()
+                        self.status = "running"
+                        self.write_info()
+                        log.info("serving on %s (%d/%d workers ready)", self.base_url, ready, len(self.workers))
+                    elif now - t0 > self.cfg.startup_timeout:
+                        self.fatal = f"fewer than {self.cfg.min_workers} workers ready after " \
+                                     f"{self.cfg.startup_timeout:g} s"
+                        self.status = "failed"
+                        log.error(self.fatal)
+                        break
+                try:
+                    await asyncio.wait_for(stop.wait(), 0.25)
+                except asyncio.TimeoutError:
+                    pass
+            await self._shutdown()
+        return 1 if self.fatal else 0
+
+    async def _start_balancer(self) -> None:
+        if self.cfg.no_balancer:
+            return
+        bcfg = self.cfg.balancer or BalancerConfig(worker_urls=[])
+        bcfg.worker_urls = self.worker_urls()
+        bcfg.host, bcfg.port = self.cfg.host, self.cfg.port
+        if self.cfg.worker_api_key:
+            bcfg.worker_api_key = self.cfg.worker_api_key
+        self.app = make_app(bcfg)
+        self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        await self.runner.setup()
+        await web.TCPSite(self.runner, bcfg.host, bcfg.port, reuse_address=True).start()
+
+    async def _shutdown(self) -> None:
+        self.stopping = True
+        if self.status != "failed":
+            self.status = "stopping"
+        log.info("stopping: draining the balancer, then the workers")
+        if self.app is not None:
+            state = self.app[STATE]
+            state.draining = True
+            try:
+                async with asyncio.timeout(state.cfg.drain_timeout):
+                    while state.active or state.batcher.queue_depth or state.batcher.in_flight:
+                        await asyncio.sleep(0.05)
+            except TimeoutError:
+                log.warning("drain timeout with %d requests unfinished", state.active)
+            await self.runner.cleanup()
+        live = [w for w in self.workers if w.proc is not None and w.proc.poll() is None]
+        for w in live:
+            w.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.cfg.stop_timeout
+        for w in live:
+            try:
+                w.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning("worker %d did not stop in %.0f s: SIGKILL", w.index, self.cfg.stop_timeout)
+                os.killpg(w.proc.pid, signal.SIGKILL)
+                w.proc.wait()
+        if self.status != "failed":
+            self.status = "stopped"
+        self.write_info()
+        log.info("stopped")
+
+
+def run(cfg: ServeConfig) -> int:
+    async def main():
+        return await Supervisor(cfg).run()
+    try:
+        import uvloop
+        return uvloop.run(main())
+    except ImportError:
+        return asyncio.run(main())

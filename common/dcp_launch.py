@@ -1,0 +1,67 @@
+"""Converting a DCP checkpoint once before workers start: a file lock serialises racing launches, the conversion
+runs in a subprocess (torch stays out of the supervisor) into a temporary directory renamed into place atomically,
+and the result is reused while the checkpoint is unchanged (a fingerprint of its files' names, sizes and mtimes)."""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+FINGERPRINT = ".dcp-fingerprint.json"
+
+
+def fingerprint(dcp_path: Path, base_model: Path) -> dict:
+    files = sorted((str(p.relative_to(dcp_path)), p.stat().st_size, p.stat().st_mtime_ns)
+                   for p in dcp_path.rglob("*") if p.is_file())
+    digest = hashlib.sha256(json.dumps(files).encode()).hexdigest()
+    return {"dcp_path": str(dcp_path.resolve()), "base_model": str(base_model), "files": digest}
+
+
+def default_output(dcp_path: Path) -> Path:
+    cache = Path(os.environ.get("DLLM_CACHE", Path.home() / ".cache" / "dllm-serve")) / "converted"
+    tag = hashlib.sha256(str(dcp_path.resolve()).encode()).hexdigest()[:16]
+    return cache / f"{dcp_path.resolve().name}-{tag}"
+
+
+def ensure_converted(dcp_path: str | Path, base_model: str | Path, output: str | Path | None = None,
+                     log=print) -> Path:
+    from common.resolve import resolve_model
+    dcp_path = Path(dcp_path)
+    if not dcp_path.is_dir():
+        raise RuntimeError(f"--dcp-path {str(dcp_path)!r} is not a directory")
+    if base_model is None:
+        raise RuntimeError("--dcp-path needs --base-model (the checkpoint whose config, tokenizer and tensor names "
+                           "the DCP was trained from)")
+    base = resolve_model(str(base_model))
+    output = Path(output) if output else default_output(dcp_path)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    want = fingerprint(dcp_path, base)
+    with open(output.parent / f".{output.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)           # a racing launch waits here, then finds the result
+        marker = output / FINGERPRINT
+        if marker.is_file() and json.loads(marker.read_text()) == want:
+            log(f"dllm-serve: reusing converted checkpoint {output}")
+            return output
+        tmp = output.parent / f".{output.name}.tmp-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        log(f"dllm-serve: converting DCP {dcp_path} (base {base}) -> {output}")
+        r = subprocess.run([sys.executable, "-m", "common.cli", "convert-dcp", "--dcp-path", str(dcp_path),
+                            "--base-model", str(base), "--output", str(tmp), "--no-cache"],
+                           capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
+        if r.returncode != 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise RuntimeError(f"DCP conversion failed:\n{(r.stdout + r.stderr)[-3000:]}")
+        (tmp / FINGERPRINT).write_text(json.dumps(want))
+        if output.exists():
+            old = output.parent / f".{output.name}.old-{os.getpid()}"
+            os.replace(output, old)
+            os.replace(tmp, output)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, output)
+        return output

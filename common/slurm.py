@@ -1,0 +1,42 @@
+"""SLURM mode of ``dllm-serve serve`` (no ``--local``): submit the sbatch script with the serve flags and say how
+to connect."""
+from __future__ import annotations
+
+import os
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def submit(script: str | None, argv: list[str]) -> int:
+    sbatch = shutil.which("sbatch")
+    if sbatch is None:
+        print("dllm-serve: sbatch not found. Run on this machine with --local, or submit from a SLURM login node.")
+        return 2
+    script_path = Path(script) if script else ROOT / "slurm" / "serve_single_node.sbatch"
+    flags = [a for a in argv if a not in ("--local",)]
+    info = Path(os.environ.get("DLLM_SERVER_INFO_DIR", Path.home() / ".dllm-serve"))
+    env = dict(os.environ, DLLM_SERVE_ROOT=str(ROOT), DLLM_SERVE_ARGS=shlex.join(flags),
+               DLLM_SERVER_INFO_DIR=str(info))
+    opts = []
+    for flag in ("--gpus",):
+        if flag in flags and flags.index(flag) + 1 < len(flags):
+            opts.append(f"--gres=gpu:{flags[flags.index(flag) + 1]}")
+    if "--gpu-ids" in flags and flags.index("--gpu-ids") + 1 < len(flags):
+        opts.append(f"--gres=gpu:{len(flags[flags.index('--gpu-ids') + 1].split(','))}")
+    out = subprocess.run([sbatch, "--parsable", "--export=ALL", *opts, str(script_path)], env=env,
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        print(f"dllm-serve: sbatch failed: {out.stderr.strip()}")
+        return out.returncode
+    job = out.stdout.strip().split(";")[0]
+    info_file = info / f"server-info-{job}"
+    print(f"submitted SLURM job {job} ({script_path.name})")
+    print(f"server info: {info_file}   (wait for SERVER_STATUS=\"running\")")
+    print(f"  until grep -q 'SERVER_STATUS=\"running\"' {info_file} 2>/dev/null; do sleep 5; done; cat {info_file}")
+    print("connect from your machine: ssh -N -L 8000:<node>:<port> <login-node>  (node and port: SERVER_BASE_URL)")
+    print(f"stop: scancel {job}")
+    return 0

@@ -1,0 +1,90 @@
+"""``dllm-serve status`` / ``scripts/check_worker_status.py``: the balancer's /worker-status and /stats as a table,
+a live view (``--monitor``), or JSON. Exit code: 0 all workers healthy, 1 degraded, 2 down or unreachable."""
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+from rich.text import Text
+
+COLOURS = {"idle": "green", "busy": "cyan", "starting": "yellow", "stalled": "magenta", "unhealthy": "red",
+           "draining": "blue"}
+
+
+def fetch(url: str, timeout: float = 5.0) -> dict:
+    """{"worker_status": ..., "stats": ...} or {"error": "..."}."""
+    out = {}
+    try:
+        for key, path in (("worker_status", "/worker-status"), ("stats", "/stats")):
+            with urllib.request.urlopen(url.rstrip("/") + path, timeout=timeout) as r:
+                out[key] = json.loads(r.read())
+    except (urllib.error.URLError, OSError, ValueError) as e:
+        return {"error": f"{url} unreachable: {getattr(e, 'reason', e)}"}
+    return out
+
+
+def exit_code(data: dict) -> int:
+    if "error" in data:
+        return 2
+    ws = data["worker_status"]
+    if ws["healthy_workers"] == 0:
+        return 2
+    return 0 if ws["healthy_workers"] == ws["total_workers"] else 1
+
+
+def _ago(v) -> str:
+    return "-" if v is None else f"{v:.1f}s"
+
+
+def render(data: dict, url: str):
+    if "error" in data:
+        return Text(data["error"], style="bold red")
+    ws, st = data["worker_status"], data["stats"]
+    sys_style = {"normal": "green", "overloaded": "yellow", "degraded": "yellow", "down": "bold red"}
+    head = Text.assemble(("dllm-serve ", "bold"), (url, "dim"), "  system ",
+                         (ws["system_status"], sys_style.get(ws["system_status"], "")),
+                         f"  workers {ws['healthy_workers']}/{ws['total_workers']} healthy",
+                         f"  queue {st['queue_depth']}  in flight {st['in_flight']}")
+    t = Table(show_edge=False, header_style="bold")
+    for col in ("worker", "url", "status", "in flight", "batches", "served", "errors", "last activity",
+                "device step"):
+        t.add_column(col, justify="right" if col not in ("url", "status") else "left")
+    for w in ws["workers"]:
+        h = w.get("worker_health") or {}
+        t.add_row(str(w["worker_id"]), w["url"], Text(w["status"], style=COLOURS.get(w["status"], "")),
+                  str(w["in_flight"]), str(w.get("in_flight_batches", 0)), str(w["requests_served"]),
+                  str(w["errors"]), _ago(w.get("last_activity_seconds_ago")),
+                  _ago(h.get("seconds_since_last_step")) if h.get("busy") else "idle")
+    cb, lm = st["centralized_batching"], st["last_minute"]
+    foot = Text(f"batching: max {cb['max_batch_size']}, wait {cb['max_wait_time']}s, batches "
+                f"{cb['total_batches_processed']}, avg size {cb['avg_batch_size']}  |  last minute: "
+                f"{lm['requests']} requests, {lm['requests_per_second']} req/s, p50 {lm['latency_p50']}s, "
+                f"p99 {lm['latency_p99']}s  |  re-dispatched {st.get('redispatched_requests', 0)}")
+    return Group(head, t, foot)
+
+
+def main(url: str, monitor: bool, interval: float, as_json: bool) -> int:
+    console = Console()
+    if as_json:
+        data = fetch(url)
+        print(json.dumps(data, indent=2))
+        return exit_code(data)
+    if not monitor:
+        data = fetch(url)
+        console.print(render(data, url))
+        return exit_code(data)
+    data = fetch(url)
+    try:
+        with Live(render(data, url), console=console, refresh_per_second=4, screen=False) as live:
+            while True:
+                time.sleep(interval)
+                data = fetch(url)
+                live.update(render(data, url))
+    except KeyboardInterrupt:
+        pass
+    return exit_code(data)

@@ -1,0 +1,15 @@
+#!/usr/bin/env python3
+"""Worker status of a running dllm-serve (thin wrapper over `dllm-serve status`).
+
+  scripts/check_worker_status.py --url http://localhost:8000 --monitor --interval 2
+  scripts/check_worker_status.py --json      # exit code: 0 all healthy, 1 degraded, 2 down or unreachable
+"""
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from common.cli import main  # noqa: E402
+
+if __name__ == "__main__":
+    main(["status", *sys.argv[1:]])
