@@ -46,14 +46,14 @@ def render(data: dict, url: str):
         return Text(data["error"], style="bold red")
     ws, st = data["worker_status"], data["stats"]
     sys_style = {"normal": "green", "overloaded": "yellow", "degraded": "yellow", "down": "bold red"}
-    head = Text.assemble(("dllm-serve ", "bold"), (url, "dim"), "  system ",
+    head = Text.assemble(("dllm-serve ", "bold"), (url, "dim"), "  system: ",
                          (ws["system_status"], sys_style.get(ws["system_status"], "")),
                          f"  workers {ws['healthy_workers']}/{ws['total_workers']} healthy",
                          f"  queue {st['queue_depth']}  in flight {st['in_flight']}")
-    t = Table(show_edge=False, header_style="bold")
-    for col in ("worker", "url", "status", "in flight", "batches", "served", "errors", "last activity",
-                "device step"):
-        t.add_column(col, justify="right" if col not in ("url", "status") else "left")
+    t = Table(show_edge=False, header_style="bold", pad_edge=False)
+    for col in ("id", "url", "status", "rows", "batches", "served", "errors", "active", "step"):
+        t.add_column(col, justify="right" if col not in ("url", "status") else "left", no_wrap=True,
+                     min_width=9 if col == "status" else None)
     for w in ws["workers"]:
         h = w.get("worker_health") or {}
         t.add_row(str(w["worker_id"]), w["url"], Text(w["status"], style=COLOURS.get(w["status"], "")),
@@ -61,15 +61,18 @@ def render(data: dict, url: str):
                   str(w["errors"]), _ago(w.get("last_activity_seconds_ago")),
                   _ago(h.get("seconds_since_last_step")) if h.get("busy") else "idle")
     cb, lm = st["centralized_batching"], st["last_minute"]
+    legend = Text("rows/batches: in flight; active: since the last event; step: since the device's last "
+                  "denoising step", style="dim")
     foot = Text(f"batching: max {cb['max_batch_size']}, wait {cb['max_wait_time']}s, batches "
                 f"{cb['total_batches_processed']}, avg size {cb['avg_batch_size']}  |  last minute: "
                 f"{lm['requests']} requests, {lm['requests_per_second']} req/s, p50 {lm['latency_p50']}s, "
                 f"p99 {lm['latency_p99']}s  |  re-dispatched {st.get('redispatched_requests', 0)}")
-    return Group(head, t, foot)
+    return Group(head, t, foot, legend)
 
 
 def main(url: str, monitor: bool, interval: float, as_json: bool) -> int:
-    console = Console()
+    import sys
+    console = Console() if sys.stdout.isatty() else Console(width=140)
     if as_json:
         data = fetch(url)
         print(json.dumps(data, indent=2))

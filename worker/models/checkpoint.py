@@ -74,8 +74,11 @@ def weight_files(path: str | os.PathLike) -> list[Path]:
 def safetensors_header(file: Path) -> tuple[dict, int]:
     """(header without __metadata__, offset of the data section)."""
     with open(file, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
+        try:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        except (struct.error, ValueError) as e:
+            raise CheckpointError(f"{file.name}: corrupt or truncated safetensors header ({e})")
     header.pop("__metadata__", None)
     return header, 8 + n
 

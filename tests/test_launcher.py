@@ -1,0 +1,227 @@
+"""Launcher and operations: model resolution, DCP conversion, the status command, GPU assignment, and
+`dllm-serve serve --local` end to end (supervised workers, restart after kill -9, SIGTERM with nothing left)."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+from aiohttp import web
+from click.testing import CliRunner
+
+from common.cli import _gpu_ids, main as cli
+from common.resolve import DEMO_MODEL, ResolveError, resolve_model
+from tests.conftest import TINY_LLADA
+from tests.helpers import DLLM, ROOT, free_port, get_json, post_json
+
+
+# ---------------------------------------------------------------- model resolution
+def test_resolve_local_demo_and_errors(tmp_path):
+    assert resolve_model(None) == DEMO_MODEL
+    assert resolve_model(str(TINY_LLADA)) == TINY_LLADA.resolve()
+    with pytest.raises(ResolveError, match="no such directory"):
+        resolve_model(str(tmp_path / "nope"))
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ResolveError, match="no weights"):
+        resolve_model(str(tmp_path))
+
+
+def test_resolve_hub_id_through_the_local_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    import importlib
+
+    import huggingface_hub.constants as c
+    importlib.reload(c)
+    with pytest.raises(ResolveError, match="not in the Hugging Face cache"):
+        resolve_model("GSAI-ML/LLaDA-8B-Instruct")
+    repo = tmp_path / "hf" / "hub" / "models--GSAI-ML--LLaDA-8B-Instruct"
+    snap = repo / "snapshots" / "abc123"
+    shutil.copytree(TINY_LLADA, snap)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    try:
+        assert resolve_model("GSAI-ML/LLaDA-8B-Instruct") == snap
+    finally:
+        monkeypatch.undo()
+        importlib.reload(c)
+
+
+def test_gpu_ids(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert _gpu_ids(None, None) is None
+    assert _gpu_ids(3, None) == ["0", "1", "2"]
+    assert _gpu_ids(None, "0,2,4") == ["0", "2", "4"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")      # e.g. set by SLURM for the job
+    assert _gpu_ids(2, None) == ["4", "5"]
+
+
+# ---------------------------------------------------------------- DCP
+def _write_dcp(dest: Path, layout: str):
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+    sd = load_file(TINY_LLADA / "model.safetensors")
+    if layout == "structured":      # NeMo-RL: weights/ = DCP of {"model": state_dict}, plus tokenizer/
+        dcp.save({"model": sd}, checkpoint_id=str(dest / "weights"))
+        (dest / "tokenizer").mkdir()
+        for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+            shutil.copy(TINY_LLADA / f, dest / "tokenizer" / f)
+    else:                           # legacy: .metadata and *.distcp at the top, keys with the HF module prefix
+        dcp.save({"model." + k: v for k, v in sd.items()}, checkpoint_id=str(dest))
+
+
+@pytest.mark.parametrize("layout", ["structured", "legacy"])
+def test_dcp_converts_once_and_generates_identically(tmp_path, layout, llada_golden, monkeypatch):
+    monkeypatch.setenv("DLLM_CACHE", str(tmp_path / "cache"))
+    _write_dcp(tmp_path / "ckpt", layout)
+    runner = CliRunner()
+    r = runner.invoke(cli, ["convert-dcp", "--dcp-path", str(tmp_path / "ckpt"), "--base-model", str(TINY_LLADA)])
+    assert r.exit_code == 0, r.output
+    out = Path(r.stdout.strip().splitlines()[-1])
+    assert "converting" in r.stderr
+    again = runner.invoke(cli, ["convert-dcp", "--dcp-path", str(tmp_path / "ckpt"), "--base-model", str(TINY_LLADA)])
+    assert "reusing" in again.stderr and Path(again.stdout.strip().splitlines()[-1]) == out
+    case = next(c for c in llada_golden["cases"] if c["algorithm"] == "basic")
+    args = ["generate", "--prompt-ids", ",".join(map(str, case["prompt"])), "--gen-length", str(case["gen_length"]),
+            "--block-length", str(case["block_length"]), "--steps", str(case["steps"]), "--json", "--no-early-exit",
+            "--device", "cpu"]
+    converted = json.loads(runner.invoke(cli, args[:1] + ["--model-path", str(out)] + args[1:]).stdout)
+    assert converted["canvas"] == case["output"]
+
+
+def test_dcp_racing_launches_convert_once(tmp_path):
+    _write_dcp(tmp_path / "ckpt", "structured")
+    env = dict(os.environ, DLLM_CACHE=str(tmp_path / "cache"))
+    cmd = DLLM + ["convert-dcp", "--dcp-path", str(tmp_path / "ckpt"), "--base-model", str(TINY_LLADA)]
+    procs = [subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(3)]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    assert sum("converting" in err for _, err in outs) == 1
+    assert len({out.strip() for out, _ in outs}) == 1
+
+
+def test_dcp_with_wrong_names_is_a_clear_error(tmp_path, monkeypatch):
+    import torch
+    import torch.distributed.checkpoint as dcp
+    monkeypatch.setenv("DLLM_CACHE", str(tmp_path / "cache"))
+    dcp.save({"model": {"encoder.weight": torch.zeros(2)}}, checkpoint_id=str(tmp_path / "ckpt" / "weights"))
+    r = CliRunner().invoke(cli, ["convert-dcp", "--dcp-path", str(tmp_path / "ckpt"), "--base-model", str(TINY_LLADA)])
+    assert r.exit_code != 0 and "lacks" in r.output
+    r = CliRunner().invoke(cli, ["convert-dcp", "--dcp-path", str(tmp_path), "--base-model", str(TINY_LLADA)])
+    assert r.exit_code != 0 and "not a DCP checkpoint" in r.output
+
+
+# ---------------------------------------------------------------- status command
+def _fake_balancer(healthy: int, total: int):
+    ws = {"timestamp": 0, "healthy_workers": healthy, "total_workers": total,
+          "system_status": "normal" if healthy == total else ("down" if not healthy else "degraded"),
+          "workers": [{"worker_id": i, "url": f"http://w{i}", "status": "idle" if i < healthy else "unhealthy",
+                       "in_flight": 0, "in_flight_batches": 0, "requests_served": 3, "errors": 0,
+                       "last_activity_seconds_ago": 1.0, "worker_health": {}} for i in range(total)]}
+    stats = {"queue_depth": 0, "in_flight": 0, "redispatched_requests": 0,
+             "centralized_batching": {"max_batch_size": 16, "max_wait_time": 0.02, "total_batches_processed": 1,
+                                      "avg_batch_size": 1.0},
+             "last_minute": {"requests": 1, "requests_per_second": 0.1, "latency_p50": 0.1, "latency_p99": 0.1}}
+    app = web.Application()
+    app.router.add_get("/worker-status", lambda r: web.json_response(ws))
+    app.router.add_get("/stats", lambda r: web.json_response(stats))
+    return app
+
+
+@pytest.mark.parametrize("healthy, code", [(2, 0), (1, 1), (0, 2)])
+async def test_status_exit_codes(aiohttp_server, healthy, code):
+    import asyncio
+    server = await aiohttp_server(_fake_balancer(healthy, 2))
+    url = str(server.make_url("")).rstrip("/")
+    loop = asyncio.get_running_loop()
+    res = await loop.run_in_executor(None, lambda: CliRunner().invoke(cli, ["status", "--url", url]))
+    assert res.exit_code == code, res.output
+    assert "unhealthy" in res.output if healthy < 2 else "idle" in res.output
+    res = await loop.run_in_executor(None, lambda: CliRunner().invoke(cli, ["status", "--url", url, "--json"]))
+    assert res.exit_code == code and json.loads(res.output)["worker_status"]["healthy_workers"] == healthy
+
+
+def test_status_unreachable():
+    res = CliRunner().invoke(cli, ["status", "--url", f"http://127.0.0.1:{free_port()}", "--json"])
+    assert res.exit_code == 2 and "unreachable" in res.output
+
+
+# ---------------------------------------------------------------- serve --local, end to end
+def _info(path: Path) -> dict:
+    if not path.exists():
+        return {}
+    return dict(line.split("=", 1) for line in path.read_text().splitlines() if "=" in line)
+
+
+@pytest.mark.slow
+def test_serve_local_restarts_a_killed_worker_and_stops_cleanly(tmp_path):
+    port, wport = free_port(), free_port()
+    info = tmp_path / "server.env"
+    log = open(tmp_path / "serve.log", "wb")
+    p = subprocess.Popen([*DLLM, "serve", "--local", "--workers", "2", "--port", str(port), "--worker-base-port",
+                          str(wport), "--stagger", "0.2", "--health-check-interval", "0.3", "--server-info-file",
+                          str(info), "--log-dir", str(tmp_path / "logs")], cwd=ROOT, stdout=log,
+                         stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while _info(info).get("SERVER_STATUS") != '"running"':
+            assert p.poll() is None and time.monotonic() < deadline, (tmp_path / "serve.log").read_text()
+            time.sleep(0.2)
+        assert _info(info)["SERVER_BASE_URL"] == f'"http://127.0.0.1:{port}"'
+        url = f"http://127.0.0.1:{port}"
+        status, body = post_json(url + "/v1/chat/completions",
+                                 {"messages": [{"role": "user", "content": "di vo"}], "max_tokens": 8})
+        assert status == 200 and body["model"] == "demo_model"
+        while get_json(url + "/health")[1]["healthy_workers"] < 2:
+            time.sleep(0.2)
+        children = psutil.Process(p.pid).children(recursive=True)
+        assert len(children) == 2
+        assert sorted(f.name for f in (tmp_path / "logs").iterdir()) == ["worker-0.log", "worker-1.log"]
+        victim = next(c for c in children if str(wport) in " ".join(c.cmdline()))
+        victim.kill()
+        t0 = time.monotonic()
+        seen_down = False
+        while True:
+            ws = get_json(url + "/worker-status")[1]
+            st = ws["workers"][0]["status"]
+            seen_down |= st != "idle"
+            if seen_down and st == "idle":
+                break
+            assert time.monotonic() - t0 < 60, ws
+            time.sleep(0.2)
+        assert time.monotonic() - t0 < 30          # back within seconds (a fresh worker loads the model again)
+        assert "exited with code -9; restarting" in (tmp_path / "serve.log").read_text()
+        assert post_json(url + "/v1/completions", {"prompt": [1, 2], "max_tokens": 4})[0] == 200
+        procs = psutil.Process(p.pid).children(recursive=True)
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(60) == 0
+        gone, alive = psutil.wait_procs(procs, timeout=10)
+        assert not alive, "orphan processes after SIGTERM"
+        assert _info(info)["SERVER_STATUS"] == '"stopped"'
+    finally:
+        if p.poll() is None:
+            p.kill()
+        log.close()
+
+
+@pytest.mark.slow
+def test_serve_reports_a_crash_loop_and_gives_up(tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(TINY_LLADA, broken)
+    size = (broken / "model.safetensors").stat().st_size
+    with open(broken / "model.safetensors", "r+b") as f:
+        f.truncate(size // 2)                         # loads start, then fail: every worker exits
+    info = tmp_path / "server.env"
+    r = subprocess.run([*DLLM, "serve", "--local", "--model-path", str(broken), "--port", str(free_port()),
+                        "--worker-base-port", str(free_port()), "--server-info-file", str(info),
+                        "--log-dir", str(tmp_path / "logs")], cwd=ROOT, capture_output=True, text=True, timeout=180)
+    assert r.returncode == 1
+    assert "crash loop" in r.stderr and "truncated" in r.stderr     # the worker's own log tail is shown
+    assert _info(info)["SERVER_STATUS"] == '"failed"' and "SERVER_ERROR" in _info(info)
