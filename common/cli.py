@@ -234,7 +234,7 @@ def _serve_options(f):
         click.option("--worker-host", default="127.0.0.1", show_default=True),
         click.option("--worker-base-port", type=int, default=8001, show_default=True),
         click.option("--batch-size", type=click.IntRange(1), default=16, show_default=True,
-                     help="Balancer batch size (workers get the same)."),
+                     help="Balancer batch size (each worker takes twice that: two batches in flight)."),
         click.option("--max-wait-time", type=click.FloatRange(0), default=0.02, show_default=True,
                      help="Balancer batch wait time in seconds."),
         click.option("--default-algorithm", default="basic", show_default=True),
