@@ -27,6 +27,8 @@ def submit(script: str | None, argv: list[str]) -> int:
             opts.append(f"--gres=gpu:{flags[flags.index(flag) + 1]}")
     if "--gpu-ids" in flags and flags.index("--gpu-ids") + 1 < len(flags):
         opts.append(f"--gres=gpu:{len(flags[flags.index('--gpu-ids') + 1].split(','))}")
+    info.mkdir(parents=True, exist_ok=True)
+    opts.append(f"--output={info / 'dllm-serve-%j.out'}")
     out = subprocess.run([sbatch, "--parsable", "--export=ALL", *opts, str(script_path)], env=env,
                          capture_output=True, text=True)
     if out.returncode != 0:
@@ -35,7 +37,8 @@ def submit(script: str | None, argv: list[str]) -> int:
     job = out.stdout.strip().split(";")[0]
     info_file = info / f"server-info-{job}"
     print(f"submitted SLURM job {job} ({script_path.name})")
-    print(f"server info: {info_file}   (wait for SERVER_STATUS=\"running\")")
+    print(f"server info: {info_file}   (wait for SERVER_STATUS=\"running\"); job output: "
+          f"{info / f'dllm-serve-{job}.out'}")
     print(f"  until grep -q 'SERVER_STATUS=\"running\"' {info_file} 2>/dev/null; do sleep 5; done; cat {info_file}")
     print("connect from your machine: ssh -N -L 8000:<node>:<port> <login-node>  (node and port: SERVER_BASE_URL)")
     print(f"stop: scancel {job}")
