@@ -166,7 +166,7 @@ def test_kill_9_of_a_worker_under_load_loses_no_request(tmp_path):
     try:
         c.wait_ready()
         results = []
-        t = threading.Thread(target=_load_in_thread, args=(c.url, 64, 256, results))
+        t = threading.Thread(target=_load_in_thread, args=(c.url, 64, 128, results))
         t.start()
         victim = c.workers[0]
         while get_json(c.url + "/stats")[1]["workers"][0]["in_flight"] == 0:
@@ -193,7 +193,7 @@ def test_sigstop_is_stalled_then_readmitted(tmp_path):
     try:
         c.wait_ready()
         results = []
-        t = threading.Thread(target=_load_in_thread, args=(c.url, 24, 384, results))
+        t = threading.Thread(target=_load_in_thread, args=(c.url, 24, 256, results))
         t.start()
         victim = c.workers[0]
         while get_json(c.url + "/stats")[1]["workers"][0]["in_flight"] == 0:
