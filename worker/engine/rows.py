@@ -133,15 +133,26 @@ class Canvas:
     def gen_start(self, b: int) -> int:
         return self.offsets[b] + self.rows[b].plan.prompt_length
 
-    def keep(self, keep: list[int]) -> None:
-        """Compact to the rows at batch indices ``keep``, trimming the left padding no longer needed."""
+    def read_gens(self) -> dict[int, list[int]]:
+        """Each row's generated canvas (row index -> ids), read back from the device in one transfer."""
+        xc = self.x.cpu()
+        out = {}
+        for b, r in enumerate(self.rows):
+            s = self.gen_start(b)
+            out[r.index] = xc[b, s: s + r.plan.canvas_length].tolist()
+        return out
+
+    def keep(self, keep: list[int]) -> int:
+        """Compact to the rows at batch indices ``keep``, trimming the left padding no longer needed; returns how
+        many columns were trimmed (a KV cache laid out like the canvas follows with ``KVCache.keep``)."""
         self.rows = [self.rows[b] for b in keep]
         if not self.rows:
-            return
+            return 0
         trim = min(self.offsets[b] for b in keep)
         self.x = self.x[keep, trim:]
         self.offsets = [self.offsets[b] - trim for b in keep]
         self._index()
+        return trim
 
     def uncond(self, which: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Unconditional copies of rows ``which`` for classifier-free guidance: the prompt replaced by masks."""

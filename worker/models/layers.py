@@ -57,3 +57,49 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         k = k.repeat_interleave(g, dim=1)
         v = v.repeat_interleave(g, dim=1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+class KVCache:
+    """One preallocated key/value cache per batch slot: ``k``/``v`` of shape [layers, slots, kv_heads, width, head_dim]
+    holding keys already rotated at their absolute positions. Rows are laid out like the batch canvas (right-aligned),
+    so cache column j is canvas column j. Nothing is concatenated per step: a window's fresh keys are written in place.
+    """
+
+    def __init__(self, layers: int, slots: int, kv_heads: int, width: int, head_dim: int, dtype, device):
+        shape = (layers, slots, kv_heads, width, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    def keep(self, rows: list[int], trim: int) -> None:
+        """Follow the canvas when it drops rows and trims ``trim`` columns of left padding."""
+        idx = torch.tensor(rows, device=self.k.device)
+        self.k = self.k.index_select(1, idx)[:, :, :, trim:].contiguous()
+        self.v = self.v.index_select(1, idx)[:, :, :, trim:].contiguous()
+
+
+class LayerKV:
+    """How one layer's forward uses the cache: ``fill`` stores the keys/values of whole rows (a full forward at a block
+    start) and attends to them as a plain forward would; ``window`` writes the fresh keys/values of the window's valid
+    positions (batch row ``bi``, window index ``wi`` -> cache column ``cols[bi, wi]``) and attends to the whole cache
+    row (prefix, the fresh window and, for the dual cache, the cached suffix)."""
+
+    def __init__(self, cache: KVCache, layer: int, slots: torch.Tensor | None, window=None):
+        self.cache, self.layer, self.slots, self.window = cache, layer, slots, window
+
+    def __call__(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        ck, cv = self.cache.k[self.layer], self.cache.v[self.layer]
+        if self.window is None:
+            if self.slots is None:
+                ck.copy_(k)
+                cv.copy_(v)
+            else:
+                ck.index_copy_(0, self.slots, k)
+                cv.index_copy_(0, self.slots, v)
+            return k, v
+        bi, wi, cols = self.window
+        rows = bi if self.slots is None else self.slots[bi]
+        ck[rows, :, cols] = k[bi, :, wi]
+        cv[rows, :, cols] = v[bi, :, wi]
+        if self.slots is None:
+            return ck, cv
+        return ck.index_select(0, self.slots), cv.index_select(0, self.slots)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from .checkpoint import CheckpointError, check_shapes, load_state_dict, read_config
-from .layers import RMSNorm, apply_rope, attention, rope_tables
+from .layers import KVCache, LayerKV, RMSNorm, apply_rope, attention, rope_tables
 
 PREFIX = "model.transformer."
 
@@ -92,13 +92,15 @@ class LLaDABlock(nn.Module):
         self.up_proj = nn.Linear(d, cfg.mlp_hidden_size, bias=False)
         self.ff_out = nn.Linear(cfg.mlp_hidden_size, d, bias=False)
 
-    def forward(self, x, cos, sin, mask):
+    def forward(self, x, cos, sin, mask, kv: LayerKV | None = None):
         B, L, _ = x.shape
         h = self.attn_norm(x)
         q = self.q_proj(h).view(B, L, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(h).view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(h).view(B, L, self.n_kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if kv is not None:
+            k, v = kv(k, v)
         a = attention(q, k, v, mask).transpose(1, 2).reshape(B, L, -1)
         x = x + self.attn_out(a)
         h = self.ff_norm(x)
@@ -134,14 +136,25 @@ class LLaDAModel(nn.Module):
         self.rope_cos, self.rope_sin = rope_tables(self.cfg.head_dim, self.cfg.max_sequence_length,
                                                    self.cfg.rope_theta, self.device)
 
-    def forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Hidden states after ``ln_f``. ids, pos: [B, L] long; mask: bool [B, 1, 1|L, L] (True = may attend) or
-        None for no masking. Call :meth:`logits` on the rows you need."""
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor, mask: torch.Tensor | None = None,
+                cache: KVCache | None = None, slots: torch.Tensor | None = None, window=None) -> torch.Tensor:
+        """Hidden states after ``ln_f``. ids, pos: [B, L] long; mask: bool [B, 1, 1|L, keys] (True = may attend) or
+        None for no masking. Call :meth:`logits` on the rows you need.
+
+        With ``cache`` (rows ``slots`` of it, or all): without ``window`` the rows are whole canvas rows and their
+        keys/values are stored (a full forward); with ``window = (bi, wi, cols)`` the ids are windows of the rows,
+        whose valid positions' keys/values are written at cache columns ``cols`` and which attend to the whole cached
+        row."""
         cos, sin = self.rope_cos[pos], self.rope_sin[pos]
         x = self.wte(ids)
-        for block in self.blocks:
-            x = block(x, cos, sin, mask)
+        for i, block in enumerate(self.blocks):
+            kv = None if cache is None else LayerKV(cache, i, slots, window)
+            x = block(x, cos, sin, mask, kv)
         return self.ln_f(x)
+
+    def new_cache(self, slots: int, width: int) -> KVCache:
+        c = self.cfg
+        return KVCache(c.n_layers, slots, c.n_kv_heads, width, c.head_dim, self.dtype, self.device)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         w = self.wte.weight if self.ff_out is None else self.ff_out.weight

@@ -65,4 +65,4 @@ def get(name: str, family: str) -> Algorithm:
     return alg
 
 
-from . import basic  # noqa: E402,F401  (registers itself)
+from . import basic, cached  # noqa: E402,F401  (they register themselves)

@@ -49,15 +49,7 @@ def advance(row: Row, gen: list[int], mask_id: int) -> bool:
 def run(engine, rows: list[Row], fin: Finisher) -> None:
     model, mask_id = engine.model, engine.mask_id
     canvas = Canvas(rows, mask_id, engine.pad_id, model.device)
-    gens = {}
-
-    def read_back():
-        xc = canvas.x.cpu()
-        for b, r in enumerate(canvas.rows):
-            s = canvas.gen_start(b)
-            gens[r.index] = xc[b, s: s + r.plan.canvas_length].tolist()
-
-    read_back()
+    gens = canvas.read_gens()
     for r in rows:
         start_block(r, gens[r.index], mask_id)
     while canvas.rows:
@@ -95,7 +87,7 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
         bi, ki = sel.nonzero(as_tuple=True)
         canvas.x[bi, gidx[bi, ki]] = x0[bi, ki]
 
-        read_back()
+        gens = canvas.read_gens()
         done = []
         for b, r in enumerate(active):
             gen = gens[r.index]

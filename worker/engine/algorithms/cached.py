@@ -1,0 +1,139 @@
+"""``prefix_cache`` and ``dual_cache``: Fast-dLLM's ``generate_with_prefix_cache`` / ``generate_with_dual_cache``,
+each row with its own positions, padding and schedule, at any batch size.
+
+At the start of each of its blocks a row takes one full forward, which stores every position's keys/values in the
+row's cache slot and gives the block's first step. Its other steps of the block forward only a window and attend to
+the cached row: ``prefix_cache`` forwards the block and everything after it (the prefix is cached), ``dual_cache``
+only the block (prefix and suffix cached). Fresh window keys/values are written into the cache in place, so the
+attention sees exactly the reference's keys: the cached prefix (and suffix) plus the fresh window. Transfer rules are
+those of ``basic`` (fixed schedule, ``threshold`` or ``factor``); nfe counts every forward, the full one included.
+
+Rows at a block start and rows in the middle of a block run as two forwards of the same iteration, so a row's
+tokens never depend on where the others are."""
+from __future__ import annotations
+
+import torch
+
+from ..params import ParamError
+from ..rows import Canvas, Finisher, Row
+from ..sampling import denoise
+from . import Algorithm, register
+from .basic import advance, candidate_region, start_block
+
+
+def _gather_logits(model, hidden: torch.Tensor, idx: list[list[int]]) -> torch.Tensor:
+    """Logits at the given hidden-state columns of each row ([B, K, V], rows padded with their last column)."""
+    K = max(len(i) for i in idx)
+    g = torch.tensor([i + [i[-1]] * (K - len(i)) for i in idx], device=hidden.device)
+    return model.logits(hidden.gather(1, g[..., None].expand(-1, -1, hidden.shape[-1])))
+
+
+def run_cached(engine, rows: list[Row], fin: Finisher, dual: bool) -> None:
+    model, mask_id = engine.model, engine.mask_id
+    for r in rows:
+        if r.params.cfg_scale > 0:
+            raise ParamError("cfg_scale", "classifier-free guidance is not available with the KV-cache algorithms")
+    canvas = Canvas(rows, mask_id, engine.pad_id, model.device)
+    cache = model.new_cache(len(rows), canvas.x.shape[1])
+    gens = canvas.read_gens()
+    refresh = {}
+    for r in rows:
+        start_block(r, gens[r.index], mask_id)
+        refresh[r.index] = True
+    while canvas.rows:
+        keep = [b for b, r in enumerate(canvas.rows) if not fin.cancelled(r)]
+        if len(keep) < len(canvas.rows):
+            cache.keep(keep, canvas.keep(keep))
+            if not canvas.rows:
+                break
+        active = canvas.rows
+        B = len(active)
+        full = [b for b, r in enumerate(active) if refresh[r.index]]
+        part = [b for b, r in enumerate(active) if not refresh[r.index]]
+        regions, logits_by_row = [None] * B, [None] * B
+
+        if full:   # block start: full forward, fill the cache, first step of the block
+            slots = None if len(full) == B else torch.tensor(full, device=model.device)
+            sel = slice(None) if slots is None else slots
+            mask = None if canvas.mask is None else canvas.mask[sel]
+            hidden = model(canvas.x[sel], canvas.pos[sel], mask, cache=cache, slots=slots)
+            idx = []
+            for b in full:
+                s, e = candidate_region(active[b], gens[active[b].index], mask_id)
+                regions[b] = (s, e)
+                idx.append([canvas.gen_start(b) + j for j in range(s, e)])
+            lg = _gather_logits(model, hidden, idx)
+            for i, b in enumerate(full):
+                logits_by_row[b] = lg[i, : len(idx[i])]
+
+        if part:   # inside a block: forward the window only, attend to the cached row
+            wins = []
+            for b in part:
+                r = active[b]
+                s, e = r.block_range()
+                g0 = canvas.gen_start(b)
+                end = e if dual else r.plan.canvas_length
+                wins.append((g0 + s, g0 + end))
+                regions[b] = (s, e)
+            W = max(e - s for s, e in wins)
+            cols = torch.tensor([[min(s + j, e - 1) for j in range(W)] for s, e in wins], device=model.device)
+            valid = torch.tensor([[j < e - s for j in range(W)] for s, e in wins], device=model.device)
+            slots = None if len(part) == B else torch.tensor(part, device=model.device)
+            sel = slice(None) if slots is None else slots
+            ids = canvas.x[sel].gather(1, cols)
+            pos = canvas.pos[sel].gather(1, cols)
+            bi, wi = valid.nonzero(as_tuple=True)
+            mask = None if canvas.mask is None else canvas.mask[sel]
+            hidden = model(ids, pos, mask, cache=cache, slots=slots, window=(bi, wi, cols[bi, wi]))
+            idx = [list(range(active[b].plan.block_length)) for b in part]
+            lg = _gather_logits(model, hidden, idx)
+            for i, b in enumerate(part):
+                logits_by_row[b] = lg[i, : len(idx[i])]
+
+        widths = [e - s for s, e in regions]
+        K = max(widths)
+        logits = logits_by_row[0].new_empty((B, K, logits_by_row[0].shape[-1]))
+        gidx = torch.empty((B, K), dtype=torch.long)
+        for b, (s, e) in enumerate(regions):
+            logits[b, : e - s] = logits_by_row[b]
+            if e - s < K:
+                logits[b, e - s:] = logits_by_row[b][-1]
+            g0 = canvas.gen_start(b)
+            gidx[b] = torch.tensor([g0 + min(s + j, e - 1) for j in range(K)])
+        gidx = gidx.to(model.device)
+        tokens = canvas.x.gather(1, gidx)
+        x0, chosen = denoise(logits, tokens, widths, active, mask_id)
+        bi, ki = chosen.nonzero(as_tuple=True)
+        canvas.x[bi, gidx[bi, ki]] = x0[bi, ki]
+
+        gens = canvas.read_gens()
+        done = []
+        for b, r in enumerate(active):
+            gen = gens[r.index]
+            block = r.block
+            finished_schedule = advance(r, gen, mask_id)
+            refresh[r.index] = r.block != block
+            fin.update(r, gen, finished_schedule)
+            if r.done:
+                done.append(b)
+        if done:
+            keep = [b for b in range(B) if b not in done]
+            trim = canvas.keep(keep)
+            if keep:
+                cache.keep(keep, trim)
+
+
+register(Algorithm(
+    name="prefix_cache",
+    description="Fast-dLLM prefix KV cache: one full forward per block, then block+suffix forwards against the "
+                "cached prefix; with threshold/factor, Fast-dLLM parallel decoding",
+    exact=True,
+    run=lambda engine, rows, fin: run_cached(engine, rows, fin, dual=False),
+))
+register(Algorithm(
+    name="dual_cache",
+    description="Fast-dLLM dual KV cache: one full forward per block, then block-only forwards against the cached "
+                "prefix and suffix; with threshold/factor, Fast-dLLM parallel decoding",
+    exact=True,
+    run=lambda engine, rows, fin: run_cached(engine, rows, fin, dual=True),
+))
