@@ -69,8 +69,8 @@ class Engine:
         return self.model.device
 
     def plan(self, prompt_ids: list[int], params: GenerationParams) -> Plan:
-        """Validate a request; raises ParamError naming the offending parameter."""
-        algorithms.get(params.algorithm, self.family)
+        """Validate a request and apply its algorithm's defaults; raises ParamError naming the parameter."""
+        params = algorithms.get(params.algorithm, self.family).normalize(params)
         vocab = self.model.cfg.embedding_size
         bad = [t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < vocab)]
         if bad:

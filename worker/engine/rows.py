@@ -27,14 +27,28 @@ class Row:
     tokens: list[int] = field(default_factory=list)   # final answer: ids up to the first stop token
     canvas: list[int] = field(default_factory=list)   # the whole generated canvas when the row ended
     reported: int = 0             # length of the final prefix already reported to on_progress
+    credit: object = None         # dinfer_credit: the block's credit matrix [block_length, vocab]
 
     @property
     def params(self) -> GenerationParams:
         return self.plan.params
 
     @property
+    def rule(self) -> str:
+        """How a step picks the tokens to commit: ``fixed`` (LLaDA's schedule), ``threshold`` / ``factor``
+        (Fast-dLLM), or a dInfer rule (``dinfer_threshold``, ``dinfer_hierarchy``, ``dinfer_credit``)."""
+        alg = self.params.algorithm
+        if alg == "dinfer_blockwise":
+            return "dinfer_threshold"
+        if alg in ("dinfer_hierarchy", "dinfer_credit"):
+            return alg
+        if self.params.threshold is not None:
+            return "threshold"
+        return "fixed" if self.params.factor is None else "factor"
+
+    @property
     def fixed_steps(self) -> bool:
-        return self.params.threshold is None and self.params.factor is None
+        return self.rule == "fixed"
 
     def block_range(self, block: int | None = None) -> tuple[int, int]:
         """[start, end) of a block, in generation coordinates (0 = first generated token)."""

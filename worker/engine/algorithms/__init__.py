@@ -2,9 +2,10 @@
 engine picks it by the request's ``generation_algorithm``. Acceleration algorithms register here by name."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 
-from ..params import ParamError
+from ..params import GenerationParams, ParamError
 
 
 @dataclass(frozen=True)
@@ -37,14 +38,41 @@ class Algorithm:
     run: object                     # callable(engine, rows, finisher) -> None
     families: tuple[str, ...] = ("llada",)
     params: tuple[ParamInfo, ...] = COMMON_PARAMS
-    extra_params: tuple[ParamInfo, ...] = field(default_factory=tuple)
+    extra_params: tuple[ParamInfo, ...] = field(default_factory=tuple)   # go in ``algorithm_params``
+    defaults: dict = field(default_factory=dict)                         # common parameters' own defaults here
+    cfg: bool = True                                                     # supports cfg_scale > 0
 
-    def describe(self) -> dict:
+    def normalize(self, p: GenerationParams) -> GenerationParams:
+        """Apply this algorithm's defaults and check its parameters (raises ParamError)."""
+        if p.cfg_scale and not self.cfg:
+            raise ParamError("cfg_scale", f"classifier-free guidance is not available with {self.name}")
+        known = {i.name: i for i in self.extra_params}
+        unknown = sorted(set(p.extra) - set(known))
+        if unknown:
+            raise ParamError("algorithm_params", f"{self.name} has no parameter {unknown[0]!r}; it takes "
+                             f"{', '.join(sorted(known)) or 'none'}")
+        extra = {name: p.extra.get(name, info.default) for name, info in known.items()}
+        for name, value in extra.items():
+            default = known[name].default
+            if isinstance(default, int) and not isinstance(default, bool):
+                ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 1 << 16
+            else:
+                ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
+                    and value >= 0
+            if not ok:
+                raise ParamError("algorithm_params", f"{self.name}: {name} must be a non-negative "
+                                 f"{'integer' if isinstance(default, int) else 'number'}, got {value!r}")
+        changes = {k: v for k, v in self.defaults.items() if getattr(p, k) is None and
+                   not (k == "threshold" and p.factor is not None)}
+        return replace(p, extra=extra, **changes)
         return {
             "name": self.name, "description": self.description, "exact": self.exact,
             "families": list(self.families),
-            "parameters": {p.name: {"default": p.default, "description": p.description}
-                           for p in self.params + self.extra_params},
+            "parameters": {p.name: {"default": self.defaults.get(p.name, p.default), "description": p.description}
+                           for p in self.params},
+            "algorithm_params": {p.name: {"default": p.default, "description": p.description}
+                                 for p in self.extra_params},
+            "cfg_scale_supported": self.cfg,
         }
 
 
@@ -65,4 +93,4 @@ def get(name: str, family: str) -> Algorithm:
     return alg
 
 
-from . import basic, cached  # noqa: E402,F401  (they register themselves)
+from . import basic, cached, dinfer  # noqa: E402,F401  (they register themselves)

@@ -24,6 +24,7 @@ def candidate_region(row: Row, gen: list[int], mask_id: int) -> tuple[int, int]:
 def start_block(row: Row, gen: list[int], mask_id: int) -> None:
     s, e = row.block_range()
     row.step = 0
+    row.credit = None
     row.block_masks = sum(1 for t in gen[s:e] if t == mask_id)
 
 
@@ -35,8 +36,8 @@ def advance(row: Row, gen: list[int], mask_id: int) -> bool:
     s, e = row.block_range()
     if row.fixed_steps:
         block_done = row.step >= row.plan.steps_per_block
-    else:
-        block_done = mask_id not in gen[s:e]
+    else:   # until the block has no mask (a safety cap, never reached unless the model keeps proposing the mask)
+        block_done = mask_id not in gen[s:e] or row.step >= 4 * row.plan.block_length
     if not block_done:
         return False
     if row.block + 1 >= row.plan.num_blocks:

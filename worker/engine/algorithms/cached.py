@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import torch
 
-from ..params import ParamError
 from ..rows import Canvas, Finisher, Row
 from ..sampling import denoise
 from . import Algorithm, register
@@ -28,18 +27,24 @@ def _gather_logits(model, hidden: torch.Tensor, idx: list[list[int]]) -> torch.T
     return model.logits(hidden.gather(1, g[..., None].expand(-1, -1, hidden.shape[-1])))
 
 
+def _full_step(row: Row) -> bool:
+    """A block's first step (and its first ``warmup_steps``) runs a full forward that refreshes the whole cache."""
+    return row.step < max(1, row.params.extra.get("warmup_steps", 0))
+
+
+def _region(row: Row, gen: list[int], mask_id: int) -> tuple[int, int]:
+    if row.params.algorithm.startswith("dinfer_"):   # dInfer decodes the block's positions only
+        return row.block_range()
+    return candidate_region(row, gen, mask_id)
+
+
 def run_cached(engine, rows: list[Row], fin: Finisher, dual: bool) -> None:
     model, mask_id = engine.model, engine.mask_id
-    for r in rows:
-        if r.params.cfg_scale > 0:
-            raise ParamError("cfg_scale", "classifier-free guidance is not available with the KV-cache algorithms")
     canvas = Canvas(rows, mask_id, engine.pad_id, model.device)
     cache = model.new_cache(len(rows), canvas.x.shape[1])
     gens = canvas.read_gens()
-    refresh = {}
     for r in rows:
         start_block(r, gens[r.index], mask_id)
-        refresh[r.index] = True
     while canvas.rows:
         keep = [b for b, r in enumerate(canvas.rows) if not fin.cancelled(r)]
         if len(keep) < len(canvas.rows):
@@ -48,32 +53,37 @@ def run_cached(engine, rows: list[Row], fin: Finisher, dual: bool) -> None:
                 break
         active = canvas.rows
         B = len(active)
-        full = [b for b, r in enumerate(active) if refresh[r.index]]
-        part = [b for b, r in enumerate(active) if not refresh[r.index]]
+        full = [b for b, r in enumerate(active) if _full_step(r)]
+        part = [b for b, r in enumerate(active) if not _full_step(r)]
         regions, logits_by_row = [None] * B, [None] * B
 
-        if full:   # block start: full forward, fill the cache, first step of the block
+        if full:   # block start (or warm-up): full forward, refresh the cache, decide from its logits
             slots = None if len(full) == B else torch.tensor(full, device=model.device)
             sel = slice(None) if slots is None else slots
             mask = None if canvas.mask is None else canvas.mask[sel]
             hidden = model(canvas.x[sel], canvas.pos[sel], mask, cache=cache, slots=slots)
             idx = []
             for b in full:
-                s, e = candidate_region(active[b], gens[active[b].index], mask_id)
+                s, e = _region(active[b], gens[active[b].index], mask_id)
                 regions[b] = (s, e)
                 idx.append([canvas.gen_start(b) + j for j in range(s, e)])
             lg = _gather_logits(model, hidden, idx)
             for i, b in enumerate(full):
                 logits_by_row[b] = lg[i, : len(idx[i])]
 
-        if part:   # inside a block: forward the window only, attend to the cached row
-            wins = []
+        if part:   # inside a block: forward a window only, attending to the cached row
+            wins, at = [], []
             for b in part:
                 r = active[b]
                 s, e = r.block_range()
                 g0 = canvas.gen_start(b)
-                end = e if dual else r.plan.canvas_length
-                wins.append((g0 + s, g0 + end))
+                if dual:   # the block, widened by the vicinity refresh (dInfer's prefix_look / after_look)
+                    ws = max(s - r.params.extra.get("prefix_look", 0), -r.plan.prompt_length)
+                    we = min(e + r.params.extra.get("after_look", 0), r.plan.canvas_length)
+                else:      # the block and everything after it
+                    ws, we = s, r.plan.canvas_length
+                wins.append((g0 + ws, g0 + we))
+                at.append(s - ws)
                 regions[b] = (s, e)
             W = max(e - s for s, e in wins)
             cols = torch.tensor([[min(s + j, e - 1) for j in range(W)] for s, e in wins], device=model.device)
@@ -85,7 +95,7 @@ def run_cached(engine, rows: list[Row], fin: Finisher, dual: bool) -> None:
             bi, wi = valid.nonzero(as_tuple=True)
             mask = None if canvas.mask is None else canvas.mask[sel]
             hidden = model(ids, pos, mask, cache=cache, slots=slots, window=(bi, wi, cols[bi, wi]))
-            idx = [list(range(active[b].plan.block_length)) for b in part]
+            idx = [list(range(a, a + active[b].plan.block_length)) for a, b in zip(at, part)]
             lg = _gather_logits(model, hidden, idx)
             for i, b in enumerate(part):
                 logits_by_row[b] = lg[i, : len(idx[i])]
@@ -110,10 +120,7 @@ def run_cached(engine, rows: list[Row], fin: Finisher, dual: bool) -> None:
         done = []
         for b, r in enumerate(active):
             gen = gens[r.index]
-            block = r.block
-            finished_schedule = advance(r, gen, mask_id)
-            refresh[r.index] = r.block != block
-            fin.update(r, gen, finished_schedule)
+            fin.update(r, gen, advance(r, gen, mask_id))
             if r.done:
                 done.append(b)
         if done:
@@ -129,6 +136,7 @@ register(Algorithm(
                 "cached prefix; with threshold/factor, Fast-dLLM parallel decoding",
     exact=True,
     run=lambda engine, rows, fin: run_cached(engine, rows, fin, dual=False),
+    cfg=False,
 ))
 register(Algorithm(
     name="dual_cache",
@@ -136,4 +144,5 @@ register(Algorithm(
                 "prefix and suffix; with threshold/factor, Fast-dLLM parallel decoding",
     exact=True,
     run=lambda engine, rows, fin: run_cached(engine, rows, fin, dual=True),
+    cfg=False,
 ))
