@@ -108,11 +108,12 @@ def test_errors(client, kw, exc, param):
         else e.value.response.json()["error"]["param"] == param
 
 
-def test_golden_basic_cases_through_the_api(worker, llada_golden):
+def test_golden_cases_through_the_api(worker, llada_golden):
+    """Every golden case (basic, and the Fast-dLLM caches) through /v1/completions with return_token_ids."""
     stops = {288, 289}
-    for c in [c for c in llada_golden["cases"] if c["algorithm"] == "basic"]:
+    for c in llada_golden["cases"]:
         body = {"prompt": c["prompt"], "max_tokens": c["gen_length"], "block_length": c["block_length"],
-                "steps": c["steps"], "return_token_ids": True}
+                "steps": c["steps"], "return_token_ids": True, "generation_algorithm": c["algorithm"]}
         for k in ("cfg_scale", "threshold"):
             if c.get(k) is not None:
                 body[k] = c[k]

@@ -65,6 +65,8 @@ class Algorithm:
         changes = {k: v for k, v in self.defaults.items() if getattr(p, k) is None and
                    not (k == "threshold" and p.factor is not None)}
         return replace(p, extra=extra, **changes)
+
+    def describe(self) -> dict:
         return {
             "name": self.name, "description": self.description, "exact": self.exact,
             "families": list(self.families),
