@@ -1,0 +1,97 @@
+"""Per-algorithm speed (not a test): tokens/s, nfe and tokens per forward at batch 1 and 16.
+
+  python bench/algorithms_bench.py --model-path tests/fixtures/tiny-llada            # CPU, the fixture
+  python bench/algorithms_bench.py --shape llada-8b --device cuda --gen-length 256 --block-length 32
+
+Early exit is off (the whole canvas is decoded, as the reference does), so random-weight models measure the full
+work. ``tok/fwd`` = generated tokens per forward pass of a row (gen_length / nfe).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+
+from engine_bench import random_engine  # noqa: E402
+
+SETTINGS = [
+    ("basic", {}),
+    ("basic", {"threshold": 0.9}),
+    ("prefix_cache", {}),
+    ("dual_cache", {}),
+    ("dual_cache", {"threshold": 0.9}),
+    ("dinfer_blockwise", {}),
+    ("dinfer_hierarchy", {}),
+    ("dinfer_credit", {}),
+]
+
+
+def main() -> None:
+    from worker.engine import Engine, GenerationParams, Request
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-path")
+    ap.add_argument("--shape", default="llada-8b")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--batch-sizes", default="1,16")
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--gen-length", type=int, default=128)
+    ap.add_argument("--block-length", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=None, help="fixed-step algorithms (default: gen-length)")
+    ap.add_argument("--only", default=None, help="comma-separated algorithm names")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
+             "bfloat16": torch.bfloat16}[args.dtype]
+    engine = (Engine.from_pretrained(args.model_path, device=device, dtype=dtype) if args.model_path
+              else random_engine(args.shape, device, dtype))
+    vocab = engine.model.cfg.vocab_size
+    special = set(engine.stop_ids) | {engine.mask_id}
+    gen = torch.Generator().manual_seed(0)
+    prompts = [[t if t not in special else 1 for t in torch.randint(0, vocab, (args.prompt_len,), generator=gen).tolist()]
+               for _ in range(max(int(b) for b in args.batch_sizes.split(",")))]
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+
+    label = args.model_path or f"{args.shape} (random weights)"
+    print(f"{label} on {device} {dtype}; prompt {args.prompt_len}, gen {args.gen_length}, block {args.block_length}, "
+          f"steps {args.steps or args.gen_length} for fixed-step algorithms; early exit off")
+    print(f"{'algorithm':<18} {'setting':<16} {'batch':>5} {'tokens/s':>10} {'nfe/row':>8} {'tok/fwd':>8} {'wall s':>8}")
+    rows = []
+    only = set(args.only.split(",")) if args.only else None
+    for alg, kw in SETTINGS:
+        if only and alg not in only:
+            continue
+        for bs in [int(b) for b in args.batch_sizes.split(",")]:
+            p = GenerationParams(gen_length=args.gen_length, block_length=args.block_length, steps=args.steps,
+                                 algorithm=alg, **kw)
+            reqs = [Request(prompts[i], p) for i in range(bs)]
+            engine.generate(reqs[:1], early_exit=False)          # warm-up
+            sync()
+            t = time.perf_counter()
+            res = engine.generate(reqs, early_exit=False)
+            sync()
+            wall = time.perf_counter() - t
+            nfe = sum(r.nfe for r in res) / bs
+            setting = ",".join(f"{k}={v}" for k, v in kw.items()) or "-"
+            row = {"algorithm": alg, "setting": setting, "batch": bs, "tokens_per_s": bs * args.gen_length / wall,
+                   "nfe_per_row": nfe, "tokens_per_forward": args.gen_length / nfe, "wall_s": wall}
+            rows.append(row)
+            print(f"{alg:<18} {setting:<16} {bs:>5} {row['tokens_per_s']:>10.1f} {nfe:>8.1f} "
+                  f"{row['tokens_per_forward']:>8.2f} {wall:>8.2f}", flush=True)
+    if args.json:
+        print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,180 @@
+"""Nemotron-Diffusion (NVIDIA's Qwen3-based ``DiffEncoderModel``): a Qwen3 decoder stack used as a bidirectional
+encoder, then an untied ``diffusion_head``. Layout, config fields and math: tests/fixtures/tiny-nemotron.md.
+
+Per layer: ``h = input_layernorm(x)``; q/k/v projections; per-head RMSNorm of q and k (``q_norm``/``k_norm``, over
+head_dim, before RoPE); rotate-half RoPE with float32 tables cast to the model dtype (Hugging Face's Qwen3 convention);
+grouped-query attention with no mask between real tokens; ``x + o_proj``; then ``x + down(silu(gate(h)) * up(h))``
+with ``h = post_attention_layernorm(x)``. Final ``norm`` and ``diffusion_head``."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .checkpoint import CheckpointError, check_shapes, load_state_dict, read_config
+from .layers import KVCache, LayerKV, RMSNorm, apply_rope, attention, rope_tables
+
+
+@dataclass(frozen=True)
+class NemotronConfig:
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    qk_norm: bool
+    mask_token_id: int | None
+    eos_token_id: int | None
+
+    @property
+    def embedding_size(self) -> int:
+        return self.vocab_size
+
+    @classmethod
+    def from_dict(cls, c: dict) -> "NemotronConfig":
+        missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                               "vocab_size") if k not in c]
+        if missing:
+            raise CheckpointError(f"config.json lacks Nemotron-Diffusion fields: {', '.join(missing)}")
+        if c.get("attention_bias"):
+            raise CheckpointError("unsupported Nemotron-Diffusion config: attention_bias=true")
+        if c.get("use_sliding_window"):
+            raise CheckpointError("unsupported Nemotron-Diffusion config: use_sliding_window=true")
+        if c.get("rope_scaling"):
+            raise CheckpointError(f"unsupported Nemotron-Diffusion config: rope_scaling={c['rope_scaling']!r}")
+        if c.get("tie_word_embeddings"):
+            raise CheckpointError("unsupported Nemotron-Diffusion config: tie_word_embeddings=true")
+        heads = int(c["num_attention_heads"])
+        kv = int(c.get("num_key_value_heads") or heads)
+        if heads % kv:
+            raise CheckpointError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv}")
+        hidden = int(c["hidden_size"])
+        return cls(hidden_size=hidden, num_layers=int(c["num_hidden_layers"]), num_heads=heads, num_kv_heads=kv,
+                   head_dim=int(c.get("head_dim") or hidden // heads),
+                   intermediate_size=int(c["intermediate_size"]), vocab_size=int(c["vocab_size"]),
+                   rope_theta=float(c.get("rope_theta", 1e6)), rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+                   max_position_embeddings=int(c.get("max_position_embeddings", 40960)),
+                   qk_norm=not c.get("disable_qk_norm", False), mask_token_id=c.get("mask_token_id"),
+                   eos_token_id=c.get("eos_token_id") if not isinstance(c.get("eos_token_id"), list)
+                   else c["eos_token_id"][0])
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: NemotronConfig):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=False)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x, cos, sin, mask, kv):
+        B, L, _ = x.shape
+        q = self.q_proj(x).view(B, L, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(B, L, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(B, L, self.n_kv, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        q, k = apply_rope(q, cos, sin, fp32=False), apply_rope(k, cos, sin, fp32=False)
+        if kv is not None:
+            k, v = kv(k, v)
+        return self.o_proj(attention(q, k, v, mask).transpose(1, 2).reshape(B, L, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: NemotronConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Layer(nn.Module):
+    def __init__(self, cfg: NemotronConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, mask, kv=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Encoder(nn.Module):
+    def __init__(self, cfg: NemotronConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class NemotronDiffusionModel(nn.Module):
+    """Same interface as the LLaDA model: ``forward`` gives final hidden states, ``logits`` applies the head."""
+    family = "nemotron"
+
+    def __init__(self, cfg: NemotronConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.encoder = Encoder(cfg)
+        self.diffusion_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rope_cos: torch.Tensor | None = None
+        self.rope_sin: torch.Tensor | None = None
+
+    @property
+    def max_sequence_length(self) -> int:
+        return self.cfg.max_position_embeddings
+
+    @property
+    def device(self) -> torch.device:
+        return self.diffusion_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.diffusion_head.weight.dtype
+
+    def init_rope(self) -> None:
+        self.rope_cos, self.rope_sin = rope_tables(self.cfg.head_dim, self.cfg.max_position_embeddings,
+                                                   self.cfg.rope_theta, self.device)
+
+    def forward(self, ids, pos, mask=None, cache: KVCache | None = None, slots=None, window=None):
+        cos, sin = self.rope_cos[pos], self.rope_sin[pos]
+        x = self.encoder.embed_tokens(ids)
+        for i, layer in enumerate(self.encoder.layers):
+            kv = None if cache is None else LayerKV(cache, i, slots, window)
+            x = layer(x, cos, sin, mask, kv)
+        return self.encoder.norm(x)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.diffusion_head(h)
+
+    def new_cache(self, slots: int, width: int) -> KVCache:
+        c = self.cfg
+        return KVCache(c.num_layers, slots, c.num_kv_heads, width, c.head_dim, self.dtype, self.device)
+
+
+def load(path: str | Path, device: torch.device, dtype: torch.dtype) -> NemotronDiffusionModel:
+    cfg = NemotronConfig.from_dict(read_config(path))
+    with torch.device("meta"):
+        model = NemotronDiffusionModel(cfg)
+    names = dict(model.named_parameters())
+    check_shapes(path, {n: tuple(p.shape) for n, p in names.items()}, "Nemotron-Diffusion")
+    sd = load_state_dict(path, {n: n for n in names}, dtype, device)
+    model.load_state_dict(sd, strict=True, assign=True)
+    model.init_rope()
+    return model.eval().requires_grad_(False)
