@@ -7,15 +7,29 @@ import torch
 
 from .checkpoint import CheckpointError, read_config, resolve_device, resolve_dtype
 
-FAMILIES = {"llada": "LLaDA (LLaDAModelLM)"}
+FAMILIES = {"llada": "LLaDA (LLaDAModelLM)", "nemotron": "Nemotron-Diffusion (DiffEncoderModel)"}
+DEFAULT_ALGORITHM = {"llada": "basic", "nemotron": "nemotron"}
 
 
 def detect_family(path: str | os.PathLike) -> str:
+    """From ``architectures``, then ``model_type``, then the tensor names (never ``model_type`` alone)."""
     cfg = read_config(path)
     archs = cfg.get("architectures") or []
     model_type = cfg.get("model_type")
-    if "LLaDAModelLM" in archs or model_type == "llada":
+    if "LLaDAModelLM" in archs:
         return "llada"
+    if "DiffEncoderModel" in archs:
+        return "nemotron"
+    if model_type in ("llada", "nvrdiff") or not archs:
+        from .checkpoint import tensor_shapes
+        try:
+            names = set(tensor_shapes(path))
+        except CheckpointError:
+            names = set()
+        if "model.transformer.wte.weight" in names:
+            return "llada"
+        if "diffusion_head.weight" in names and "encoder.embed_tokens.weight" in names:
+            return "nemotron"
     raise CheckpointError(
         f"{str(path)!r} is not a supported checkpoint (architectures={archs}, model_type={model_type!r}); "
         f"supported families: {', '.join(FAMILIES.values())}"
@@ -30,7 +44,8 @@ def load_model(path: str | os.PathLike, device: str | torch.device | None = None
     if family == "llada":
         from . import llada
         return llada.load(path, dev, dt)
-    raise AssertionError(family)
+    from . import nemotron
+    return nemotron.load(path, dev, dt)
 
 
-__all__ = ["CheckpointError", "detect_family", "load_model", "FAMILIES"]
+__all__ = ["CheckpointError", "DEFAULT_ALGORITHM", "detect_family", "load_model", "FAMILIES"]

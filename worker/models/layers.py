@@ -88,7 +88,8 @@ class LayerKV:
 
     def __call__(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         ck, cv = self.cache.k[self.layer], self.cache.v[self.layer]
-        if self.window is None:
+        if self.window is None:       # whole rows, from column 0 (the canvas, or a prompt-only prefill)
+            ck, cv = ck.narrow(2, 0, k.shape[2]), cv.narrow(2, 0, k.shape[2])
             if self.slots is None:
                 ck.copy_(k)
                 cv.copy_(v)

@@ -36,7 +36,7 @@ class Algorithm:
     description: str
     exact: bool                     # token-identical to the published reference loop
     run: object                     # callable(engine, rows, finisher) -> None
-    families: tuple[str, ...] = ("llada",)
+    families: tuple[str, ...] = ("llada", "nemotron")
     params: tuple[ParamInfo, ...] = COMMON_PARAMS
     extra_params: tuple[ParamInfo, ...] = field(default_factory=tuple)   # go in ``algorithm_params``
     defaults: dict = field(default_factory=dict)                         # common parameters' own defaults here
@@ -54,14 +54,17 @@ class Algorithm:
         extra = {name: p.extra.get(name, info.default) for name, info in known.items()}
         for name, value in extra.items():
             default = known[name].default
-            if isinstance(default, int) and not isinstance(default, bool):
+            if isinstance(default, bool):
+                ok = isinstance(value, bool)
+            elif isinstance(default, int):
                 ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 1 << 16
             else:
                 ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
                     and value >= 0
             if not ok:
-                raise ParamError("algorithm_params", f"{self.name}: {name} must be a non-negative "
-                                 f"{'integer' if isinstance(default, int) else 'number'}, got {value!r}")
+                kind = "boolean" if isinstance(default, bool) else "non-negative " + (
+                    "integer" if isinstance(default, int) else "number")
+                raise ParamError("algorithm_params", f"{self.name}: {name} must be a {kind}, got {value!r}")
         changes = {k: v for k, v in self.defaults.items() if getattr(p, k) is None and
                    not (k == "threshold" and p.factor is not None)}
         return replace(p, extra=extra, **changes)
@@ -95,4 +98,4 @@ def get(name: str, family: str) -> Algorithm:
     return alg
 
 
-from . import basic, cached, dinfer  # noqa: E402,F401  (they register themselves)
+from . import basic, cached, dinfer, nemotron  # noqa: E402,F401  (they register themselves)
