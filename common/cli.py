@@ -30,7 +30,7 @@ def main() -> None:
 @click.option("--gen-length", type=int, default=128, show_default=True, help="Tokens to generate.")
 @click.option("--block-length", type=int, default=32, show_default=True, help="Semi-autoregressive block size.")
 @click.option("--steps", type=int, default=None, help="Denoising steps in all (default: gen-length).")
-@click.option("--algorithm", default="basic", show_default=True, help="Generation algorithm (registry name).")
+@click.option("--algorithm", default=None, help="Generation algorithm (registry name; default: the model family's).")
 @click.option("--remasking", type=click.Choice(["low_confidence", "random"]), default="low_confidence",
               show_default=True)
 @click.option("--temperature", type=float, default=0.0, show_default=True)
@@ -38,17 +38,28 @@ def main() -> None:
 @click.option("--threshold", type=float, default=None, help="Fast-dLLM confidence threshold (parallel decoding).")
 @click.option("--factor", type=float, default=None, help="Fast-dLLM dynamic parallel-decoding factor.")
 @click.option("--seed", type=int, default=None)
+@click.option("--shift-logits", is_flag=True, help="nemotron: position j uses the logit of position j-1.")
+@click.option("--algorithm-params", default=None, help='Algorithm-specific parameters as JSON, e.g. \'{"low_threshold": 0.3}\'.')
 @click.option("--no-early-exit", is_flag=True, help="Decode the whole canvas even after a stop token.")
 @click.option("--device", default="auto", show_default=True, help="cuda, cpu or auto.")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
               show_default=True, help="auto: bfloat16 on CUDA, float32 on CPU.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def generate(model_path, prompt, chat, prompt_ids, gen_length, block_length, steps, algorithm, remasking,
-             temperature, cfg_scale, threshold, factor, seed, no_early_exit, device, dtype, as_json):
+             temperature, cfg_scale, threshold, factor, seed, shift_logits, algorithm_params, no_early_exit, device,
+             dtype, as_json):
     """Generate offline for one prompt and print the result."""
     from worker.engine import Engine, GenerationParams, ParamError, Request
-    from worker.models import CheckpointError
+    from worker.models import DEFAULT_ALGORITHM, CheckpointError
     from worker.tokenizer import apply_chat_template
+    try:
+        extra = orjson.loads(algorithm_params) if algorithm_params else {}
+    except orjson.JSONDecodeError as e:
+        raise click.BadParameter(f"not JSON: {e}", param_hint="--algorithm-params")
+    if not isinstance(extra, dict):
+        raise click.BadParameter("expected a JSON object", param_hint="--algorithm-params")
+    if shift_logits:
+        extra["shift_logits"] = True
 
     if (prompt is None) == (prompt_ids is None):
         raise click.UsageError("give exactly one of --prompt or --prompt-ids")
@@ -64,9 +75,10 @@ def generate(model_path, prompt, chat, prompt_ids, gen_length, block_length, ste
         ids = apply_chat_template(engine.tokenizer, [{"role": "user", "content": prompt}])
     else:
         ids = engine.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    params = GenerationParams(gen_length=gen_length, block_length=block_length, steps=steps, algorithm=algorithm,
+    params = GenerationParams(gen_length=gen_length, block_length=block_length, steps=steps,
+                              algorithm=algorithm or DEFAULT_ALGORITHM[engine.family],
                               temperature=temperature, remasking=remasking, cfg_scale=cfg_scale,
-                              threshold=threshold, factor=factor, seed=seed)
+                              threshold=threshold, factor=factor, seed=seed, extra=extra)
     try:
         res = engine.generate([Request(ids, params)], early_exit=not no_early_exit)[0]
     except ParamError as e:
@@ -99,7 +111,9 @@ def _logging(level: str) -> None:
 @click.option("--device", default="auto", show_default=True, help="cuda, cuda:N, cpu or auto.")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
               show_default=True)
-@click.option("--default-algorithm", default="basic", show_default=True)
+@click.option("--default-algorithm", default=None,
+              help="Algorithm for requests that name none (default: the family's: basic for LLaDA, nemotron for "
+                   "Nemotron-Diffusion).")
 @click.option("--default-max-tokens", type=click.IntRange(1), default=256, show_default=True,
               help="max_tokens when a request gives none (capped by the context left).")
 @click.option("--default-block-length", type=click.IntRange(1), default=32, show_default=True)
@@ -237,7 +251,8 @@ def _serve_options(f):
                      help="Balancer batch size (each worker takes twice that: two batches in flight)."),
         click.option("--max-wait-time", type=click.FloatRange(0), default=0.02, show_default=True,
                      help="Balancer batch wait time in seconds."),
-        click.option("--default-algorithm", default="basic", show_default=True),
+        click.option("--default-algorithm", default=None, help="Default generation algorithm (default: the "
+                     "model family's)."),
         click.option("--default-max-tokens", type=click.IntRange(1), default=256, show_default=True),
         click.option("--dtype", default="auto", show_default=True),
         click.option("--api-key", default=None, envvar="DLLM_API_KEY", help="Clients must send this Bearer key."),
@@ -294,8 +309,9 @@ def serve(local, model_path, dcp_path, base_model, gpus, gpu_ids, workers, host,
     except (ResolveError, RuntimeError) as e:
         raise click.ClickException(str(e))
     ids = _gpu_ids(gpus, gpu_ids)
-    worker_args = ["--batch-size", str(batch_size * 2), "--max-wait-time", "0", "--default-algorithm",
-                   default_algorithm, "--default-max-tokens", str(default_max_tokens), "--dtype", dtype,
+    worker_args = ["--batch-size", str(batch_size * 2), "--max-wait-time", "0",
+                   *(["--default-algorithm", default_algorithm] if default_algorithm else []),
+                   "--default-max-tokens", str(default_max_tokens), "--dtype", dtype,
                    "--request-timeout", str(request_timeout), "--drain-timeout", str(drain_timeout),
                    "--max-queue", str(max(1024, batch_size * 8)), "--log-level", log_level]
     bcfg = BalancerConfig(worker_urls=[], request_timeout=request_timeout, drain_timeout=drain_timeout,

@@ -16,12 +16,25 @@ def fixture_path(name: str) -> Path:
 
 
 TINY_LLADA = fixture_path("tiny-llada")
+TINY_NEMOTRON = fixture_path("tiny-nemotron")
 
 
 @pytest.fixture(scope="session")
 def llada_golden() -> dict:
     with open(fixture_path("tiny-llada-golden.json")) as f:
         return json.load(f)
+
+
+@pytest.fixture(scope="session")
+def nemotron_golden() -> dict:
+    with open(fixture_path("tiny-nemotron-golden.json")) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="session")
+def nemotron_engine():
+    from worker.engine import Engine
+    return Engine.from_pretrained(TINY_NEMOTRON, device="cpu", dtype="float32")
 
 
 @pytest.fixture(scope="session")

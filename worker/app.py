@@ -30,7 +30,7 @@ class WorkerConfig:
     max_queue: int = 256
     device: str = "auto"
     dtype: str = "auto"
-    default_algorithm: str = "basic"
+    default_algorithm: str | None = None     # None: the model family's default
     default_max_tokens: int = 256
     default_block_length: int = 32
     served_model_name: str | None = None
@@ -358,7 +358,8 @@ async def generation_algorithms(request: web.Request) -> web.Response:
         "defaults": {"max_tokens": c.default_max_tokens, "block_length": c.default_block_length,
                      "steps": "max_tokens (one step per token)", "temperature": 0.0, "remasking": "low_confidence",
                      "cfg_scale": 0.0, "threshold": None, "factor": None},
-        "algorithms": [a.describe() for a in ALGORITHMS.values() if family is None or family in a.families],
+        "algorithms": [a.describe() for a in ALGORITHMS.values()
+                       if family is None or family in a.families or family == "simulated"],
     })
 
 
@@ -383,6 +384,9 @@ async def _load(app: web.Application) -> None:
         else:
             engine = await asyncio.get_running_loop().run_in_executor(
                 None, lambda: Engine.from_pretrained(c.model_path, device=c.device, dtype=c.dtype))
+        from worker.models import DEFAULT_ALGORITHM
+        if c.default_algorithm is None:
+            c.default_algorithm = DEFAULT_ALGORITHM.get(engine.family, "basic")
         engine.plan([1], GenerationParams(algorithm=c.default_algorithm))
     except Exception as e:
         log.exception("model load failed")

@@ -14,10 +14,13 @@ END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>")
 
 def load_tokenizer(path: str | os.PathLike):
     # transformers warns that it does not know model_type "llada": we only want the tokenizer, so that is expected.
+    import warnings
     level = hf_logging.get_verbosity()
     hf_logging.set_verbosity_error()
     try:
-        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)     # transformers' notes on config fields it renamed
+            return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
     finally:
         hf_logging.set_verbosity(level)
 
