@@ -2,6 +2,7 @@
 
   python bench/algorithms_bench.py --model-path tests/fixtures/tiny-llada            # CPU, the fixture
   python bench/algorithms_bench.py --shape llada-8b --device cuda --gen-length 256 --block-length 32
+  python bench/algorithms_bench.py --model-path tests/fixtures/tiny-nemotron --only nemotron,basic,dual_cache
 
 Early exit is off (the whole canvas is decoded, as the reference does), so random-weight models measure the full
 work. ``tok/fwd`` = generated tokens per forward pass of a row (gen_length / nfe).
@@ -30,6 +31,8 @@ SETTINGS = [
     ("dinfer_blockwise", {}),
     ("dinfer_hierarchy", {}),
     ("dinfer_credit", {}),
+    ("nemotron", {}),
+    ("nemotron", {"threshold": 0.9}),
 ]
 
 
@@ -69,8 +72,9 @@ def main() -> None:
     print(f"{'algorithm':<18} {'setting':<16} {'batch':>5} {'tokens/s':>10} {'nfe/row':>8} {'tok/fwd':>8} {'wall s':>8}")
     rows = []
     only = set(args.only.split(",")) if args.only else None
+    from worker.engine import ALGORITHMS
     for alg, kw in SETTINGS:
-        if only and alg not in only:
+        if (only and alg not in only) or engine.family not in ALGORITHMS[alg].families:
             continue
         for bs in [int(b) for b in args.batch_sizes.split(",")]:
             p = GenerationParams(gen_length=args.gen_length, block_length=args.block_length, steps=args.steps,

@@ -212,6 +212,28 @@ def test_serve_local_restarts_a_killed_worker_and_stops_cleanly(tmp_path):
 
 
 @pytest.mark.slow
+def test_serve_takes_a_nemotron_checkpoint(tmp_path):
+    from tests.conftest import TINY_NEMOTRON
+    port = free_port()
+    info = tmp_path / "server.env"
+    p = subprocess.Popen([*DLLM, "serve", "--local", "--model-path", str(TINY_NEMOTRON), "--port", str(port),
+                          "--worker-base-port", str(free_port()), "--server-info-file", str(info), "--log-dir",
+                          str(tmp_path / "logs")], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while _info(info).get("SERVER_STATUS") != '"running"':
+            assert p.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        status, body = post_json(f"http://127.0.0.1:{port}/v1/chat/completions",
+                                 {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 8})
+        assert status == 200 and body["model"] == "tiny-nemotron"
+        assert get_json(f"http://127.0.0.1:{port}/v1/models")[1]["data"][0]["family"] == "nemotron"
+    finally:
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(60) == 0
+
+
+@pytest.mark.slow
 def test_serve_reports_a_crash_loop_and_gives_up(tmp_path):
     broken = tmp_path / "broken"
     shutil.copytree(TINY_LLADA, broken)
