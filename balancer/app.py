@@ -19,6 +19,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from balancer.batcher import BatchConfig, CentralBatcher, Pending
 from balancer.pool import HealthConfig, WorkerPool
 from balancer.stats import Window
+from common.http import auth_middleware, errors_middleware, json_response, retry_headers
 from common.protocol import APIError, error_body, parse_request
 
 log = logging.getLogger("dllm.balancer")
@@ -72,41 +73,6 @@ class BalancerState:
 
 
 STATE = web.AppKey("state", BalancerState)
-
-
-def json_response(data, status: int = 200, headers: dict | None = None) -> web.Response:
-    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json", headers=headers)
-
-
-def retry_headers(status: int) -> dict | None:
-    return {"Retry-After": "1" if status == 429 else "5"} if status in (429, 503) else None
-
-
-@web.middleware
-async def errors_middleware(request: web.Request, handler):
-    try:
-        return await handler(request)
-    except APIError as e:
-        return json_response(e.body(), e.status, e.headers or retry_headers(e.status))
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        return json_response(error_body(e.reason or str(e), "not_found_error" if e.status == 404 else
-                                        "invalid_request_error"), e.status,
-                             {k: v for k, v in e.headers.items() if k.lower() == "allow"})
-    except (asyncio.CancelledError, ConnectionResetError):
-        raise
-    except Exception as e:
-        log.exception("unhandled error on %s %s", request.method, request.path)
-        return json_response(error_body(f"internal error: {type(e).__name__}", "server_error"), 500)
-
-
-@web.middleware
-async def auth_middleware(request: web.Request, handler):
-    key = request.app[STATE].cfg.api_key
-    if key and request.path.startswith("/v1/") and request.headers.get("Authorization", "") != f"Bearer {key}":
-        raise APIError(401, "invalid or missing API key (Authorization: Bearer ...)", code="invalid_api_key")
-    return await handler(request)
 
 
 # ---------------------------------------------------------------- OpenAI endpoints
@@ -341,7 +307,8 @@ async def _lifecycle(app: web.Application):
 
 
 def make_app(cfg: BalancerConfig) -> web.Application:
-    app = web.Application(middlewares=[errors_middleware, auth_middleware], client_max_size=64 * 1024 ** 2)
+    auth = auth_middleware(lambda a: a[STATE].cfg.api_key, lambda path: path.startswith("/v1/"))
+    app = web.Application(middlewares=[errors_middleware, auth], client_max_size=64 * 1024 ** 2)
     app[STATE] = BalancerState(cfg)
     app.cleanup_ctx.append(_lifecycle)
     app.router.add_post("/v1/completions", completions)

@@ -133,6 +133,11 @@ def main() -> None:
               f"{r['nfe']:.2f} |" for r in rows]
     lines.append("\n![accuracy versus nfe](quality.png)\n")
     (out / "quality.md").write_text("\n".join(lines))
+    keys = {"basic, steps 16": "basic_steps16", "dual_cache, threshold 0.9": "dual_cache_threshold0.9"}
+    summary = {keys[r["setting"]]: {k: round(r[k], 4) for k in ("accuracy", "sort", "reverse", "add", "nfe")}
+               for r in rows if r["setting"] in keys}
+    summary["problems"], summary["seed"] = len(problems), args.seed
+    (model / "accuracy.json").write_text(json.dumps(summary, indent=2) + "\n")
     try:
         import matplotlib
         matplotlib.use("Agg")

@@ -15,6 +15,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from common.http import auth_middleware, errors_middleware, json_response
 from common.protocol import APIError, error_body
 
 log = logging.getLogger("dllm.worker")
@@ -83,45 +84,11 @@ STATE = web.AppKey("state", WorkerState)
 LOAD_FAILED = web.AppKey("load_failed", asyncio.Event)
 
 
-def json_response(data, status: int = 200, headers: dict | None = None) -> web.Response:
-    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json", headers=headers)
-
-
 def error_response(e: APIError) -> web.Response:
     return json_response(e.body(), e.status, e.headers)
 
 
-# ---------------------------------------------------------------- middlewares
 OPEN_PATHS = ("/health", "/metrics")
-
-
-@web.middleware
-async def errors_middleware(request: web.Request, handler):
-    try:
-        return await handler(request)
-    except APIError as e:
-        return error_response(e)
-    except web.HTTPException as e:
-        if e.status < 400:
-            raise
-        typ = "not_found_error" if e.status == 404 else "invalid_request_error"
-        return json_response(error_body(e.reason or str(e), typ if e.status < 500 else "server_error"),
-                             e.status, {k: v for k, v in e.headers.items() if k.lower() in ("allow", "retry-after")})
-    except (asyncio.CancelledError, ConnectionResetError):
-        raise
-    except Exception as e:
-        log.exception("unhandled error on %s %s", request.method, request.path)
-        return json_response(error_body(f"internal error: {type(e).__name__}", "server_error"), 500)
-
-
-@web.middleware
-async def auth_middleware(request: web.Request, handler):
-    key = request.app[STATE].config.api_key
-    if key and not request.path.startswith(OPEN_PATHS):
-        got = request.headers.get("Authorization", "")
-        if got != f"Bearer {key}":
-            raise APIError(401, "invalid or missing API key (Authorization: Bearer ...)", code="invalid_api_key")
-    return await handler(request)
 
 
 # ---------------------------------------------------------------- helpers
@@ -414,7 +381,8 @@ async def _lifecycle(app: web.Application):
 
 
 def make_app(config: WorkerConfig) -> web.Application:
-    app = web.Application(middlewares=[errors_middleware, auth_middleware], client_max_size=256 * 1024 ** 2)
+    auth = auth_middleware(lambda a: a[STATE].config.api_key, lambda path: not path.startswith(OPEN_PATHS))
+    app = web.Application(middlewares=[errors_middleware, auth], client_max_size=256 * 1024 ** 2)
     state = WorkerState(config)
     state.metrics = Metrics(state)
     app[STATE] = state

@@ -47,6 +47,30 @@ def advance(row: Row, gen: list[int], mask_id: int) -> bool:
     return False
 
 
+def commit(canvas: Canvas, logits: torch.Tensor, gidx: torch.Tensor, widths: list[int], mask_id: int) -> None:
+    """Decide this step for every row (candidates at canvas columns ``gidx``) and write the chosen tokens."""
+    tokens = canvas.x.gather(1, gidx)
+    x0, chosen = denoise(logits, tokens, widths, canvas.rows, mask_id)
+    bi, ki = chosen.nonzero(as_tuple=True)
+    canvas.x[bi, gidx[bi, ki]] = x0[bi, ki]
+
+
+def step_done(canvas: Canvas, fin: Finisher, mask_id: int) -> tuple[dict, tuple[list[int], int] | None]:
+    """Account the step for every row, finish rows, drop finished ones from the canvas. Returns the rows' generated
+    canvases and, when rows were dropped, (kept batch indices, columns trimmed) for a cache to follow."""
+    gens = canvas.read_gens()
+    done = []
+    for b, r in enumerate(canvas.rows):
+        gen = gens[r.index]
+        fin.update(r, gen, advance(r, gen, mask_id))
+        if r.done:
+            done.append(b)
+    if not done:
+        return gens, None
+    keep = [b for b in range(len(canvas.rows)) if b not in done]
+    return gens, (keep, canvas.keep(keep))
+
+
 def run(engine, rows: list[Row], fin: Finisher) -> None:
     model, mask_id = engine.model, engine.mask_id
     canvas = Canvas(rows, mask_id, engine.pad_id, model.device)
@@ -83,20 +107,8 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
             scale = torch.tensor([active[b].params.cfg_scale for b in cfg], device=lu.device, dtype=lu.dtype)
             logits[cfg] = lu + (scale[:, None, None] + 1) * (logits[cfg] - lu)
 
-        tokens = canvas.x.gather(1, gidx)
-        x0, sel = denoise(logits, tokens, [e - s for s, e in regions], active, mask_id)
-        bi, ki = sel.nonzero(as_tuple=True)
-        canvas.x[bi, gidx[bi, ki]] = x0[bi, ki]
-
-        gens = canvas.read_gens()
-        done = []
-        for b, r in enumerate(active):
-            gen = gens[r.index]
-            fin.update(r, gen, advance(r, gen, mask_id))
-            if r.done:
-                done.append(b)
-        if done:
-            canvas.keep([b for b in range(B) if b not in done])
+        commit(canvas, logits, gidx, [e - s for s, e in regions], mask_id)
+        gens, _ = step_done(canvas, fin, mask_id)
 
 
 register(Algorithm(

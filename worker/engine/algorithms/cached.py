@@ -15,9 +15,8 @@ from __future__ import annotations
 import torch
 
 from ..rows import Canvas, Finisher, Row
-from ..sampling import denoise
 from . import Algorithm, register
-from .basic import advance, candidate_region, start_block
+from .basic import candidate_region, commit, start_block, step_done
 
 
 def _gather_logits(model, hidden: torch.Tensor, idx: list[list[int]]) -> torch.Tensor:
@@ -110,25 +109,10 @@ def run_cached(engine, rows: list[Row], fin: Finisher, dual: bool) -> None:
                 logits[b, e - s:] = logits_by_row[b][-1]
             g0 = canvas.gen_start(b)
             gidx[b] = torch.tensor([g0 + min(s + j, e - 1) for j in range(K)])
-        gidx = gidx.to(model.device)
-        tokens = canvas.x.gather(1, gidx)
-        x0, chosen = denoise(logits, tokens, widths, active, mask_id)
-        bi, ki = chosen.nonzero(as_tuple=True)
-        canvas.x[bi, gidx[bi, ki]] = x0[bi, ki]
-
-        gens = canvas.read_gens()
-        done = []
-        for b, r in enumerate(active):
-            gen = gens[r.index]
-            fin.update(r, gen, advance(r, gen, mask_id))
-            if r.done:
-                done.append(b)
-        if done:
-            keep = [b for b in range(B) if b not in done]
-            trim = canvas.keep(keep)
-            if keep:
-                cache.keep(keep, trim)
-
+        commit(canvas, logits, gidx.to(model.device), widths, mask_id)
+        gens, dropped = step_done(canvas, fin, mask_id)
+        if dropped and dropped[0]:
+            cache.keep(*dropped)
 
 register(Algorithm(
     name="prefix_cache",

@@ -1,0 +1,54 @@
+"""HTTP pieces shared by the worker and the balancer (aiohttp; no torch): JSON responses, the middleware that
+answers every error in the OpenAI shape, and API-key checking."""
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Callable
+
+import orjson
+from aiohttp import web
+
+from common.protocol import APIError, error_body
+
+log = logging.getLogger("dllm.http")
+
+
+def json_response(data, status: int = 200, headers: dict | None = None) -> web.Response:
+    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json", headers=headers)
+
+
+def retry_headers(status: int) -> dict | None:
+    """Retry-After for the statuses that invite a retry (429, 503)."""
+    return {"Retry-After": "1" if status == 429 else "5"} if status in (429, 503) else None
+
+
+@web.middleware
+async def errors_middleware(request: web.Request, handler):
+    """Every 4xx/5xx body in the OpenAI shape; an unexpected exception is a logged 500, never a crash."""
+    try:
+        return await handler(request)
+    except APIError as e:
+        return json_response(e.body(), e.status, e.headers or retry_headers(e.status))
+    except web.HTTPException as e:
+        if e.status < 400:
+            raise
+        typ = "not_found_error" if e.status == 404 else ("invalid_request_error" if e.status < 500 else "server_error")
+        return json_response(error_body(e.reason or str(e), typ), e.status,
+                             {k: v for k, v in e.headers.items() if k.lower() in ("allow", "retry-after")})
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception as e:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return json_response(error_body(f"internal error: {type(e).__name__}", "server_error"), 500)
+
+
+def auth_middleware(get_key: Callable[[web.Application], str | None], guarded: Callable[[str], bool]):
+    """Require ``Authorization: Bearer KEY`` on the paths ``guarded`` accepts, when the app has a key."""
+    @web.middleware
+    async def middleware(request: web.Request, handler):
+        key = get_key(request.app)
+        if key and guarded(request.path) and request.headers.get("Authorization", "") != f"Bearer {key}":
+            raise APIError(401, "invalid or missing API key (Authorization: Bearer ...)", code="invalid_api_key")
+        return await handler(request)
+    return middleware
