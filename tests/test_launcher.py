@@ -129,9 +129,15 @@ def _fake_balancer(healthy: int, total: int):
              "centralized_batching": {"max_batch_size": 16, "max_wait_time": 0.02, "total_batches_processed": 1,
                                       "avg_batch_size": 1.0},
              "last_minute": {"requests": 1, "requests_per_second": 0.1, "latency_p50": 0.1, "latency_p99": 0.1}}
+    async def worker_status(request):
+        return web.json_response(ws)
+
+    async def get_stats(request):
+        return web.json_response(stats)
+
     app = web.Application()
-    app.router.add_get("/worker-status", lambda r: web.json_response(ws))
-    app.router.add_get("/stats", lambda r: web.json_response(stats))
+    app.router.add_get("/worker-status", worker_status)
+    app.router.add_get("/stats", get_stats)
     return app
 
 
