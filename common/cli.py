@@ -214,9 +214,27 @@ def balancer(worker_urls, host, port, batch_size, batch_wait_time, max_inflight_
     sys.exit(run(cfg))
 
 
-def _gpu_ids(gpus: int | None, gpu_ids: str | None) -> list[str] | None:
+def _visible_gpus() -> list[str]:
+    """GPUs this process may use, without torch: CUDA_VISIBLE_DEVICES when set, else ``nvidia-smi -L``."""
+    import os
+    import shutil
+    import subprocess
+    env = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if env is not None:
+        return [g.strip() for g in env.split(",") if g.strip()]
+    if not shutil.which("nvidia-smi"):
+        return []
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [str(i) for i, line in enumerate(out.splitlines()) if line.startswith("GPU ")]
+
+
+def _gpu_ids(gpus: int | None, gpu_ids: str | None, workers: int | None = None) -> list[str] | None:
     """Worker devices: --gpu-ids as given; --gpus N takes the first N of the GPUs this process may use
-    (CUDA_VISIBLE_DEVICES when set, as under SLURM), else 0..N-1."""
+    (CUDA_VISIBLE_DEVICES when set, as under SLURM), else 0..N-1; --workers N: CPU workers; none of them: every
+    visible GPU, or one CPU worker when there is none."""
     import os
     if gpu_ids:
         return [g.strip() for g in gpu_ids.split(",") if g.strip()]
@@ -228,6 +246,8 @@ def _gpu_ids(gpus: int | None, gpu_ids: str | None) -> list[str] | None:
                                          param_hint="--gpus")
             return visible[:gpus]
         return [str(i) for i in range(gpus)]
+    if workers is None:
+        return _visible_gpus() or None
     return None
 
 
@@ -241,8 +261,9 @@ def _serve_options(f):
         click.option("--base-model", default=None, help="Checkpoint whose config/tokenizer/names a DCP uses."),
         click.option("--gpus", type=click.IntRange(1), default=None, help="One worker per GPU, N GPUs."),
         click.option("--gpu-ids", default=None, help="One worker per listed GPU, e.g. 0,2,4."),
-        click.option("--workers", type=click.IntRange(1), default=1, show_default=True,
-                     help="CPU workers when no GPU is named."),
+        click.option("--workers", type=click.IntRange(1), default=None,
+                     help="N CPU workers. Without --gpus/--gpu-ids/--workers: one worker per visible GPU, or one "
+                          "CPU worker when there is no GPU."),
         click.option("--host", default="127.0.0.1", show_default=True, help="Balancer address."),
         click.option("--port", type=int, default=8000, show_default=True),
         click.option("--worker-host", default="127.0.0.1", show_default=True),
@@ -308,7 +329,8 @@ def serve(local, model_path, dcp_path, base_model, gpus, gpu_ids, workers, host,
             resolved = resolve_model(model_path)
     except (ResolveError, RuntimeError) as e:
         raise click.ClickException(str(e))
-    ids = _gpu_ids(gpus, gpu_ids)
+    ids = _gpu_ids(gpus, gpu_ids, workers)
+    workers = workers or 1
     worker_args = ["--batch-size", str(batch_size * 2), "--max-wait-time", "0",
                    *(["--default-algorithm", default_algorithm] if default_algorithm else []),
                    "--default-max-tokens", str(default_max_tokens), "--dtype", dtype,

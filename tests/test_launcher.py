@@ -54,8 +54,13 @@ def test_resolve_hub_id_through_the_local_cache(tmp_path, monkeypatch):
 
 
 def test_gpu_ids(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert _gpu_ids(None, None) is None            # no GPU visible: one CPU worker
+    assert _gpu_ids(None, None, workers=2) is None
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,3")
+    assert _gpu_ids(None, None) == ["1", "3"]      # every visible GPU by default
+    assert _gpu_ids(None, None, workers=2) is None  # --workers asks for CPU workers
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    assert _gpu_ids(None, None) is None
     assert _gpu_ids(3, None) == ["0", "1", "2"]
     assert _gpu_ids(None, "0,2,4") == ["0", "2", "4"]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")      # e.g. set by SLURM for the job
