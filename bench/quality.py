@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import aiohttp  # noqa: E402
 
-from train_toy_model import make_problem  # noqa: E402
+from train_toy_model import TASKS, make_problem  # noqa: E402
 
 SETTINGS = [   # (label, request fields)
     ("basic, steps 16", {"generation_algorithm": "basic", "steps": 16}),
@@ -47,7 +47,11 @@ def training_problems(model: Path) -> set[str]:
     """Every prompt the training run drew (its generator replayed from the recorded seed and batch count)."""
     info = json.loads((model / "training.json").read_text())
     rng = random.Random(info["seed"])
-    return {make_problem(rng)[1] for _ in range(info["steps"] * info["args"]["batch_size"])}
+    n = info["steps"] * info["args"]["batch_size"]
+    if "task_weights" not in info["args"]:        # runs before --task-weights existed drew tasks uniformly
+        return {make_problem(rng)[1] for _ in range(n)}
+    weights = [float(w) for w in info["args"]["task_weights"].split(",")]
+    return {make_problem(rng, rng.choices(TASKS, weights)[0])[1] for _ in range(n)}
 
 
 def held_out(n: int, seed: int, seen: set[str]) -> list[tuple[str, str, str]]:
@@ -93,13 +97,14 @@ def main() -> None:
                                  str(port), "--batch-size", "64", "--max-wait-time", "0.01", "--device", "cpu",
                                  "--log-level", "warning"], cwd=ROOT)
         url = f"http://127.0.0.1:{port}"
-        for _ in range(300):
+        import urllib.request
+        for _ in range(600):
             try:
-                import urllib.request
                 if json.loads(urllib.request.urlopen(url + "/health", timeout=1).read())["status"] == "ready":
                     break
-            except Exception:
-                time.sleep(0.2)
+            except OSError:
+                pass
+            time.sleep(0.2)
     rows = []
     try:
         print(f"{len(problems)} held-out problems ({args.problems // 3} per task, seed {args.seed}, none seen in "

@@ -38,8 +38,11 @@ CHAT_TEMPLATE = (ROOT / "tests" / "fixtures" / "tiny-llada" / "chat_template.jin
 
 
 # ---------------------------------------------------------------- tasks
+TASKS = ["sort", "reverse", "add"]
+
+
 def make_problem(rng: random.Random, task: str | None = None) -> tuple[str, str, str]:
-    task = task or rng.choice(["sort", "reverse", "add"])
+    task = task or rng.choice(TASKS)
     if task in ("sort", "reverse"):
         digits = [rng.randrange(10) for _ in range(rng.randint(4, 8))]
         answer = sorted(digits) if task == "sort" else digits[::-1]
@@ -130,8 +133,10 @@ def main() -> None:
     ap.add_argument("--eps", type=float, default=1e-3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--log-every", type=int, default=200)
+    ap.add_argument("--task-weights", default="1,1,1", help="sampling weights of sort,reverse,add")
     args = ap.parse_args()
 
+    weights = [float(w) for w in args.task_weights.split(",")]
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True)
@@ -161,7 +166,7 @@ def main() -> None:
         lr = args.lr * min(1.0, (step + 1) / 300) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
         for g in opt.param_groups:
             g["lr"] = lr
-        problems = [make_problem(rng) for _ in range(args.batch_size)]
+        problems = [make_problem(rng, rng.choices(TASKS, weights)[0]) for _ in range(args.batch_size)]
         ids, pos, key, ans = encode_batch(problems, enc, vocab, args.answer_length, "cpu")
         t = args.eps + (1 - args.eps) * torch.rand(ids.shape[0])
         masked = ans & (torch.rand(ids.shape) < t[:, None])
