@@ -334,17 +334,22 @@ async def serve(cfg: BalancerConfig, stop: asyncio.Event | None = None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
+    await drain(app)
+    await runner.cleanup()
+    return 0
+
+
+async def drain(app: web.Application) -> None:
+    """Stop admitting (503) and wait, up to ``drain_timeout``, for queued and in-flight requests to finish."""
     state = app[STATE]
     state.draining = True
-    log.info("draining (up to %.0f s)", cfg.drain_timeout)
+    log.info("draining (up to %.0f s)", state.cfg.drain_timeout)
     try:
-        async with asyncio.timeout(cfg.drain_timeout):
+        async with asyncio.timeout(state.cfg.drain_timeout):
             while state.active or state.batcher.queue_depth or state.batcher.in_flight:
                 await asyncio.sleep(0.05)
     except TimeoutError:
         log.warning("drain timeout: stopping with %d requests unfinished", state.active)
-    await runner.cleanup()
-    return 0
 
 
 def run(cfg: BalancerConfig) -> int:

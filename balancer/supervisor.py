@@ -18,7 +18,7 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from balancer.app import STATE, BalancerConfig, make_app
+from balancer.app import BalancerConfig, drain, make_app
 
 log = logging.getLogger("dllm.supervisor")
 
@@ -255,14 +255,7 @@ class Supervisor:
             self.status = "stopping"
         log.info("stopping: draining the balancer, then the workers")
         if self.app is not None:
-            state = self.app[STATE]
-            state.draining = True
-            try:
-                async with asyncio.timeout(state.cfg.drain_timeout):
-                    while state.active or state.batcher.queue_depth or state.batcher.in_flight:
-                        await asyncio.sleep(0.05)
-            except TimeoutError:
-                log.warning("drain timeout with %d requests unfinished", state.active)
+            await drain(self.app)
             await self.runner.cleanup()
         live = [w for w in self.workers if w.proc is not None and w.proc.poll() is None]
         for w in live:

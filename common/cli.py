@@ -310,7 +310,6 @@ def serve(local, model_path, dcp_path, base_model, gpus, gpu_ids, workers, host,
           stall_timeout, health_check_interval, drain_timeout, extra_worker_urls, no_balancer, slurm_script,
           log_level):
     """Workers (one per GPU, or CPU workers) plus the balancer, supervised: ``--local``, or a SLURM job."""
-    import os
     from pathlib import Path
     _logging(log_level)
     if not local:

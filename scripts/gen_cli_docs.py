@@ -12,12 +12,17 @@ def render() -> str:
     from common.cli import main
     out = ["# Command-line reference\n", "Generated from `--help` by `scripts/gen_cli_docs.py`; "
            "`tests/test_docs.py` fails when it is out of date.\n"]
+    # a child of the group's context, as at run time (the group's settings, e.g. -h, apply)
+    parent = click.Context(main, info_name="dllm-serve", terminal_width=110, max_content_width=110)
     for name in sorted(main.commands):
         cmd = main.commands[name]
-        with click.Context(cmd, info_name=f"dllm-serve {name}", terminal_width=110, max_content_width=110) as ctx:
+        with click.Context(cmd, parent=parent, info_name=name, terminal_width=110, max_content_width=110) as ctx:
             out.append(f"\n## dllm-serve {name}\n\n```\n{cmd.get_help(ctx)}\n```\n")
     return "".join(out)
 
 
 if __name__ == "__main__":
-    (ROOT / "docs" / "cli.md").write_text(render())
+    if "--stdout" in sys.argv:
+        sys.stdout.write(render())
+    else:
+        (ROOT / "docs" / "cli.md").write_text(render())

@@ -92,7 +92,6 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
             rows_idx = sl[torch.tensor(den, device=dev)][rb]
             x[rows_idx, cols[torch.tensor(den, device=dev)][rb, kb]] = x0[rb, kb]
         xc = x.cpu()
-        finished = []
         for i, r in enumerate(active):
             b = slot[r.index]
             r.nfe += 1
@@ -112,8 +111,6 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
                 if mask_id not in gen[s:e] or r.step >= r.plan.steps_per_block:
                     commit[r.index] = True
                 fin.update(r, gen, False)
-            if r.done:
-                finished.append(r)
         active = [r for r in active if not r.done]
 
 
