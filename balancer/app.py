@@ -4,10 +4,13 @@ Routes: POST /v1/completions, /v1/chat/completions; GET /v1/models, /health, /st
 from __future__ import annotations
 
 import asyncio
+import gc
+import itertools
 import logging
+import os
+import secrets
 import signal
 import time
-import uuid
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -66,10 +69,35 @@ class BalancerState:
         self.batcher.on_batch = self.metrics.batch_size.observe
         self.window = Window(60.0)
         self.total_requests = 0
-        self.active = 0
+        self.live: dict[str, Pending] = {}       # requests being answered, by id
         self.draining = False
         self.started = time.time()
         self._models: tuple[float, dict] | None = None
+        self._ids = itertools.count()
+        self._id_prefix = f"{os.getpid():x}{secrets.token_hex(4)}-"    # unique across balancers sharing a worker
+        self._observers: dict[tuple[str, int], tuple] = {}
+
+    def new_id(self) -> str:
+        return f"{self._id_prefix}{next(self._ids)}"
+
+    def observe(self, path: str, status: int, seconds: float) -> None:
+        """Count an answered request (Prometheus children cached per path and status: labels() is not free)."""
+        o = self._observers.get((path, status))
+        if o is None:
+            o = self._observers[(path, status)] = (self.metrics.requests.labels(path, str(status)),
+                                                   self.metrics.latency.labels(path))
+        o[0].inc()
+        o[1].observe(seconds)
+        self.window.add(seconds, status)
+
+    def expire(self, now: float) -> None:
+        """Answer 504 to every request older than --request-timeout (its worker is told to drop it)."""
+        limit = self.cfg.request_timeout
+        for p in self.live.values():
+            if not p.done and now - p.started > limit:
+                self.batcher.cancel(p)
+                p.deliver(None, "error", 504, error_body(f"no answer within --request-timeout ({limit:g} s)",
+                                                         "timeout"), end=True)
 
 
 STATE = web.AppKey("state", BalancerState)
@@ -102,47 +130,32 @@ async def _openai(request: web.Request, kind: str) -> web.StreamResponse:
         if state.batcher.queue_depth >= state.cfg.batch.max_queue:
             raise APIError(429, f"the balancer queue is full ({state.cfg.batch.max_queue} requests waiting)")
         state.total_requests += 1
-        state.active += 1
-        p = Pending(id=uuid.uuid4().hex, kind=kind, body=body, stream=req.stream)
+        p = Pending(id=state.new_id(), kind=kind, body=body, stream=req.stream, started=t0)
+        state.live[p.id] = p
         state.batcher.submit(p)
-        try:
-            async with asyncio.timeout(state.cfg.request_timeout):
-                if req.stream:
-                    resp, status = await _stream(request, p)
-                    return resp
-                resp, status = await _single(p)
-                return resp
-        except TimeoutError:
-            status = 504
-            return json_response(error_body(f"no answer within --request-timeout ({state.cfg.request_timeout:g} s)",
-                                            "timeout"), 504)
+        if req.stream:
+            resp, status = await _stream(request, p)
+        else:
+            resp, status = await _single(p)
+        return resp
     except APIError as e:
         status = e.status
         raise
     finally:
         if p is not None:
-            state.active -= 1
+            del state.live[p.id]
             if not p.done:
                 state.batcher.cancel(p)
-        state.metrics.requests.labels(request.path, str(status)).inc()
-        state.metrics.latency.labels(request.path).observe(time.monotonic() - t0)
-        state.window.add(time.monotonic() - t0, status)
-
-
-async def _next(p: Pending):
-    while True:
-        attempt, event, status, data = await p.events.get()
-        if attempt == p.attempt:
-            return event, status, data
+        state.observe(request.path, status, time.monotonic() - t0)
 
 
 async def _single(p: Pending) -> tuple[web.Response, int]:
     result = None
     while True:
-        event, status, data = await _next(p)
+        _, event, status, data, end = await p.next()
         if event in ("response", "error"):
             result = (data, status)
-        elif event == "end":
+        if end:
             break
     if result is None:
         return json_response(error_body("the worker ended the request without an answer", "server_error"), 502), 502
@@ -155,42 +168,39 @@ async def _stream(request: web.Request, p: Pending) -> tuple[web.StreamResponse,
     held: list[tuple[int, dict]] = []
     status = 200
     while True:
-        attempt, event, st, data = await p.events.get()
-        if attempt != p.attempt:
-            continue
-        if held and held[0][0] != attempt:
-            held = []
-        if event == "end":
-            break
+        attempt, event, st, data, end = await p.next()
+        if held and attempt is not None and held[0][0] != attempt:
+            held = []       # a re-dispatch: what the failed attempt held back is void
         if event == "error":
             if resp is None:
                 return json_response(data, st, retry_headers(st)), st
             await resp.write(b"data: " + orjson.dumps(data) + b"\n\n")
             status = st
-            continue
-        if event != "chunk":
-            continue
-        if resp is None and not _meaningful(data):
-            held.append((attempt, data))
-            continue
-        if resp is None:
-            p.sent_bytes = True
-            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                               "X-Accel-Buffering": "no"})
-            await resp.prepare(request)
-            for _, h in held:
-                await resp.write(b"data: " + orjson.dumps(h) + b"\n\n")
-            held = []
-        await resp.write(b"data: " + orjson.dumps(data) + b"\n\n")
+        elif event == "chunk":
+            if resp is None and not _meaningful(data):
+                held.append((attempt, data))
+            else:
+                if resp is None:
+                    resp = await _open_stream(request, p, held)
+                    held = []
+                await resp.write(b"data: " + orjson.dumps(data) + b"\n\n")
+        if end:
+            break
     if resp is None:
-        p.sent_bytes = True
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-        await resp.prepare(request)
-        for _, h in held:
-            await resp.write(b"data: " + orjson.dumps(h) + b"\n\n")
+        resp = await _open_stream(request, p, held)
     await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp, status
+
+
+async def _open_stream(request: web.Request, p: Pending, held: list) -> web.StreamResponse:
+    p.sent_bytes = True
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                       "X-Accel-Buffering": "no"})
+    await resp.prepare(request)
+    for _, h in held:
+        await resp.write(b"data: " + orjson.dumps(h) + b"\n\n")
+    return resp
 
 
 async def completions(request):
@@ -294,21 +304,33 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 # ---------------------------------------------------------------- app and lifecycle
+async def _expire_loop(state: BalancerState) -> None:
+    """One timer for every request's --request-timeout (checked every second, or a tenth of the timeout)."""
+    tick = max(0.01, min(1.0, state.cfg.request_timeout / 10))
+    while True:
+        await asyncio.sleep(tick)
+        state.expire(time.monotonic())
+
+
 async def _lifecycle(app: web.Application):
     state = app[STATE]
     state.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
                                           json_serialize=lambda o: orjson.dumps(o).decode())
     state.pool.start()
     state.batcher.start()
+    expiry = asyncio.create_task(_expire_loop(state), name="request-timeouts")
     yield
+    expiry.cancel()
     await state.batcher.close()
     await state.pool.close()
     await state.session.close()
 
 
 def make_app(cfg: BalancerConfig) -> web.Application:
-    auth = auth_middleware(lambda a: a[STATE].cfg.api_key, lambda path: path.startswith("/v1/"))
-    app = web.Application(middlewares=[errors_middleware, auth], client_max_size=64 * 1024 ** 2)
+    middlewares = [errors_middleware]
+    if cfg.api_key:
+        middlewares.append(auth_middleware(cfg.api_key, lambda path: path.startswith("/v1/")))
+    app = web.Application(middlewares=middlewares, client_max_size=64 * 1024 ** 2)
     app[STATE] = BalancerState(cfg)
     app.cleanup_ctx.append(_lifecycle)
     app.router.add_post("/v1/completions", completions)
@@ -328,6 +350,7 @@ async def serve(cfg: BalancerConfig, stop: asyncio.Event | None = None) -> int:
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     await web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True).start()
+    gc.freeze()      # everything set up so far lives as long as the process: keep it out of every GC pass
     log.info("balancer on http://%s:%d over %d workers", cfg.host, cfg.port, len(cfg.worker_urls))
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -346,10 +369,10 @@ async def drain(app: web.Application) -> None:
     log.info("draining (up to %.0f s)", state.cfg.drain_timeout)
     try:
         async with asyncio.timeout(state.cfg.drain_timeout):
-            while state.active or state.batcher.queue_depth or state.batcher.in_flight:
+            while state.live or state.batcher.queue_depth or state.batcher.in_flight:
                 await asyncio.sleep(0.05)
     except TimeoutError:
-        log.warning("drain timeout: stopping with %d requests unfinished", state.active)
+        log.warning("drain timeout: stopping with %d requests unfinished", len(state.live))
 
 
 def run(cfg: BalancerConfig) -> int:

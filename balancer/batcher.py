@@ -23,13 +23,15 @@ from common.protocol import error_body
 log = logging.getLogger("dllm.balancer.batcher")
 
 
-@dataclass
+@dataclass(slots=True, eq=False)
 class Pending:
+    """One client request while the balancer holds it. Its handler reads events with :meth:`next`:
+    (attempt, event, status, data, end); ``attempt`` None means "whatever the current attempt" (timeouts)."""
     id: str
     kind: str                      # "chat" | "completion"
     body: bytes                    # the client's JSON body, validated, forwarded byte for byte
     stream: bool
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)   # (attempt, event, status, data)
+    events: collections.deque = field(default_factory=collections.deque)
     attempt: int = 0
     tries: int = 0
     sent_bytes: bool = False       # set by the handler just before it writes anything to its client
@@ -38,14 +40,31 @@ class Pending:
     excluded: set = field(default_factory=set)
     worker: Worker | None = None
     enqueued_at: float = field(default_factory=time.monotonic)
+    started: float = field(default_factory=time.monotonic)
+    _waiter: asyncio.Future | None = None
 
-    def deliver(self, attempt: int, event: str, status: int = 200, data=None) -> None:
-        self.events.put_nowait((attempt, event, status, data))
+    def deliver(self, attempt: int | None, event: str, status: int = 200, data=None, end: bool = False) -> None:
+        self.events.append((attempt, event, status, data, end))
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def next(self) -> tuple:
+        """The next event of the current attempt (stale attempts' events are skipped)."""
+        while True:
+            while not self.events:
+                self._waiter = asyncio.get_running_loop().create_future()
+                try:
+                    await self._waiter
+                finally:
+                    self._waiter = None
+            ev = self.events.popleft()
+            if ev[0] is None or ev[0] == self.attempt:
+                return ev
 
     def fail(self, status: int, message: str, type_: str = "server_error") -> None:
         self.done = True
-        self.deliver(self.attempt, "error", status, error_body(message, type_))
-        self.deliver(self.attempt, "end")
+        self.deliver(self.attempt, "error", status, error_body(message, type_), end=True)
 
 
 @dataclass
@@ -226,21 +245,14 @@ class CentralBatcher:
                     if r.status not in (429, 503):
                         w.errors += 1
                 else:
-                    async for line in r.content:
-                        if not line.strip():
-                            continue
-                        ev = orjson.loads(line)
-                        w.last_activity = w.last_progress = time.monotonic()
-                        p = open_.get(ev.get("id"))
-                        if p is None:
-                            continue
-                        kind = ev.get("event")
-                        if kind == "end":
-                            del open_[p.id]
-                            w.requests_served += 1
-                            p.done = True
-                            p.worker = None
-                        p.deliver(attempts[p.id], kind, ev.get("status", 200), ev.get("data"))
+                    buf = b""
+                    async for data in r.content.iter_any():
+                        buf += data
+                        if b"\n" in data:
+                            *lines, buf = buf.split(b"\n")
+                            w.last_activity = w.last_progress = time.monotonic()
+                            self._lines(w, lines, open_, attempts)
+                    self._lines(w, [buf], open_, attempts)        # a last line without its newline
                     if open_:
                         failure = "the worker closed the batch stream early"
         except asyncio.CancelledError as e:
@@ -262,6 +274,24 @@ class CentralBatcher:
         if failure and open_:
             self._failover(w, list(open_.values()), attempts, failure)
         self._wake.set()
+
+    @staticmethod
+    def _lines(w: Worker, lines: list[bytes], open_: dict, attempts: dict) -> None:
+        for line in lines:
+            if not line or line.isspace():
+                continue
+            ev = orjson.loads(line)
+            p = open_.get(ev.get("id"))
+            if p is None:
+                continue
+            kind = ev.get("event")
+            end = ev.get("end", False) or kind == "end"
+            if end:
+                del open_[p.id]
+                w.requests_served += 1
+                p.done = True
+                p.worker = None
+            p.deliver(attempts[p.id], kind, ev.get("status", 200), ev.get("data"), end)
 
     def _failover(self, w: Worker, unfinished: list[Pending], attempts: dict, why: str) -> None:
         log.warning("batch on worker %d failed (%s): %d requests unfinished", w.index, why, len(unfinished))

@@ -19,6 +19,7 @@ import re
 import shutil
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -183,14 +184,27 @@ def proxy_bench(args) -> None:
             urls = start_workers(procs, args.workers, "0", args.worker_batch_size, args.worker_wait)
             bal = start_balancer(procs, urls, args.batch_size, args.batch_wait, args.inflight)
             ngx = start_nginx(procs, urls, tmp)
-            rows = [("workers direct (worker 0)", urls[0]), ("nginx (least_conn)", ngx), ("dllm-serve balancer", bal)]
             print(f"{args.workers} instant workers (--simulate-device 0, worker batch {args.worker_batch_size}, "
                   f"wait {args.worker_wait}); {args.connections} connections, {args.duration:g} s each; "
-                  f"load: {'wrk' if shutil.which('wrk') else 'python aiohttp'}")
-            print(f"{'target':<28} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'errors':>7}")
-            for name, url in rows:
-                r = load(url, args.connections, args.duration, tmp)
-                print(f"{name:<28} {r['rps']:>9.0f} {r['p50_ms']:>8.1f} {r['p99_ms']:>8.1f} {r['errors']:>7}", flush=True)
+                  f"load: {'wrk' if shutil.which('wrk') else 'python aiohttp'}; {args.rounds} interleaved rounds "
+                  f"(the order alternates, so drift on a shared machine hits both)")
+            print(f"{'round':<6} {'target':<28} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'errors':>7}")
+            r = load(urls[0], args.connections, args.duration, tmp)
+            print(f"{'-':<6} {'worker 0 direct':<28} {r['rps']:>9.0f} {r['p50_ms']:>8.1f} {r['p99_ms']:>8.1f} "
+                  f"{r['errors']:>7}", flush=True)
+            rows = [("nginx (least_conn)", ngx), ("dllm-serve balancer", bal)]
+            rps = {name: [] for name, _ in rows}
+            for i in range(args.rounds):
+                for name, url in (rows if i % 2 == 0 else rows[::-1]):
+                    r = load(url, args.connections, args.duration, tmp)
+                    rps[name].append(r["rps"])
+                    print(f"{i + 1:<6} {name:<28} {r['rps']:>9.0f} {r['p50_ms']:>8.1f} {r['p99_ms']:>8.1f} "
+                          f"{r['errors']:>7}", flush=True)
+            med = {name: statistics.median(v) for name, v in rps.items()}
+            ratios = [b / n for b, n in zip(rps["dllm-serve balancer"], rps["nginx (least_conn)"])]
+            print(f"median req/s: nginx {med['nginx (least_conn)']:.0f}, balancer {med['dllm-serve balancer']:.0f}; "
+                  f"balancer / nginx per round: {', '.join(f'{x:.2f}' for x in ratios)} "
+                  f"(median {statistics.median(ratios):.2f})")
         finally:
             procs.stop()
 
@@ -226,6 +240,7 @@ def main() -> None:
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--connections", type=int, default=256)
     p.add_argument("--duration", type=float, default=10)
+    p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--batch-wait", type=float, default=0.005)
     p.add_argument("--inflight", type=int, default=2)

@@ -43,12 +43,13 @@ async def errors_middleware(request: web.Request, handler):
         return json_response(error_body(f"internal error: {type(e).__name__}", "server_error"), 500)
 
 
-def auth_middleware(get_key: Callable[[web.Application], str | None], guarded: Callable[[str], bool]):
-    """Require ``Authorization: Bearer KEY`` on the paths ``guarded`` accepts, when the app has a key."""
+def auth_middleware(key: str, guarded: Callable[[str], bool]):
+    """Require ``Authorization: Bearer KEY`` on the paths ``guarded`` accepts (installed only when a key is set)."""
+    expected = f"Bearer {key}"
+
     @web.middleware
     async def middleware(request: web.Request, handler):
-        key = get_key(request.app)
-        if key and guarded(request.path) and request.headers.get("Authorization", "") != f"Bearer {key}":
+        if guarded(request.path) and request.headers.get("Authorization", "") != expected:
             raise APIError(401, "invalid or missing API key (Authorization: Bearer ...)", code="invalid_api_key")
         return await handler(request)
     return middleware

@@ -11,8 +11,9 @@ Field policy (documented in docs/api.md):
 """
 from __future__ import annotations
 
+import itertools
+import secrets
 import time
-import uuid
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -204,8 +205,12 @@ def parse_request(kind: Literal["chat", "completion"], data: Any) -> CompletionR
 
 # ---------------------------------------------------------------- responses
 
+_ID_BASE = secrets.token_hex(8)      # per process: ids are unique without a random draw per response
+_ID_COUNT = itertools.count()
+
+
 def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+    return f"{prefix}-{_ID_BASE}{next(_ID_COUNT):08x}"
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

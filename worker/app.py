@@ -5,6 +5,7 @@ GET /health, /v1/models, /batch/stats, /generation/algorithms, /metrics."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import time
@@ -185,74 +186,80 @@ async def chat_completions(request: web.Request):
 
 # ---------------------------------------------------------------- the balancer's door
 async def worker_batch(request: web.Request) -> web.StreamResponse:
-    """One call carries a whole batch; per-request events come back as NDJSON lines (docs/api.md)."""
+    """One call carries a whole batch; per-request events come back as NDJSON lines (docs/api.md), written as they
+    happen. Each request's last line carries ``"end": true``."""
     state = request.app[STATE]
     require_ready(state)
     body = await read_json(request)
     items = body.get("requests") if isinstance(body, dict) else None
     if not isinstance(items, list) or not items:
         raise APIError(400, "body must be {\"requests\": [{\"id\", \"kind\", \"body\"}, ...]}", param="requests")
-    out: asyncio.Queue = asyncio.Queue()
     ids = [item.get("id") if isinstance(item, dict) else None for item in items]
     if not all(isinstance(rid, str) and rid for rid in ids):
         raise APIError(400, "every request needs a non-empty string id", param="requests.id")
-    dup = [rid for rid in ids if rid in state.runs] or ([rid for rid in ids if ids.count(rid) > 1])
+    dup = [rid for rid in ids if rid in state.runs]
+    if not dup and len(set(ids)) != len(ids):
+        seen = set()
+        dup = [rid for rid in ids if rid in seen or seen.add(rid)]
     if dup:
         raise APIError(400, f"duplicate request id {dup[0]!r}", param="requests.id")
+    lines: list[bytes] = []           # NDJSON lines not yet written
+    wake = asyncio.Event()
+    open_ = len(items)                # requests without their last line yet
+    metrics = state.metrics
+
+    def emitter(rid: str):
+        def emit(kind: str, data, last: bool) -> None:
+            nonlocal open_
+            if kind == "error":
+                line = {"id": rid, "event": "error", "status": data[0], "data": data[1]}
+            else:
+                line = {"id": rid, "event": kind, "data": data}
+                if kind == "response":
+                    _count(state, data)
+                elif data.get("usage"):
+                    metrics.tokens.inc(data["usage"]["completion_tokens"])
+            if last:
+                line["end"] = True
+                open_ -= 1
+            lines.append(orjson.dumps(line))
+            wake.set()
+        return emit
+
     runs = {}
-    pending = len(items)          # requests without their "end" line yet
     for rid, item in zip(ids, items):
         kind = item.get("kind")
+        emit = emitter(rid)
         try:
             if kind not in ("chat", "completion"):
                 raise APIError(400, "kind must be 'chat' or 'completion'", param="kind")
             prep = state.serving.prepare(kind, item.get("body"))
-            runs[rid] = state.serving.submit(prep)
+            runs[rid] = state.serving.submit(prep, emit, wait=False)   # the batch was formed upstream
         except APIError as e:
-            out.put_nowait({"id": rid, "event": "error", "status": e.status, "data": e.body()})
-            out.put_nowait({"id": rid, "event": "end"})
-
-    async def pump(rid, run):
-        try:
-            async for kind_, data in run.events():
-                if kind_ == "error":
-                    out.put_nowait({"id": rid, "event": "error", "status": data[0], "data": data[1]})
-                    break
-                if kind_ == "response":
-                    _count(state, data)
-                out.put_nowait({"id": rid, "event": kind_, "data": data})
-                if kind_ == "chunk" and data.get("usage"):
-                    state.metrics.tokens.inc(data["usage"]["completion_tokens"])
-        except Exception as e:   # a bug must still answer this id
-            log.exception("request %s failed", rid)
-            out.put_nowait({"id": rid, "event": "error", "status": 500,
-                            "data": error_body(f"internal error: {type(e).__name__}", "server_error")})
-        finally:
-            out.put_nowait({"id": rid, "event": "end"})
+            emit("error", (e.status, e.body()), True)
 
     state.runs.update(runs)
     state.active += 1
-    tasks = [asyncio.create_task(pump(rid, run)) for rid, run in runs.items()]
     resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
     try:
         await resp.prepare(request)
         async with asyncio.timeout(state.config.request_timeout):
-            while pending:
-                events = [await out.get()]
-                while not out.empty():          # write whatever is ready in one go
-                    events.append(out.get_nowait())
-                pending -= sum(1 for ev in events if ev["event"] == "end")
-                await resp.write(b"".join(orjson.dumps(ev) + b"\n" for ev in events))
+            while open_ or lines:
+                if not lines:
+                    wake.clear()
+                    await wake.wait()
+                    continue
+                out = b"\n".join(lines) + b"\n"        # whatever is ready, in one write
+                lines.clear()
+                await resp.write(out)
         await resp.write_eof()
         return resp
     finally:
-        for t in tasks:
-            t.cancel()
         for rid, run in runs.items():
             run.cancel()
             state.runs.pop(rid, None)
         state.active -= 1
-        state.metrics.requests.labels("/worker/batch", "200").inc()
+        metrics.requests.labels("/worker/batch", "200").inc()
 
 
 async def worker_cancel(request: web.Request) -> web.Response:
@@ -367,6 +374,7 @@ async def _load(app: web.Application) -> None:
     aliases = (c.model_path,)
     state.serving = Serving(engine, batcher, state.model_name,
                             Defaults(c.default_algorithm, c.default_max_tokens, c.default_block_length), aliases)
+    gc.freeze()      # the model, tokenizer and libraries are permanent: keep them out of every GC pass
     state.status = "ready"
     log.info("ready: %s (%s) on %s", state.model_name, engine.family, engine.device)
 
@@ -381,8 +389,10 @@ async def _lifecycle(app: web.Application):
 
 
 def make_app(config: WorkerConfig) -> web.Application:
-    auth = auth_middleware(lambda a: a[STATE].config.api_key, lambda path: not path.startswith(OPEN_PATHS))
-    app = web.Application(middlewares=[errors_middleware, auth], client_max_size=256 * 1024 ** 2)
+    middlewares = [errors_middleware]
+    if config.api_key:
+        middlewares.append(auth_middleware(config.api_key, lambda path: not path.startswith(OPEN_PATHS)))
+    app = web.Application(middlewares=middlewares, client_max_size=256 * 1024 ** 2)
     state = WorkerState(config)
     state.metrics = Metrics(state)
     app[STATE] = state

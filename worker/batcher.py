@@ -1,7 +1,8 @@
 """The worker's batching queue and its device thread.
 
 Requests arriving within ``max_wait_time`` of the first request of a forming batch (or until ``batch_size`` are
-waiting) run together in one engine call, whatever parameters they carry. The engine runs on one dedicated thread,
+waiting) run together in one engine call, whatever parameters they carry; rows of a batch formed upstream (the
+balancer's /worker/batch) start without that wait. The engine runs on one dedicated thread,
 so the event loop stays free for /health, stats and streaming while a batch runs."""
 from __future__ import annotations
 
@@ -34,6 +35,7 @@ class Job:
     cancelled: bool = False
     queued: bool = False              # waiting in the batcher (not yet in a batch)
     enqueued_at: float = field(default_factory=time.monotonic)
+    start_by: float = 0.0             # the scheduler waits for more rows until then (at most)
 
 
 class Batcher:
@@ -71,9 +73,10 @@ class Batcher:
                 pass
         self._executor.shutdown(wait=True, cancel_futures=True)
 
-    def submit(self, job: Job, force: bool = False) -> None:
+    def submit(self, job: Job, force: bool = False, wait: bool = True) -> None:
         """Queue a row; raises QueueFull beyond ``max_queue`` waiting rows unless ``force`` (the caller checked
-        room for all rows of a request at once)."""
+        room for all rows of a request at once). ``wait=False``: the row arrived as part of a batch formed upstream
+        (the balancer's), so waiting ``max_wait_time`` for company would only add latency."""
         if not force and self.queue_depth >= self.max_queue:
             raise QueueFull(f"the worker queue is full ({self.max_queue} requests waiting)")
         p = job.params
@@ -81,6 +84,7 @@ class Batcher:
             # A fixed seed per row makes a retried batch (after CUDA OOM) give the same tokens it already streamed.
             job.params = replace(p, seed=random.getrandbits(63))
         job.enqueued_at = time.monotonic()
+        job.start_by = job.enqueued_at + (self.max_wait_time if wait else 0.0)
         job.queued = True
         self.pending.append(job)
         self._wake.set()
@@ -116,7 +120,7 @@ class Batcher:
             self._drop_cancelled()
             if not self.pending:
                 continue
-            deadline = self.pending[0].enqueued_at + self.max_wait_time
+            deadline = self.pending[0].start_by
             while len(self.pending) < self.batch_size:
                 left = deadline - time.monotonic()
                 if left <= 0:

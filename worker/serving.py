@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -10,7 +11,9 @@ from common.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                              parse_request, response, usage, usage_chunk)
 from worker.batcher import Batcher, Job
 from worker.engine import Engine, GenerationParams, ParamError
-from worker.tokenizer import apply_chat_template
+from worker.tokenizer import apply_chat_template, text_decoder
+
+log = logging.getLogger("dllm.worker.serving")
 
 
 @dataclass
@@ -36,6 +39,7 @@ class Serving:
         self.engine, self.batcher, self.model_name, self.defaults = engine, batcher, model_name, defaults
         self.names = {model_name, *aliases}
         self.tok = engine.tokenizer
+        self.decode = text_decoder(self.tok)
 
     # ------------------------------------------------------------ request -> rows
     def prepare(self, kind: str, body) -> Prepared:
@@ -88,89 +92,127 @@ class Serving:
         return p
 
     # ------------------------------------------------------------ rows -> events
-    def submit(self, prep: Prepared) -> "Run":
-        """Queue the request's rows; raises APIError(429) when the queue is full (nothing is queued then)."""
-        q: asyncio.Queue = asyncio.Queue()
+    def submit(self, prep: Prepared, emit=None, wait: bool = True) -> "Run":
+        """Queue the request's rows; raises APIError(429) when the queue is full (nothing is queued then).
+        ``wait=False``: part of a batch formed upstream, start without waiting for more rows (Batcher.submit).
+
+        ``emit(kind, data, last)`` receives the request's events on the event loop as they happen (see :class:`Run`);
+        without it they are kept for :meth:`Run.events`."""
+        run = Run(self, prep, emit)
         progress = prep.req.stream or bool(prep.req.stop)
-        jobs = [Job(ids, p, sink=lambda i, kind, payload: q.put_nowait((i, kind, payload)), index=i,
-                    wants_progress=progress) for i, (ids, p) in enumerate(zip(prep.prompts, prep.params))]
-        if self.batcher.queue_depth + len(jobs) > self.batcher.max_queue:
+        run.jobs = [Job(ids, p, sink=run.on_row, index=i, wants_progress=progress)
+                    for i, (ids, p) in enumerate(zip(prep.prompts, prep.params))]
+        if self.batcher.queue_depth + len(run.jobs) > self.batcher.max_queue:
             raise APIError(429, f"the worker queue is full ({self.batcher.max_queue} rows waiting)",
                            headers={"Retry-After": "1"})
-        for j in jobs:
-            self.batcher.submit(j, force=True)
-        return Run(self, prep, jobs, q)
+        run.start()
+        for j in run.jobs:
+            self.batcher.submit(j, force=True, wait=wait)
+        return run
 
 
 class Run:
-    """A submitted request. Iterate :meth:`events` for ("chunk", dict) ... when streaming, else one
-    ("response", dict), or ("error", (status, body)). :meth:`cancel` drops its rows (also when the iteration
-    is abandoned)."""
+    """A submitted request: turns its rows' events into OpenAI events, synchronously, on the event loop (no task
+    per request). Events are ``emit(kind, data, last)`` calls: ("chunk", dict) ... when streaming, else one
+    ("response", dict), or ("error", (status, body)); ``last`` is True on the request's final event.
+    Without an ``emit``, iterate :meth:`events`. :meth:`cancel` drops the rows that are still queued or running."""
 
-    def __init__(self, serving: Serving, prep: Prepared, jobs: list[Job], q: asyncio.Queue):
-        self.serving, self.prep, self.jobs, self.q = serving, prep, jobs, q
+    def __init__(self, serving: Serving, prep: Prepared, emit=None):
+        self.serving, self.prep = serving, prep
+        self.jobs: list[Job] = []
+        self.finished = False
+        self._q: asyncio.Queue | None = None
+        if emit is None:
+            self._q = asyncio.Queue()
+            emit = lambda kind, data, last: self._q.put_nowait((kind, data, last))
+        self.emit = emit
 
     def cancel(self) -> None:
         for j in self.jobs:
             self.serving.batcher.cancel(j)
 
     async def events(self):
+        """The events of a Run made without ``emit``: (kind, data) pairs, until the last one."""
         try:
-            async for ev in self._collect():
-                yield ev
+            while True:
+                kind, data, last = await self._q.get()
+                yield kind, data
+                if last:
+                    return
         finally:
             self.cancel()
 
-    async def _collect(self):
-        prep, jobs, q = self.prep, self.jobs, self.q
-        tok, model_name = self.serving.tok, self.serving.model_name
+    def start(self) -> None:
+        prep = self.prep
+        self.states = [_Choice(self.serving.decode, prep.req.stop) for _ in self.jobs]
+        self.remaining = len(self.jobs)
+        if prep.req.stream and prep.kind == "chat":
+            for i in range(len(self.jobs)):
+                self.emit("chunk", chunk("chat", prep.rid, self.serving.model_name, prep.created, i, "", first=True),
+                          False)
+
+    def on_row(self, i: int, what: str, payload) -> None:
+        """A row's event from the batcher: ("progress", final_ids), ("done", Result) or ("error", (status, msg))."""
+        if self.finished:
+            return
+        try:
+            self._on_row(i, what, payload)
+        except Exception as e:      # a bug must still answer the request, and never reach the batcher
+            log.exception("request %s: event handling failed", self.prep.rid)
+            self._finish_error(500, f"internal error: {type(e).__name__}")
+
+    def _finish_error(self, status: int, message: str) -> None:
+        self.finished = True
+        self.cancel()
+        self.emit("error", (status, APIError(status, message).body()), True)
+
+    def _on_row(self, i: int, what: str, payload) -> None:
+        prep, serving = self.prep, self.serving
         req, kind, stream = prep.req, prep.kind, prep.req.stream
-        states = [_Choice(tok, req.stop) for _ in jobs]
-        remaining = len(jobs)
-        if stream:
-            for i in range(len(jobs)):
-                if kind == "chat":
-                    yield "chunk", chunk(kind, prep.rid, model_name, prep.created, i, "", first=True)
-        while remaining:
-            i, what, payload = await q.get()
-            st = states[i]
-            if what == "error":
-                status, message = payload
-                self.cancel()
-                yield "error", (status, APIError(status, message).body())
+        st = self.states[i]
+        if what == "error":
+            self._finish_error(*payload)
+            return
+        if what == "progress":
+            if st.stopped:
                 return
-            if what == "progress":
-                if st.stopped:
-                    continue
-                delta = st.progress(payload)
-                if st.stopped:      # a stop string appeared: the row can stop decoding
-                    self.serving.batcher.cancel(jobs[i])
-            else:
-                delta = st.finish(payload)
-                remaining -= 1
-            if stream and delta:
-                yield "chunk", chunk(kind, prep.rid, model_name, prep.created, i, delta)
-            if what == "done" and stream:
+            delta = st.progress(payload)
+            if st.stopped:      # a stop string appeared: the row can stop decoding
+                serving.batcher.cancel(self.jobs[i])
+        else:
+            delta = st.finish(payload)
+            self.remaining -= 1
+        done = self.remaining == 0
+        name = serving.model_name
+        if stream:
+            if delta:
+                self.emit("chunk", chunk(kind, prep.rid, name, prep.created, i, delta), False)
+            if what == "done":
                 extra = {"nfe": st.nfe}
                 if req.return_token_ids:
                     extra["token_ids"] = st.token_ids
-                yield "chunk", chunk(kind, prep.rid, model_name, prep.created, i,
-                                     "" if kind == "completion" else None, st.finish_reason, extra=extra)
+                last = done and not req.include_usage
+                self.emit("chunk", chunk(kind, prep.rid, name, prep.created, i,
+                                         "" if kind == "completion" else None, st.finish_reason, extra=extra), last)
+        if not done:
+            return
+        self.finished = True
+        states = self.states
         use = usage(sum(len(p) for p in prep.prompts), sum(len(s.token_ids) for s in states))
         if stream:
             if req.include_usage:
-                yield "chunk", usage_chunk(kind, prep.rid, model_name, prep.created, use)
+                self.emit("chunk", usage_chunk(kind, prep.rid, name, prep.created, use), True)
             return
         choices = [completion_choice(kind, i, s.text, s.finish_reason, s.nfe,
                                      s.token_ids if req.return_token_ids else None) for i, s in enumerate(states)]
-        yield "response", response(kind, prep.rid, model_name, choices, use, prep.created)
+        self.emit("response", response(kind, prep.rid, name, choices, use, prep.created), True)
 
 
 class _Choice:
     """Text state of one choice: incremental detokenisation, stop strings, and what was already streamed."""
 
-    def __init__(self, tok, stops: list[str]):
-        self.tok = tok
+    def __init__(self, decode, stops: list[str]):
+        self._decode = decode       # ids -> text (special tokens skipped)
         self.stops = stops
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.sent = 0               # characters already streamed
@@ -179,9 +221,6 @@ class _Choice:
         self.stopped = False        # a stop string was found: text and token_ids are final
         self.finish_reason: str | None = None
         self.nfe = 0
-
-    def _decode(self, ids: list[int]) -> str:
-        return self.tok.decode(ids, skip_special_tokens=True)
 
     def _apply(self, ids: list[int]) -> None:
         text = self._decode(ids)

@@ -64,3 +64,24 @@ def apply_chat_template(tokenizer, messages: list[dict]) -> list[int]:
     if isinstance(out, dict) or hasattr(out, "input_ids"):
         out = out["input_ids"]
     return list(out)
+
+
+def text_decoder(tokenizer):
+    """``decode(ids) -> str``, the same text as ``tokenizer.decode(ids, skip_special_tokens=True)``.
+
+    For a plain fast tokenizer (no decode override, no clean-up of tokenization spaces) it calls the Rust tokenizer
+    directly: transformers' wrapper costs more than the decoding itself for short texts, and the worker decodes
+    every row at least once. Anything else keeps the transformers call."""
+    from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+    try:
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:          # an older transformers: keep its own decode
+        TokenizersBackend = None
+    cls = type(tokenizer)
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if (TokenizersBackend is not None and isinstance(tokenizer, TokenizersBackend) and backend is not None
+            and cls._decode is TokenizersBackend._decode and cls.decode is PreTrainedTokenizerBase.decode
+            and not tokenizer.clean_up_tokenization_spaces):
+        fast = backend.decode
+        return lambda ids: fast(ids, skip_special_tokens=True)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)

@@ -1,0 +1,31 @@
+"""The worker's fast text decoder gives exactly what ``tokenizer.decode(ids, skip_special_tokens=True)`` gives."""
+import random
+
+import pytest
+
+from common.resolve import DEMO_MODEL
+from tests.conftest import TINY_LLADA, TINY_NEMOTRON
+from worker.tokenizer import load_tokenizer, text_decoder
+
+
+@pytest.mark.parametrize("path", [TINY_LLADA, TINY_NEMOTRON, DEMO_MODEL], ids=["llada", "nemotron", "demo"])
+def test_text_decoder_matches_transformers(path):
+    tok = load_tokenizer(path)
+    decode = text_decoder(tok)
+    rng = random.Random(0)
+    n = len(tok)
+    cases = [[], list(range(min(n, 300)))] + [[rng.randrange(n) for _ in range(rng.randrange(1, 40))]
+                                              for _ in range(200)]
+    cases += [tok.all_special_ids + c[:5] for c in cases[:20]]           # special tokens are skipped
+    for ids in cases:
+        assert decode(ids) == tok.decode(ids, skip_special_tokens=True), ids
+
+
+def test_text_decoder_keeps_transformers_for_clean_up():
+    tok = load_tokenizer(TINY_LLADA)
+    tok.clean_up_tokenization_spaces = True          # the wrapper's post-processing is needed: no shortcut
+    calls = []
+    orig = tok.decode
+    tok.decode = lambda ids, **kw: calls.append(ids) or orig(ids, **kw)
+    text_decoder(tok)([5, 6])
+    assert calls == [[5, 6]]
