@@ -16,13 +16,14 @@ from dataclasses import dataclass, field
 import aiohttp
 import orjson
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from balancer.batcher import BatchConfig, CentralBatcher, Pending
 from balancer.pool import HealthConfig, WorkerPool
 from balancer.stats import Window
 from common.http import auth_middleware, errors_middleware, json_response, retry_headers
+from common.metrics import RequestMetrics
 from common.protocol import APIError, error_body, parse_request
 
 log = logging.getLogger("dllm.balancer")
@@ -46,9 +47,8 @@ class BalancerConfig:
 class Metrics:
     def __init__(self):
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("dllm_balancer_requests", "Requests answered", ["endpoint", "status"], registry=r)
-        self.latency = Histogram("dllm_balancer_request_latency_seconds", "Request latency", ["endpoint"],
-                                 registry=r, buckets=(.01, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600))
+        self.requests = RequestMetrics("dllm_balancer", (.01, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600))
+        r.register(self.requests)
         self.batch_size = Histogram("dllm_balancer_batch_size", "Requests per dispatched batch", registry=r,
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128))
         self.queue_depth = Gauge("dllm_balancer_queue_depth", "Requests waiting for a batch", registry=r)
@@ -75,19 +75,12 @@ class BalancerState:
         self._models: tuple[float, dict] | None = None
         self._ids = itertools.count()
         self._id_prefix = f"{os.getpid():x}{secrets.token_hex(4)}-"    # unique across balancers sharing a worker
-        self._observers: dict[tuple[str, int], tuple] = {}
 
     def new_id(self) -> str:
         return f"{self._id_prefix}{next(self._ids)}"
 
     def observe(self, path: str, status: int, seconds: float) -> None:
-        """Count an answered request (Prometheus children cached per path and status: labels() is not free)."""
-        o = self._observers.get((path, status))
-        if o is None:
-            o = self._observers[(path, status)] = (self.metrics.requests.labels(path, str(status)),
-                                                   self.metrics.latency.labels(path))
-        o[0].inc()
-        o[1].observe(seconds)
+        self.metrics.requests.observe(path, status, seconds)
         self.window.add(seconds, status)
 
     def expire(self, now: float) -> None:
@@ -125,7 +118,7 @@ async def _openai(request: web.Request, kind: str) -> web.StreamResponse:
             raise APIError(503, "the balancer is shutting down")
         body = await request.read()
         req = parse_request(kind, body)      # validated from the raw bytes; forwarded to the worker as they are
-        if not state.pool.healthy():
+        if not state.pool.any_healthy():
             raise APIError(503, "no healthy worker", type="service_unavailable")
         if state.batcher.queue_depth >= state.cfg.batch.max_queue:
             raise APIError(429, f"the balancer queue is full ({state.cfg.batch.max_queue} requests waiting)")

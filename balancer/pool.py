@@ -95,6 +95,9 @@ class WorkerPool:
     def healthy(self) -> list[Worker]:
         return [w for w in self.workers if w.healthy]
 
+    def any_healthy(self) -> bool:
+        return any(w.healthy for w in self.workers)
+
     def any_may_recover(self) -> bool:
         return any(w.status in ("starting", "stalled", "unhealthy") for w in self.workers)
 

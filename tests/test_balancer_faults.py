@@ -115,3 +115,59 @@ async def test_retries_are_bounded(aiohttp_client):
     finally:
         for s in servers:
             await s.close()
+
+
+async def test_request_timeout_is_504_and_the_worker_is_told(aiohttp_client):
+    """A worker that never answers: after --request-timeout the client gets 504, the worker a cancel for that id,
+    and the balancer keeps serving."""
+    seen, cancelled = [], []
+
+    async def health(request):
+        return web.json_response({"status": "ready", "busy": True, "seconds_since_last_step": 0.0})
+
+    async def batch(request):
+        body = await request.json()
+        seen.extend(item["id"] for item in body["requests"])
+        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await resp.prepare(request)
+        await asyncio.sleep(30)                 # hangs (progress is reported by /health, so it is not stalled)
+        return resp
+
+    async def cancel(request):
+        cancelled.extend((await request.json())["ids"])
+        return web.json_response({"cancelled": 1})
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_post("/worker/batch", batch)
+    app.router.add_post("/worker/cancel", cancel)
+    hanging = TestServer(app)
+    await hanging.start_server()
+    try:
+        cfg = BalancerConfig(worker_urls=[str(hanging.make_url(""))], request_timeout=0.5,
+                             batch=BatchConfig(batch_size=8, wait_time=0.01),
+                             health=HealthConfig(interval=0.05, timeout=1, stall_timeout=60))
+        client = await aiohttp_client(make_app(cfg))
+        for _ in range(200):
+            if (await (await client.get("/health")).json())["healthy_workers"] == 1:
+                break
+            await asyncio.sleep(0.02)
+        t = asyncio.get_running_loop().time()
+        plain, stream = await asyncio.gather(
+            client.post("/v1/completions", json={"prompt": "a"}),
+            client.post("/v1/completions", json={"prompt": "b", "stream": True}))
+        took = asyncio.get_running_loop().time() - t
+        assert plain.status == 504 and stream.status == 504      # the stream had sent nothing: a plain 504
+        assert (await plain.json())["error"]["type"] == "timeout"
+        assert "--request-timeout" in (await stream.json())["error"]["message"]
+        assert 0.5 <= took < 2.0
+        for _ in range(100):
+            if len(cancelled) == 2:
+                break
+            await asyncio.sleep(0.02)
+        assert sorted(cancelled) == sorted(seen) and len(seen) == 2
+        stats = await (await client.get("/stats")).json()
+        assert stats["last_minute"]["requests"] == 2 and stats["last_minute"]["ok"] == 0
+        assert stats["queue_depth"] == 0
+    finally:
+        await hanging.close()

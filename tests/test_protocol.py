@@ -53,3 +53,26 @@ def test_accepted_forms():
                                "max_completion_tokens": 7})
     assert c.messages[0].text() == "ab" and c.max_new_tokens == 7
     assert parse_request("completion", {"prompt": "x"}).stop == []
+
+
+def test_request_metrics_exposition():
+    """Lock-free request metrics render as Prometheus counters and cumulative histograms."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from common.metrics import RequestMetrics
+    m = RequestMetrics("x", (0.1, 1.0))
+    reg = CollectorRegistry()
+    reg.register(m)
+    for secs in (0.05, 0.1, 0.5, 3.0):
+        m.observe("/v1/completions", 200, secs)
+    m.observe("/v1/completions", 400)
+    m.counter("x_tokens", "tokens").inc(7)
+    text = generate_latest(reg).decode()
+    assert 'x_requests_total{endpoint="/v1/completions",status="200"} 4.0' in text
+    assert 'x_requests_total{endpoint="/v1/completions",status="400"} 1.0' in text
+    assert 'x_request_latency_seconds_bucket{endpoint="/v1/completions",le="0.1"} 2.0' in text    # le is inclusive
+    assert 'x_request_latency_seconds_bucket{endpoint="/v1/completions",le="1.0"} 3.0' in text
+    assert 'x_request_latency_seconds_bucket{endpoint="/v1/completions",le="+Inf"} 4.0' in text
+    assert 'x_request_latency_seconds_count{endpoint="/v1/completions"} 4.0' in text
+    assert 'x_request_latency_seconds_sum{endpoint="/v1/completions"} 3.65' in text
+    assert "x_tokens_total 7.0" in text

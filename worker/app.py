@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 
 import orjson
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from common.http import auth_middleware, errors_middleware, json_response
+from common.metrics import RequestMetrics
 from common.protocol import APIError, error_body
 
 log = logging.getLogger("dllm.worker")
@@ -45,15 +46,14 @@ class WorkerConfig:
 class Metrics:
     def __init__(self, state: "WorkerState"):
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("dllm_worker_requests", "Requests answered", ["endpoint", "status"], registry=r)
-        self.latency = Histogram("dllm_worker_request_latency_seconds", "Request latency", ["endpoint"], registry=r,
-                                 buckets=(.05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600))
+        self.requests = RequestMetrics("dllm_worker", (.05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600))
+        r.register(self.requests)
         self.batch_size = Histogram("dllm_worker_batch_size", "Rows per engine batch", registry=r,
                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
         self.batch_seconds = Histogram("dllm_worker_batch_seconds", "Engine time per batch", registry=r,
                                        buckets=(.01, .05, .1, .5, 1, 2.5, 5, 10, 30, 60, 300))
-        self.tokens = Counter("dllm_worker_completion_tokens", "Completion tokens returned", registry=r)
-        self.nfe = Counter("dllm_worker_forward_passes", "Row forward passes (nfe summed over rows)", registry=r)
+        self.tokens = self.requests.counter("dllm_worker_completion_tokens", "Completion tokens returned")
+        self.nfe = self.requests.counter("dllm_worker_forward_passes", "Row forward passes (nfe summed over rows)")
         Gauge("dllm_worker_queue_depth", "Rows waiting", registry=r).set_function(
             lambda: state.batcher.queue_depth if state.batcher else 0)
         Gauge("dllm_worker_running_rows", "Rows in the running batch", registry=r).set_function(
@@ -125,7 +125,7 @@ async def _openai(request: web.Request, kind: str) -> web.StreamResponse:
         run = state.serving.submit(prep)
     except APIError as e:
         status = e.status
-        state.metrics.requests.labels(endpoint, str(status)).inc()
+        state.metrics.requests.observe(endpoint, status)
         raise
     state.active += 1
     try:
@@ -145,8 +145,7 @@ async def _openai(request: web.Request, kind: str) -> web.StreamResponse:
     finally:
         run.cancel()
         state.active -= 1
-        state.metrics.requests.labels(endpoint, str(status)).inc()
-        state.metrics.latency.labels(endpoint).observe(time.monotonic() - t0)
+        state.metrics.requests.observe(endpoint, status, time.monotonic() - t0)
 
 
 def _count(state: WorkerState, response: dict) -> None:
@@ -259,7 +258,7 @@ async def worker_batch(request: web.Request) -> web.StreamResponse:
             run.cancel()
             state.runs.pop(rid, None)
         state.active -= 1
-        metrics.requests.labels("/worker/batch", "200").inc()
+        metrics.requests.observe("/worker/batch", 200)
 
 
 async def worker_cancel(request: web.Request) -> web.Response:
