@@ -22,7 +22,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from balancer.batcher import BatchConfig, CentralBatcher, Pending
 from balancer.pool import HealthConfig, WorkerPool
 from balancer.stats import Window
-from common.http import auth_middleware, errors_middleware, json_response, retry_headers
+from common.http import json_response, middlewares, retry_headers
 from common.metrics import RequestMetrics
 from common.protocol import APIError, error_body, parse_request
 
@@ -320,10 +320,8 @@ async def _lifecycle(app: web.Application):
 
 
 def make_app(cfg: BalancerConfig) -> web.Application:
-    middlewares = [errors_middleware]
-    if cfg.api_key:
-        middlewares.append(auth_middleware(cfg.api_key, lambda path: path.startswith("/v1/")))
-    app = web.Application(middlewares=middlewares, client_max_size=64 * 1024 ** 2)
+    app = web.Application(middlewares=middlewares(cfg.api_key, lambda path: path.startswith("/v1/")),
+                          client_max_size=64 * 1024 ** 2)
     app[STATE] = BalancerState(cfg)
     app.cleanup_ctx.append(_lifecycle)
     app.router.add_post("/v1/completions", completions)

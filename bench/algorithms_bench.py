@@ -49,6 +49,8 @@ def main() -> None:
     ap.add_argument("--block-length", type=int, default=32)
     ap.add_argument("--steps", type=int, default=None, help="fixed-step algorithms (default: gen-length)")
     ap.add_argument("--only", default=None, help="comma-separated algorithm names")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the dense half of every block (a warm-up "
+                    "run per batch size pays the compile before timing)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -56,6 +58,8 @@ def main() -> None:
              "bfloat16": torch.bfloat16}[args.dtype]
     engine = (Engine.from_pretrained(args.model_path, device=device, dtype=dtype) if args.model_path
               else random_engine(args.shape, device, dtype))
+    if args.compile:
+        engine.model.compile_dense()
     vocab = engine.model.cfg.vocab_size
     special = set(engine.stop_ids) | {engine.mask_id}
     gen = torch.Generator().manual_seed(0)
@@ -67,6 +71,7 @@ def main() -> None:
             torch.cuda.synchronize()
 
     label = args.model_path or f"{args.shape} (random weights)"
+    label += " [compiled dense path]" if args.compile else ""
     print(f"{label} on {device} {dtype}; prompt {args.prompt_len}, gen {args.gen_length}, block {args.block_length}, "
           f"steps {args.steps or args.gen_length} for fixed-step algorithms; early exit off")
     print(f"{'algorithm':<18} {'setting':<16} {'batch':>5} {'tokens/s':>10} {'nfe/row':>8} {'tok/fwd':>8} {'wall s':>8}")
@@ -80,7 +85,7 @@ def main() -> None:
             p = GenerationParams(gen_length=args.gen_length, block_length=args.block_length, steps=args.steps,
                                  algorithm=alg, **kw)
             reqs = [Request(prompts[i], p) for i in range(bs)]
-            engine.generate(reqs[:1], early_exit=False)          # warm-up
+            engine.generate(reqs if args.compile else reqs[:1], early_exit=False)   # warm-up (compile: this shape)
             sync()
             t = time.perf_counter()
             res = engine.generate(reqs, early_exit=False)

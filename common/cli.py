@@ -44,10 +44,11 @@ def main() -> None:
 @click.option("--device", default="auto", show_default=True, help="cuda, cpu or auto.")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
               show_default=True, help="auto: bfloat16 on CUDA, float32 on CPU.")
+@click.option("--compile", "compile_", is_flag=True, help="torch.compile the dense half of every block (output projection, RMSNorm, SwiGLU MLP); eager if compiling fails. Off by default: not yet measured on a GPU (docs/engine.md).")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def generate(model_path, prompt, chat, prompt_ids, gen_length, block_length, steps, algorithm, remasking,
              temperature, cfg_scale, threshold, factor, seed, shift_logits, algorithm_params, no_early_exit, device,
-             dtype, as_json):
+             dtype, compile_, as_json):
     """Generate offline for one prompt and print the result."""
     from worker.engine import Engine, GenerationParams, ParamError, Request
     from worker.models import DEFAULT_ALGORITHM, CheckpointError
@@ -66,7 +67,7 @@ def generate(model_path, prompt, chat, prompt_ids, gen_length, block_length, ste
     if chat and prompt is None:
         raise click.UsageError("--chat needs --prompt")
     try:
-        engine = Engine.from_pretrained(model_path, device=device, dtype=dtype)
+        engine = Engine.from_pretrained(model_path, device=device, dtype=dtype, compile=compile_)
     except (CheckpointError, ValueError, OSError) as e:
         raise click.ClickException(str(e))
     if prompt_ids is not None:
@@ -111,6 +112,7 @@ def _logging(level: str) -> None:
 @click.option("--device", default="auto", show_default=True, help="cuda, cuda:N, cpu or auto.")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
               show_default=True)
+@click.option("--compile", "compile_", is_flag=True, help="torch.compile the dense half of every block (output projection, RMSNorm, SwiGLU MLP); eager if compiling fails. Off by default: not yet measured on a GPU (docs/engine.md).")
 @click.option("--default-algorithm", default=None,
               help="Algorithm for requests that name none (default: the family's: basic for LLaDA, nemotron for "
                    "Nemotron-Diffusion).")
@@ -127,7 +129,7 @@ def _logging(level: str) -> None:
               help="Test double: no model; each batch sleeps BASE + PER_ROW x rows seconds and echoes the prompt "
                    "(load and scaling tests). The model path still provides the tokenizer.")
 @click.option("--log-level", default="info", show_default=True)
-def worker(model_path, host, port, batch_size, max_wait_time, max_queue, device, dtype, default_algorithm,
+def worker(model_path, host, port, batch_size, max_wait_time, max_queue, device, dtype, compile_, default_algorithm,
            default_max_tokens, default_block_length, served_model_name, api_key, request_timeout, drain_timeout,
            simulate_device, log_level):
     """Serve one model on one device (OpenAI API + the balancer's /worker/batch)."""
@@ -135,7 +137,7 @@ def worker(model_path, host, port, batch_size, max_wait_time, max_queue, device,
     _logging(log_level)
     cfg = WorkerConfig(model_path=model_path, host=host, port=port, batch_size=batch_size,
                        max_wait_time=max_wait_time, max_queue=max_queue, device=device, dtype=dtype,
-                       default_algorithm=default_algorithm, default_max_tokens=default_max_tokens,
+                       compile=compile_, default_algorithm=default_algorithm, default_max_tokens=default_max_tokens,
                        default_block_length=default_block_length, served_model_name=served_model_name,
                        api_key=api_key, request_timeout=request_timeout, drain_timeout=drain_timeout,
                        simulate_device=_cost_model(simulate_device))

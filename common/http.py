@@ -53,3 +53,8 @@ def auth_middleware(key: str, guarded: Callable[[str], bool]):
             raise APIError(401, "invalid or missing API key (Authorization: Bearer ...)", code="invalid_api_key")
         return await handler(request)
     return middleware
+
+
+def middlewares(api_key: str | None, guarded: Callable[[str], bool]) -> list:
+    """The middleware stack of both servers: OpenAI-shaped errors, plus the API-key check when a key is set."""
+    return [errors_middleware] + ([auth_middleware(api_key, guarded)] if api_key else [])

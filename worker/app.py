@@ -16,7 +16,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from common.http import auth_middleware, errors_middleware, json_response
+from common.http import json_response, middlewares
 from common.metrics import RequestMetrics
 from common.protocol import APIError, error_body
 
@@ -33,6 +33,7 @@ class WorkerConfig:
     max_queue: int = 256
     device: str = "auto"
     dtype: str = "auto"
+    compile: bool = False                    # torch.compile the dense half of each block (eager fallback)
     default_algorithm: str | None = None     # None: the model family's default
     default_max_tokens: int = 256
     default_block_length: int = 32
@@ -356,7 +357,8 @@ async def _load(app: web.Application) -> None:
                 None, lambda: SimulatedEngine(c.model_path, *c.simulate_device))
         else:
             engine = await asyncio.get_running_loop().run_in_executor(
-                None, lambda: Engine.from_pretrained(c.model_path, device=c.device, dtype=c.dtype))
+                None, lambda: Engine.from_pretrained(c.model_path, device=c.device, dtype=c.dtype,
+                                                      compile=c.compile))
         from worker.models import DEFAULT_ALGORITHM
         if c.default_algorithm is None:
             c.default_algorithm = DEFAULT_ALGORITHM.get(engine.family, "basic")
@@ -388,10 +390,8 @@ async def _lifecycle(app: web.Application):
 
 
 def make_app(config: WorkerConfig) -> web.Application:
-    middlewares = [errors_middleware]
-    if config.api_key:
-        middlewares.append(auth_middleware(config.api_key, lambda path: not path.startswith(OPEN_PATHS)))
-    app = web.Application(middlewares=middlewares, client_max_size=256 * 1024 ** 2)
+    app = web.Application(middlewares=middlewares(config.api_key, lambda path: not path.startswith(OPEN_PATHS)),
+                          client_max_size=256 * 1024 ** 2)
     state = WorkerState(config)
     state.metrics = Metrics(state)
     app[STATE] = state

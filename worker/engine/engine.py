@@ -51,12 +51,16 @@ class Engine:
         self.last_step_time = time.monotonic()   # the worker's /health reads this (progress of the device loop)
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, device=None, dtype=None) -> "Engine":
+    def from_pretrained(cls, path: str | os.PathLike, device=None, dtype=None, compile: bool = False) -> "Engine":
+        """``compile``: run the dense half of every block (output projection, RMSNorm, SwiGLU MLP) through
+        ``torch.compile``, falling back to eager if compiling fails (see models.layers.Compiled)."""
         path = Path(path)
         family = detect_family(path)
         config = read_config(path)
         tokenizer = load_tokenizer(path)
         model = load_model(path, device, dtype)
+        if compile:
+            model.compile_dense()
         return cls(model, mask_id=mask_token_id(tokenizer, config), stop_ids=stop_token_ids(path, tokenizer, config),
                    pad_id=config.get("pad_token_id"), tokenizer=tokenizer, family=family, name=path.name)
 

@@ -2,9 +2,62 @@
 and bidirectional grouped-query attention through torch SDPA with an optional boolean key mask."""
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+
+log = logging.getLogger(__name__)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """:class:`RMSNorm` as a function (the same arithmetic)."""
+    dtype = x.dtype
+    x = x.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def dense_tail(x: torch.Tensor, a: torch.Tensor, w_out: torch.Tensor, w_norm: torch.Tensor, eps: float,
+               w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """The second half of a block, after attention (``a``: [B, L, heads * head_dim]): the output projection and
+    residual, then RMSNorm and the SwiGLU MLP with its residual. A free function of its weights, so one
+    ``torch.compile`` serves every layer (see :class:`Compiled`)."""
+    x = x + F.linear(a, w_out)
+    h = rms_norm(x, w_norm, eps)
+    return x + F.linear(F.silu(F.linear(h, w_gate)) * F.linear(h, w_up), w_down)
+
+
+class Compiled:
+    """``fn`` through ``torch.compile`` (dynamic shapes: batch, window and cache widths vary), with ``fn`` itself as
+    the fallback: if compiling or running the compiled code fails (no compiler for the backend, an unsupported op),
+    a warning is logged once and the eager function is used from then on. Out-of-memory errors are not swallowed."""
+
+    def __init__(self, fn, **options):
+        self.fn = fn
+        self.compiled = torch.compile(fn, dynamic=True, **options)
+        self.failed: str | None = None
+
+    def __call__(self, *args):
+        if self.failed is None:
+            try:
+                return self.compiled(*args)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as e:     # noqa: BLE001  (any compiler failure: fall back, once, loudly)
+                self.failed = f"{type(e).__name__}: {str(e)[:300]}"
+                log.warning("torch.compile failed for %s, using the eager path: %s", self.fn.__name__, self.failed)
+        return self.fn(*args)
+
+
+def compile_dense(blocks) -> Compiled:
+    """Route every block's :func:`dense_tail` through one :class:`Compiled` (blocks call ``self.dense``)."""
+    c = Compiled(dense_tail)
+    for b in blocks:
+        b.dense = c
+    return c
 
 
 class RMSNorm(nn.Module):

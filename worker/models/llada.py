@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from .checkpoint import CheckpointError, check_shapes, load_state_dict, read_config
-from .layers import KVCache, LayerKV, RMSNorm, apply_rope, attention, rope_tables
+from .layers import KVCache, LayerKV, RMSNorm, apply_rope, attention, compile_dense, dense_tail, rope_tables
 
 PREFIX = "model.transformer."
 
@@ -91,6 +91,7 @@ class LLaDABlock(nn.Module):
         self.ff_proj = nn.Linear(d, cfg.mlp_hidden_size, bias=False)
         self.up_proj = nn.Linear(d, cfg.mlp_hidden_size, bias=False)
         self.ff_out = nn.Linear(cfg.mlp_hidden_size, d, bias=False)
+        self.dense = dense_tail          # or a Compiled one (LLaDAModel.compile_dense)
 
     def forward(self, x, cos, sin, mask, kv: LayerKV | None = None):
         B, L, _ = x.shape
@@ -102,9 +103,8 @@ class LLaDABlock(nn.Module):
         if kv is not None:
             k, v = kv(k, v)
         a = attention(q, k, v, mask).transpose(1, 2).reshape(B, L, -1)
-        x = x + self.attn_out(a)
-        h = self.ff_norm(x)
-        return x + self.ff_out(nn.functional.silu(self.ff_proj(h)) * self.up_proj(h))
+        return self.dense(x, a, self.attn_out.weight, self.ff_norm.weight, self.ff_norm.eps, self.ff_proj.weight,
+                          self.up_proj.weight, self.ff_out.weight)
 
 
 class LLaDAModel(nn.Module):
@@ -151,6 +151,10 @@ class LLaDAModel(nn.Module):
             kv = None if cache is None else LayerKV(cache, i, slots, window)
             x = block(x, cos, sin, mask, kv)
         return self.ln_f(x)
+
+    def compile_dense(self):
+        """torch.compile the dense half of every block (eager fallback): see layers.Compiled."""
+        return compile_dense(self.blocks)
 
     def new_cache(self, slots: int, width: int) -> KVCache:
         c = self.cfg

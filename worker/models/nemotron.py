@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from .checkpoint import CheckpointError, check_shapes, load_state_dict, read_config
-from .layers import KVCache, LayerKV, RMSNorm, apply_rope, attention, rope_tables
+from .layers import KVCache, LayerKV, RMSNorm, apply_rope, attention, compile_dense, dense_tail, rope_tables
 
 
 @dataclass(frozen=True)
@@ -89,18 +89,17 @@ class Attention(nn.Module):
         q, k = apply_rope(q, cos, sin, fp32=False), apply_rope(k, cos, sin, fp32=False)
         if kv is not None:
             k, v = kv(k, v)
-        return self.o_proj(attention(q, k, v, mask).transpose(1, 2).reshape(B, L, -1))
+        return attention(q, k, v, mask).transpose(1, 2).reshape(B, L, -1)     # o_proj: in the layer's dense tail
 
 
 class MLP(nn.Module):
+    """The SwiGLU weights (the layer's dense tail computes it)."""
+
     def __init__(self, cfg: NemotronConfig):
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-    def forward(self, x):
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Layer(nn.Module):
@@ -110,10 +109,13 @@ class Layer(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        self.dense = dense_tail          # or a Compiled one (NemotronDiffusionModel.compile_dense)
 
     def forward(self, x, cos, sin, mask, kv=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        a = self.self_attn(self.input_layernorm(x), cos, sin, mask, kv)
+        n, m = self.post_attention_layernorm, self.mlp
+        return self.dense(x, a, self.self_attn.o_proj.weight, n.weight, n.eps, m.gate_proj.weight, m.up_proj.weight,
+                          m.down_proj.weight)
 
 
 class Encoder(nn.Module):
@@ -162,6 +164,10 @@ class NemotronDiffusionModel(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return self.diffusion_head(h)
+
+    def compile_dense(self):
+        """torch.compile the dense half of every layer (eager fallback): see layers.Compiled."""
+        return compile_dense(self.encoder.layers)
 
     def new_cache(self, slots: int, width: int) -> KVCache:
         c = self.cfg

@@ -1,0 +1,64 @@
+"""The torch.compile path for the dense half of every block: the same tokens as eager, and eager when compiling
+fails. (CPU here; whether it speeds up a GPU is a benchmark question, see docs/engine.md.)"""
+import logging
+
+import pytest
+import torch
+
+from tests.conftest import TINY_LLADA
+from worker.engine import Engine, GenerationParams, Request
+from worker.models import layers
+
+
+def _cases(golden):
+    picked = []
+    for algo in ("basic", "dual_cache"):
+        picked += [c for c in golden["cases"] if c["algorithm"] == algo][:2]
+    return picked
+
+
+def _run(engine, cases):
+    reqs = [Request(c["prompt"], GenerationParams(gen_length=c["gen_length"], block_length=c["block_length"],
+                                                  steps=c["steps"], algorithm=c["algorithm"],
+                                                  threshold=c.get("threshold"))) for c in cases]
+    return [engine.generate([r], early_exit=False)[0] for r in reqs] + engine.generate(reqs, early_exit=False)
+
+
+def test_compiled_dense_path_matches_eager_to_float_tolerance(llada_golden):
+    """Compiled kernels reassociate float sums, so logits differ from eager by ~1e-6 relative: on random weights
+    that can flip a near-tie, so the compiled path is not token-exact with the reference (eager is). It must agree
+    to float tolerance on every forward kind (full, cached window, batched) and decode whole canvases."""
+    pytest.importorskip("torch._inductor")
+    eager = Engine.from_pretrained(TINY_LLADA, device="cpu", dtype="float32")
+    engine = Engine.from_pretrained(TINY_LLADA, device="cpu", dtype="float32", compile=True)
+    compiled = engine.model.blocks[0].dense
+    assert isinstance(compiled, layers.Compiled) and all(b.dense is compiled for b in engine.model.blocks)
+    m0, m1 = eager.model, engine.model
+    for B, L in ((1, 20), (3, 37)):
+        ids = torch.randint(0, m0.cfg.embedding_size, (B, L))
+        pos = torch.arange(L).expand(B, L)
+        ref, out = m0.logits(m0(ids, pos)), m1.logits(m1(ids, pos))
+        if compiled.failed is not None:
+            pytest.skip(f"torch.compile cannot run on this machine: {compiled.failed}")
+        assert (out - ref).abs().max() <= 1e-4 * ref.abs().max()
+    cases = _cases(llada_golden)
+    for c, r in zip(cases + cases, _run(engine, cases)):            # alone, then all in one batch
+        assert len(r.canvas) == c["gen_length"] and eager.mask_id not in r.canvas
+        assert r.nfe == (c["nfe"] or c["steps"]), c                  # fixed-step cases: same number of forwards
+    assert compiled.failed is None
+
+
+def test_compile_failure_falls_back_to_eager(llada_golden, monkeypatch, caplog):
+    def broken(fn, **kw):
+        def run(*args):
+            raise RuntimeError("no compiler here")
+        return run
+    monkeypatch.setattr(torch, "compile", broken)
+    engine = Engine.from_pretrained(TINY_LLADA, device="cpu", dtype="float32", compile=True)
+    cases = _cases(llada_golden)
+    with caplog.at_level(logging.WARNING):
+        results = _run(engine, cases)
+    assert engine.model.blocks[0].dense.failed == "RuntimeError: no compiler here"
+    assert sum("using the eager path" in r.message for r in caplog.records) == 1      # said once, not per call
+    for c, r in zip(cases + cases, results):
+        assert r.canvas == c["output"] and r.nfe == (c["nfe"] or c["steps"]), c
