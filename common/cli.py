@@ -22,6 +22,12 @@ def main() -> None:
     """dllm-serve: OpenAI-compatible serving for masked diffusion language models."""
 
 
+_compile_option = click.option(
+    "--compile", "compile_", is_flag=True,
+    help="torch.compile the dense half of every block (output projection, RMSNorm, SwiGLU MLP); eager if compiling "
+         "fails. Off by default: not yet measured on a GPU (docs/engine.md).")
+
+
 @main.command()
 @click.option("--model-path", required=True, help="Checkpoint directory (config.json, weights, tokenizer).")
 @click.option("--prompt", help="Prompt text.")
@@ -44,7 +50,7 @@ def main() -> None:
 @click.option("--device", default="auto", show_default=True, help="cuda, cpu or auto.")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
               show_default=True, help="auto: bfloat16 on CUDA, float32 on CPU.")
-@click.option("--compile", "compile_", is_flag=True, help="torch.compile the dense half of every block (output projection, RMSNorm, SwiGLU MLP); eager if compiling fails. Off by default: not yet measured on a GPU (docs/engine.md).")
+@_compile_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 def generate(model_path, prompt, chat, prompt_ids, gen_length, block_length, steps, algorithm, remasking,
              temperature, cfg_scale, threshold, factor, seed, shift_logits, algorithm_params, no_early_exit, device,
@@ -112,7 +118,7 @@ def _logging(level: str) -> None:
 @click.option("--device", default="auto", show_default=True, help="cuda, cuda:N, cpu or auto.")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
               show_default=True)
-@click.option("--compile", "compile_", is_flag=True, help="torch.compile the dense half of every block (output projection, RMSNorm, SwiGLU MLP); eager if compiling fails. Off by default: not yet measured on a GPU (docs/engine.md).")
+@_compile_option
 @click.option("--default-algorithm", default=None,
               help="Algorithm for requests that name none (default: the family's: basic for LLaDA, nemotron for "
                    "Nemotron-Diffusion).")
