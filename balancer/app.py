@@ -10,6 +10,7 @@ import logging
 import os
 import secrets
 import signal
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -40,6 +41,7 @@ class BalancerConfig:
     health: HealthConfig = field(default_factory=HealthConfig)
     request_timeout: float = 1800.0
     drain_timeout: float = 60.0
+    http_processes: int = 1            # processes accepting client HTTP: this one + (N-1) fronts (balancer/front.py)
     api_key: str | None = None
     worker_api_key: str | None = None
 
@@ -70,6 +72,8 @@ class BalancerState:
         self.window = Window(60.0)
         self.total_requests = 0
         self.live: dict[str, Pending] = {}       # requests being answered, by id
+        self.local_requests = 0                  # OpenAI requests this process answered itself (not via a front)
+        self.fronts = None                       # balancer.front.Fronts when --http-processes > 1
         self.draining = False
         self.started = time.time()
         self._models: tuple[float, dict] | None = None
@@ -78,6 +82,27 @@ class BalancerState:
 
     def new_id(self) -> str:
         return f"{self._id_prefix}{next(self._ids)}"
+
+    def admit(self, kind: str, body: bytes, stream: bool, t0: float, cls=Pending, **extra) -> Pending:
+        """Queue a validated request for batching, or raise 503 (draining, no healthy worker) / 429 (queue full).
+        The caller answers from the returned request's events and calls :meth:`release` when it is done."""
+        if self.draining:
+            raise APIError(503, "the balancer is shutting down")
+        if not self.pool.any_healthy():
+            raise APIError(503, "no healthy worker", type="service_unavailable")
+        if self.batcher.queue_depth >= self.cfg.batch.max_queue:
+            raise APIError(429, f"the balancer queue is full ({self.cfg.batch.max_queue} requests waiting)")
+        self.total_requests += 1
+        p = cls(id=self.new_id(), kind=kind, body=body, stream=stream, started=t0, **extra)
+        self.live[p.id] = p
+        self.batcher.submit(p)
+        return p
+
+    def release(self, p: Pending) -> None:
+        """The request's answer is over (or its client gone): forget it; an unfinished one is cancelled."""
+        del self.live[p.id]
+        if not p.done:
+            self.batcher.cancel(p)
 
     def observe(self, path: str, status: int, seconds: float) -> None:
         self.metrics.requests.observe(path, status, seconds)
@@ -97,7 +122,7 @@ STATE = web.AppKey("state", BalancerState)
 
 
 # ---------------------------------------------------------------- OpenAI endpoints
-def _meaningful(chunk: dict) -> bool:
+def meaningful(chunk: dict) -> bool:
     """A chunk worth opening the client's stream for (the chat role-only chunk is held back, so a request whose
     worker fails before any text can still be re-dispatched)."""
     if chunk.get("usage"):
@@ -118,31 +143,21 @@ async def _openai(request: web.Request, kind: str) -> web.StreamResponse:
             raise APIError(503, "the balancer is shutting down")
         body = await request.read()
         req = parse_request(kind, body)      # validated from the raw bytes; forwarded to the worker as they are
-        if not state.pool.any_healthy():
-            raise APIError(503, "no healthy worker", type="service_unavailable")
-        if state.batcher.queue_depth >= state.cfg.batch.max_queue:
-            raise APIError(429, f"the balancer queue is full ({state.cfg.batch.max_queue} requests waiting)")
-        state.total_requests += 1
-        p = Pending(id=state.new_id(), kind=kind, body=body, stream=req.stream, started=t0)
-        state.live[p.id] = p
-        state.batcher.submit(p)
-        if req.stream:
-            resp, status = await _stream(request, p)
-        else:
-            resp, status = await _single(p)
+        p = state.admit(kind, body, req.stream, t0)
+        resp, status = await (answer_stream(request, p) if req.stream else answer_single(p))
         return resp
     except APIError as e:
         status = e.status
         raise
     finally:
         if p is not None:
-            del state.live[p.id]
-            if not p.done:
-                state.batcher.cancel(p)
+            state.release(p)
+        state.local_requests += 1
         state.observe(request.path, status, time.monotonic() - t0)
 
 
-async def _single(p: Pending) -> tuple[web.Response, int]:
+async def answer_single(p) -> tuple[web.Response, int]:
+    """A non-streaming answer from ``p``'s events (``p``: a Pending, or a front's handle with ``next()``)."""
     result = None
     while True:
         _, event, status, data, end = await p.next()
@@ -156,7 +171,8 @@ async def _single(p: Pending) -> tuple[web.Response, int]:
     return json_response(data, status, retry_headers(status)), status
 
 
-async def _stream(request: web.Request, p: Pending) -> tuple[web.StreamResponse, int]:
+async def answer_stream(request: web.Request, p) -> tuple[web.StreamResponse, int]:
+    """An SSE answer from ``p``'s events; the stream opens at the first chunk worth sending."""
     resp = None
     held: list[tuple[int, dict]] = []
     status = 200
@@ -170,7 +186,7 @@ async def _stream(request: web.Request, p: Pending) -> tuple[web.StreamResponse,
             await resp.write(b"data: " + orjson.dumps(data) + b"\n\n")
             status = st
         elif event == "chunk":
-            if resp is None and not _meaningful(data):
+            if resp is None and not meaningful(data):
                 held.append((attempt, data))
             else:
                 if resp is None:
@@ -186,7 +202,7 @@ async def _stream(request: web.Request, p: Pending) -> tuple[web.StreamResponse,
     return resp, status
 
 
-async def _open_stream(request: web.Request, p: Pending, held: list) -> web.StreamResponse:
+async def _open_stream(request: web.Request, p, held: list) -> web.StreamResponse:
     p.sent_bytes = True
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                        "X-Accel-Buffering": "no"})
@@ -265,6 +281,8 @@ async def stats(request: web.Request) -> web.Response:
             "avg_batch_size": round(b.rows / b.batches, 3) if b.batches else 0.0,
             "batch_size_histogram": {str(k): v for k, v in sorted(b.histogram.items())},
         },
+        "http_processes": [{"role": "central", "pid": os.getpid(), "status": "ready",
+                            "requests": state.local_requests}] + (state.fronts.snapshot() if state.fronts else []),
         "last_minute": state.window.summary(),
         "uptime_seconds": round(time.time() - state.started, 1),
     })
@@ -313,6 +331,8 @@ async def _lifecycle(app: web.Application):
     state.batcher.start()
     expiry = asyncio.create_task(_expire_loop(state), name="request-timeouts")
     yield
+    if state.fronts is not None:
+        await state.fronts.close()
     expiry.cancel()
     await state.batcher.close()
     await state.pool.close()
@@ -334,19 +354,40 @@ def make_app(cfg: BalancerConfig) -> web.Application:
     return app
 
 
+async def start_sites(runner: web.AppRunner, cfg: BalancerConfig) -> None:
+    """Listen on cfg.host:cfg.port; with --http-processes N > 1 also start the N-1 front processes (balancer/front.py),
+    which listen on the same port (SO_REUSEPORT) and hand their requests to this process's queue."""
+    many = cfg.http_processes > 1
+    site = web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True, reuse_port=many or None)
+    await site.start()
+    if not many:
+        return
+    from balancer.front import Fronts
+    port = site._server.sockets[0].getsockname()[1]       # the real port when cfg.port is 0
+
+    sockdir = tempfile.mkdtemp(prefix="dllm-balancer-")
+    path = os.path.join(sockdir, "central.sock")
+    await web.UnixSite(runner, path).start()
+    state = runner.app[STATE]
+    state.fronts = Fronts(state, cfg.http_processes - 1, cfg.host, port, path, cfg.api_key)
+    await state.fronts.start()
+
+
 async def serve(cfg: BalancerConfig, stop: asyncio.Event | None = None) -> int:
-    """Serve until SIGTERM/SIGINT (or ``stop``): then stop admitting (503), finish what is queued and in flight
-    (up to ``drain_timeout``), exit."""
+    """Serve until SIGTERM/SIGINT (or, when given, until ``stop`` is set): then stop admitting (503), finish what is
+    queued and in flight (up to ``drain_timeout``), stop the front processes, exit."""
     app = make_app(cfg)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    await web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True).start()
+    await start_sites(runner, cfg)
     gc.freeze()      # everything set up so far lives as long as the process: keep it out of every GC pass
-    log.info("balancer on http://%s:%d over %d workers", cfg.host, cfg.port, len(cfg.worker_urls))
-    stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    log.info("balancer on http://%s:%d over %d workers (%d HTTP processes)", cfg.host, cfg.port,
+             len(cfg.worker_urls), cfg.http_processes)
+    if stop is None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await drain(app)
     await runner.cleanup()

@@ -176,10 +176,13 @@ class CentralBatcher:
             if len(self.queue) < self.cfg.batch_size and now < deadline:
                 await self._wait(deadline - now)
                 continue
-            worker = min(free, key=lambda w: (w.inflight_rows, w.inflight_batches, w.last_dispatch))
-            batch = self._take(worker)
+            batch = None
+            for worker in sorted(free, key=lambda w: (w.inflight_rows, w.inflight_batches, w.last_dispatch)):
+                batch = self._take(worker)
+                if batch:
+                    break
             if not batch:
-                # every queued request excludes this worker: try another one soon
+                # every queued request excludes every free worker (it failed there): wait for another to free up
                 await self._wait(0.05)
                 continue
             worker.last_dispatch = time.monotonic()

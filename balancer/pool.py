@@ -59,7 +59,8 @@ class Worker:
 
     @property
     def healthy(self) -> bool:
-        return self.status in ("idle", "busy")
+        """Idle or busy (the same as ``status in ("idle", "busy")``, without building the string)."""
+        return self.ever_ready and not (self.draining or self.stalled or self.down)
 
     def snapshot(self) -> dict:
         now = time.monotonic()

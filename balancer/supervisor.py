@@ -18,7 +18,7 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from balancer.app import BalancerConfig, drain, make_app
+from balancer.app import BalancerConfig, drain, make_app, start_sites
 
 log = logging.getLogger("dllm.supervisor")
 
@@ -247,7 +247,7 @@ class Supervisor:
         self.app = make_app(bcfg)
         self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
         await self.runner.setup()
-        await web.TCPSite(self.runner, bcfg.host, bcfg.port, reuse_address=True).start()
+        await start_sites(self.runner, bcfg)
 
     async def _shutdown(self) -> None:
         self.stopping = True

@@ -2,7 +2,7 @@
 device (`--simulate-device BASE,PER_ROW`: no model, each batch sleeps BASE + PER_ROW x rows seconds).
 
   # (a) the balancer's own throughput and added latency with instant workers, side by side with nginx
-  python bench/balancer_bench.py proxy --workers 2 --connections 256 --duration 10
+  python bench/balancer_bench.py proxy --workers 2 --connections 256 --duration 10 --rounds 4
   # (b) scaling over 1, 2, 4, 8 workers at saturation on a simulated device (40 ms + 3 ms x rows)
   python bench/balancer_bench.py scaling --counts 1,2,4,8 --cost 0.04,0.003 --batch-size 16
 
@@ -87,25 +87,30 @@ def start_workers(procs: Procs, n: int, cost: str, batch_size: int, max_wait: fl
     return urls
 
 
-def start_balancer(procs: Procs, urls: list[str], batch_size: int, wait: float, inflight: int) -> str:
+def start_balancer(procs: Procs, urls: list[str], batch_size: int, wait: float, inflight: int,
+                   http_processes: int = 1) -> str:
     port = free_port()
     procs.start([sys.executable, "-m", "common.cli", "balancer", "--worker-urls", ",".join(urls), "--port", str(port),
                  "--batch-size", str(batch_size), "--batch-wait-time", str(wait), "--max-queue", "100000",
-                 "--max-inflight-per-worker", str(inflight), "--log-level", "warning"], "balancer")
+                 "--max-inflight-per-worker", str(inflight), "--http-processes", str(http_processes),
+                 "--log-level", "warning"], f"balancer-{http_processes}")
     url = f"http://127.0.0.1:{port}"
     wait_http(url + "/health", check=lambda d: d.get("healthy_workers") == len(urls))
+    wait_http(url + "/stats", check=lambda d: all(p["status"] == "ready" for p in d["http_processes"]))
     return url
 
 
-def start_nginx(procs: Procs, urls: list[str], tmp: Path) -> str:
+def start_nginx(procs: Procs, urls: list[str], tmp: Path, processes: int = 1) -> str:
     nginx = shutil.which("nginx") or "/usr/sbin/nginx"
     if not Path(nginx).exists():
         raise SystemExit("nginx is not installed (apt-get install nginx-light)")
     port = free_port()
     servers = "\n".join(f"server {u.removeprefix('http://')};" for u in urls)
+    tmp = tmp / f"nginx-{processes}"
+    tmp.mkdir()
     conf = tmp / "nginx.conf"
     conf.write_text(f"""
-worker_processes 1;
+worker_processes {processes};
 pid {tmp}/nginx.pid;
 error_log {tmp}/nginx-error.log warn;
 events {{ worker_connections 8192; }}
@@ -121,7 +126,7 @@ http {{
   }}
 }}
 """)
-    procs.start([nginx, "-c", str(conf), "-p", str(tmp), "-g", "daemon off;"], "nginx")
+    procs.start([nginx, "-c", str(conf), "-p", str(tmp), "-g", "daemon off;"], f"nginx-{processes}")
     url = f"http://127.0.0.1:{port}"
     wait_http(url + "/health")
     return url
@@ -177,34 +182,41 @@ def load(url: str, connections: int, duration: float, tmp: Path) -> dict:
 
 
 def proxy_bench(args) -> None:
+    nginx_counts = [int(c) for c in args.nginx_processes.split(",")]
+    http_counts = [int(c) for c in args.http_processes.split(",")]
     with tempfile.TemporaryDirectory() as tmpd:
         tmp = Path(tmpd)
         procs = Procs(tmp)
         try:
             urls = start_workers(procs, args.workers, "0", args.worker_batch_size, args.worker_wait)
-            bal = start_balancer(procs, urls, args.batch_size, args.batch_wait, args.inflight)
-            ngx = start_nginx(procs, urls, tmp)
+            rows = [(f"nginx, {n} process{'es' if n > 1 else ''}", start_nginx(procs, urls, tmp, n))
+                    for n in nginx_counts]
+            rows += [(f"balancer, --http-processes {n}",
+                      start_balancer(procs, urls, args.batch_size, args.batch_wait, args.inflight, n))
+                     for n in http_counts]
             print(f"{args.workers} instant workers (--simulate-device 0, worker batch {args.worker_batch_size}, "
-                  f"wait {args.worker_wait}); {args.connections} connections, {args.duration:g} s each; "
+                  f"wait {args.worker_wait}); balancer batch {args.batch_size}, wait {args.batch_wait}, in-flight/"
+                  f"worker {args.inflight}; {args.connections} connections, {args.duration:g} s each; "
                   f"load: {'wrk' if shutil.which('wrk') else 'python aiohttp'}; {args.rounds} interleaved rounds "
-                  f"(the order alternates, so drift on a shared machine hits both)")
-            print(f"{'round':<6} {'target':<28} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'errors':>7}")
+                  f"(the order rotates, so drift on a shared machine hits every target)")
+            print(f"{'round':<6} {'target':<30} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'errors':>7}")
             r = load(urls[0], args.connections, args.duration, tmp)
-            print(f"{'-':<6} {'worker 0 direct':<28} {r['rps']:>9.0f} {r['p50_ms']:>8.1f} {r['p99_ms']:>8.1f} "
+            print(f"{'-':<6} {'worker 0 direct':<30} {r['rps']:>9.0f} {r['p50_ms']:>8.1f} {r['p99_ms']:>8.1f} "
                   f"{r['errors']:>7}", flush=True)
-            rows = [("nginx (least_conn)", ngx), ("dllm-serve balancer", bal)]
             rps = {name: [] for name, _ in rows}
             for i in range(args.rounds):
-                for name, url in (rows if i % 2 == 0 else rows[::-1]):
+                k = i % len(rows)
+                for name, url in rows[k:] + rows[:k]:
                     r = load(url, args.connections, args.duration, tmp)
                     rps[name].append(r["rps"])
-                    print(f"{i + 1:<6} {name:<28} {r['rps']:>9.0f} {r['p50_ms']:>8.1f} {r['p99_ms']:>8.1f} "
+                    print(f"{i + 1:<6} {name:<30} {r['rps']:>9.0f} {r['p50_ms']:>8.1f} {r['p99_ms']:>8.1f} "
                           f"{r['errors']:>7}", flush=True)
-            med = {name: statistics.median(v) for name, v in rps.items()}
-            ratios = [b / n for b, n in zip(rps["dllm-serve balancer"], rps["nginx (least_conn)"])]
-            print(f"median req/s: nginx {med['nginx (least_conn)']:.0f}, balancer {med['dllm-serve balancer']:.0f}; "
-                  f"balancer / nginx per round: {', '.join(f'{x:.2f}' for x in ratios)} "
-                  f"(median {statistics.median(ratios):.2f})")
+            print("median req/s: " + ", ".join(f"{name} {statistics.median(v):.0f}" for name, v in rps.items()))
+            for b in rows[len(nginx_counts):]:
+                for n in rows[:len(nginx_counts)]:
+                    ratios = [x / y for x, y in zip(rps[b[0]], rps[n[0]])]
+                    print(f"{b[0]} / {n[0]} per round: {', '.join(f'{x:.2f}' for x in ratios)} "
+                          f"(median {statistics.median(ratios):.2f})")
         finally:
             procs.stop()
 
@@ -246,6 +258,8 @@ def main() -> None:
     p.add_argument("--inflight", type=int, default=2)
     p.add_argument("--worker-batch-size", type=int, default=128)
     p.add_argument("--worker-wait", type=float, default=0.005)
+    p.add_argument("--http-processes", default="1,2", help="balancer --http-processes values to compare")
+    p.add_argument("--nginx-processes", default="1,2", help="nginx worker_processes values to compare")
     s = sub.add_parser("scaling")
     s.add_argument("--counts", default="1,2,4,8")
     s.add_argument("--cost", default="0.04,0.003")

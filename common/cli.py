@@ -164,6 +164,13 @@ def _cost_model(value: str | None) -> tuple[float, float] | None:
     return parts[0], parts[1]
 
 
+_http_processes_option = click.option(
+    "--http-processes", type=click.IntRange(1), default=1, show_default=True,
+    help="Processes accepting client connections on --port (SO_REUSEPORT): the balancer itself plus N-1 front "
+         "processes that read and validate requests and hand them to its one queue over a Unix socket. Raise it "
+         "when one core of HTTP work is the limit (thousands of requests/s; docs/balancer.md).")
+
+
 @main.command()
 @click.option("--worker-urls", required=True, help="Comma-separated worker base URLs (http://h:8001,http://h:8002).")
 @click.option("--host", default="127.0.0.1", show_default=True)
@@ -194,14 +201,15 @@ def _cost_model(value: str | None) -> tuple[float, float] | None:
 @click.option("--no-worker-grace", type=click.FloatRange(0), default=30.0, show_default=True,
               help="Seconds queued requests wait for a healthy worker before 503.")
 @click.option("--drain-timeout", type=click.FloatRange(0), default=60.0, show_default=True)
+@_http_processes_option
 @click.option("--api-key", default=None, envvar="DLLM_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1.")
 @click.option("--worker-api-key", default=None, envvar="DLLM_WORKER_API_KEY",
               help="Bearer key the balancer sends to workers.")
 @click.option("--log-level", default="info", show_default=True)
 def balancer(worker_urls, host, port, batch_size, batch_wait_time, max_inflight_per_worker, max_queue,
              request_timeout, max_retries, health_check_interval, health_timeout, unhealthy_threshold,
-             healthy_threshold, stall_timeout, connect_timeout, no_worker_grace, drain_timeout, api_key,
-             worker_api_key, log_level):
+             healthy_threshold, stall_timeout, connect_timeout, no_worker_grace, drain_timeout, http_processes,
+             api_key, worker_api_key, log_level):
     """Centralized batching in front of N workers (never imports torch)."""
     from balancer.app import BalancerConfig, run
     from balancer.batcher import BatchConfig
@@ -212,7 +220,7 @@ def balancer(worker_urls, host, port, batch_size, batch_wait_time, max_inflight_
         raise click.BadParameter("no worker URL", param_hint="--worker-urls")
     cfg = BalancerConfig(
         worker_urls=urls, host=host, port=port, request_timeout=request_timeout, drain_timeout=drain_timeout,
-        api_key=api_key, worker_api_key=worker_api_key,
+        http_processes=http_processes, api_key=api_key, worker_api_key=worker_api_key,
         batch=BatchConfig(batch_size=batch_size, wait_time=batch_wait_time,
                           max_inflight_per_worker=max_inflight_per_worker, max_queue=max_queue,
                           max_retries=max_retries, connect_timeout=connect_timeout, no_worker_grace=no_worker_grace),
@@ -284,6 +292,8 @@ def _serve_options(f):
                      "model family's)."),
         click.option("--default-max-tokens", type=click.IntRange(1), default=256, show_default=True),
         click.option("--dtype", default="auto", show_default=True),
+        _compile_option,
+        _http_processes_option,
         click.option("--api-key", default=None, envvar="DLLM_API_KEY", help="Clients must send this Bearer key."),
         click.option("--worker-api-key", default=None, envvar="DLLM_WORKER_API_KEY",
                      help="Key between balancer and workers (generated per SLURM job)."),
@@ -313,7 +323,8 @@ def _serve_options(f):
 @main.command()
 @_serve_options
 def serve(local, model_path, dcp_path, base_model, gpus, gpu_ids, workers, host, port, worker_host,
-          worker_base_port, batch_size, max_wait_time, default_algorithm, default_max_tokens, dtype, api_key,
+          worker_base_port, batch_size, max_wait_time, default_algorithm, default_max_tokens, dtype, compile_,
+          http_processes, api_key,
           worker_api_key, log_dir, server_info_file, stagger, min_workers, startup_timeout, request_timeout,
           stall_timeout, health_check_interval, drain_timeout, extra_worker_urls, no_balancer, slurm_script,
           log_level):
@@ -341,10 +352,11 @@ def serve(local, model_path, dcp_path, base_model, gpus, gpu_ids, workers, host,
     worker_args = ["--batch-size", str(batch_size * 2), "--max-wait-time", "0",
                    *(["--default-algorithm", default_algorithm] if default_algorithm else []),
                    "--default-max-tokens", str(default_max_tokens), "--dtype", dtype,
+                   *(["--compile"] if compile_ else []),
                    "--request-timeout", str(request_timeout), "--drain-timeout", str(drain_timeout),
                    "--max-queue", str(max(1024, batch_size * 8)), "--log-level", log_level]
     bcfg = BalancerConfig(worker_urls=[], request_timeout=request_timeout, drain_timeout=drain_timeout,
-                          api_key=api_key,
+                          http_processes=http_processes, api_key=api_key,
                           batch=BatchConfig(batch_size=batch_size, wait_time=max_wait_time),
                           health=HealthConfig(interval=health_check_interval, stall_timeout=stall_timeout))
     cfg = ServeConfig(model_path=str(resolved), gpu_ids=ids, cpu_workers=workers, host=host, port=port,

@@ -1,57 +1,17 @@
-"""Fine-grained failover with fault-injecting fake workers (test doubles: in-process aiohttp servers that speak
-/health and /worker/batch and crash on cue)."""
+"""Fine-grained failover with fault-injecting fake workers (tests/fakes.py: test doubles that crash or hang on cue)."""
 import asyncio
 
 import orjson
-from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from balancer.app import BalancerConfig, make_app
 from balancer.batcher import BatchConfig
 from balancer.pool import HealthConfig
-
-
-def fake_worker(mode: str, log: list):
-    async def health(request):
-        return web.json_response({"status": "ready", "busy": False, "seconds_since_last_step": 0.0})
-
-    async def batch(request):
-        body = await request.json()
-        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
-        await resp.prepare(request)
-        for item in body["requests"]:
-            log.append((mode, item["id"]))
-        for item in body["requests"]:
-            rid, stream = item["id"], item["body"].get("stream", False)
-            if stream:
-                chunk = {"id": "c", "object": "text_completion", "created": 1, "model": "m",
-                         "choices": [{"index": 0, "text": f"{mode}-text", "finish_reason": None}]}
-                await resp.write(orjson.dumps({"id": rid, "event": "chunk", "data": chunk}) + b"\n")
-                if mode == "die":
-                    request.transport.abort()          # crash mid-stream: bytes already went to the client
-                    return resp
-                final = dict(chunk, choices=[{"index": 0, "text": "", "finish_reason": "length"}])
-                await resp.write(orjson.dumps({"id": rid, "event": "chunk", "data": final}) + b"\n")
-            else:
-                if mode == "die":
-                    request.transport.abort()
-                    return resp
-                data = {"id": "x", "object": "text_completion", "created": 1, "model": "m",
-                        "choices": [{"index": 0, "text": f"{mode}-answer", "finish_reason": "length"}],
-                        "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
-                await resp.write(orjson.dumps({"id": rid, "event": "response", "data": data}) + b"\n")
-            await resp.write(orjson.dumps({"id": rid, "event": "end"}) + b"\n")
-        await resp.write_eof()
-        return resp
-
-    app = web.Application()
-    app.router.add_get("/health", health)
-    app.router.add_post("/worker/batch", batch)
-    return app
+from tests.fakes import fake_worker, workers
 
 
 async def _balancer(aiohttp_client, urls, **batch):
-    cfg = BalancerConfig(worker_urls=urls, batch=BatchConfig(batch_size=8, wait_time=0.05, **batch),
+    cfg = BalancerConfig(worker_urls=urls, batch=BatchConfig(**{"batch_size": 8, "wait_time": 0.05, **batch}),
                          health=HealthConfig(interval=0.05, timeout=1, stall_timeout=5))
     client = await aiohttp_client(make_app(cfg))
     for _ in range(200):
@@ -73,7 +33,7 @@ async def test_crash_mid_batch_redispatches_unsent_and_errors_started_streams(ai
         stream_resp, plain_resp = await asyncio.gather(stream_req, plain_req)
         # the non-streaming request had sent nothing: re-dispatched to the good worker, answered once
         assert plain_resp.status == 200
-        assert (await plain_resp.json())["choices"][0]["text"] == "ok-answer"
+        assert (await plain_resp.json())["choices"][0]["text"] == "ok-completion"
         # the stream had already sent text from the dying worker: it ends with an error event, then [DONE]
         assert stream_resp.status == 200
         events = [line[6:] for line in (await stream_resp.text()).split("\n") if line.startswith("data: ")]
@@ -121,27 +81,7 @@ async def test_request_timeout_is_504_and_the_worker_is_told(aiohttp_client):
     """A worker that never answers: after --request-timeout the client gets 504, the worker a cancel for that id,
     and the balancer keeps serving."""
     seen, cancelled = [], []
-
-    async def health(request):
-        return web.json_response({"status": "ready", "busy": True, "seconds_since_last_step": 0.0})
-
-    async def batch(request):
-        body = await request.json()
-        seen.extend(item["id"] for item in body["requests"])
-        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
-        await resp.prepare(request)
-        await asyncio.sleep(30)                 # hangs (progress is reported by /health, so it is not stalled)
-        return resp
-
-    async def cancel(request):
-        cancelled.extend((await request.json())["ids"])
-        return web.json_response({"cancelled": 1})
-
-    app = web.Application()
-    app.router.add_get("/health", health)
-    app.router.add_post("/worker/batch", batch)
-    app.router.add_post("/worker/cancel", cancel)
-    hanging = TestServer(app)
+    hanging = TestServer(fake_worker("hang", seen, cancelled))
     await hanging.start_server()
     try:
         cfg = BalancerConfig(worker_urls=[str(hanging.make_url(""))], request_timeout=0.5,
@@ -165,9 +105,25 @@ async def test_request_timeout_is_504_and_the_worker_is_told(aiohttp_client):
             if len(cancelled) == 2:
                 break
             await asyncio.sleep(0.02)
-        assert sorted(cancelled) == sorted(seen) and len(seen) == 2
+        assert sorted(cancelled) == sorted(rid for _, rid in seen) and len(seen) == 2
         stats = await (await client.get("/stats")).json()
         assert stats["last_minute"]["requests"] == 2 and stats["last_minute"]["ok"] == 0
         assert stats["queue_depth"] == 0
     finally:
         await hanging.close()
+
+
+async def test_requests_that_failed_on_the_least_loaded_worker_go_to_another(aiohttp_client):
+    """Regression: after a failure, when every queued request excludes the least-loaded free worker, the batch goes
+    to the next free worker (it used to wait for the excluded one forever)."""
+    seen = []
+    async with workers(fake_worker("die", seen, delay=0.3), fake_worker("ok", seen)) as urls:
+        client = await _balancer(aiohttp_client, urls, batch_size=2)
+        first = [asyncio.ensure_future(client.post("/v1/completions", json={"prompt": p})) for p in "ab"]
+        await asyncio.sleep(0.1)              # a, b are on the dying worker (dispatched first) for 0.3 s
+        second = [client.post("/v1/completions", json={"prompt": p}) for p in "cd"]
+        async with asyncio.timeout(5):
+            answers = await asyncio.gather(*first, *second)
+        assert [r.status for r in answers] == [200] * 4
+        assert [(await r.json())["choices"][0]["text"] for r in answers] == ["ok-completion"] * 4
+        assert [m for m, _ in seen] == ["die", "die", "ok", "ok", "ok", "ok"]

@@ -1,0 +1,425 @@
+"""Front processes: client HTTP spread over several processes in front of the one central queue.
+
+With ``--http-processes N`` (N > 1) the balancer process (the *central*: queue, batcher, worker pool, health,
+metrics) and N-1 front processes all accept client connections on the same port (``SO_REUSEPORT``: the kernel
+spreads connections over the listening sockets). A front reads and validates each OpenAI request (the per-request
+HTTP and JSON work) and hands it as one frame over a Unix socket pair to the central, which admits it exactly like
+one of its own (503 while draining or with no healthy worker, 429 when the queue is full), batches it with the rest
+and sends the request's events back over the same socket; the front answers its client (JSON or SSE) from them.
+Every other path (/health, /stats, /metrics, /worker-status, /v1/models, 404s) is proxied over HTTP on a Unix
+socket to the central, so those answers are the central's own.
+
+Frames: 8 bytes (header length, body length; little-endian u32), an orjson header, raw body bytes. Front to
+central: ``r`` (a request: n, kind, stream; body = the client's JSON), ``d`` (n's answer is over: path, status,
+seconds; the central releases it and records the metrics), ``ready``. Central to front: one event per frame
+(n, attempt, event, status, data, end). Frames written in one loop iteration go out in one write.
+
+A front's client disconnect reaches the central as ``d`` with status 499 (the request is cancelled as usual); a
+front that dies is restarted by the central, whose requests from it are cancelled; when the central goes away a
+front answers its open requests 502 and exits. On SIGTERM the central drains (fronts' new requests get 503 from
+the central), then closes the fronts. Fronts ignore SIGTERM/SIGINT themselves: the central decides.
+
+Run as ``python -m balancer.front`` by the central only (configuration in the ``DLLM_FRONT`` environment
+variable). Never imports torch."""
+from __future__ import annotations
+
+import asyncio
+import collections
+import gc
+import itertools
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import struct
+import sys
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+import orjson
+from aiohttp import web
+
+from balancer.app import answer_single, answer_stream, meaningful
+from balancer.batcher import Pending
+from common.http import middlewares
+from common.protocol import APIError, error_body, parse_request
+
+log = logging.getLogger("dllm.balancer.front")
+
+_LENGTHS = struct.Struct("<II")
+PATHS = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
+
+
+def frame(header: dict, body: bytes = b"") -> bytes:
+    h = orjson.dumps(header)
+    return _LENGTHS.pack(len(h), len(body)) + h + body
+
+
+def read_frames(buf: bytearray) -> list[tuple[dict, bytes]]:
+    """Remove the complete frames at the start of ``buf`` and return them as (header, body)."""
+    out, off, n = [], 0, len(buf)
+    while n - off >= 8:
+        hl, bl = _LENGTHS.unpack_from(buf, off)
+        end = off + 8 + hl + bl
+        if end > n:
+            break
+        out.append((orjson.loads(buf[off + 8:off + 8 + hl]), bytes(buf[off + 8 + hl:end])))
+        off = end
+    if off:
+        del buf[:off]
+    return out
+
+
+class Link(asyncio.Protocol):
+    """One end of a central-front socket pair: frames in, frames out (coalesced per loop iteration)."""
+
+    def __init__(self):
+        self.transport: asyncio.Transport | None = None
+        self.closed = asyncio.get_running_loop().create_future()
+        self._buf = bytearray()
+        self._out: list[bytes] = []
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self._buf += data
+        for header, body in read_frames(self._buf):
+            self.on_frame(header, body)
+
+    def connection_lost(self, exc) -> None:
+        self.transport = None
+        if not self.closed.done():
+            self.closed.set_result(None)
+        self.on_lost()
+
+    def send(self, header: dict, body: bytes = b"") -> None:
+        if self.transport is None:
+            return
+        if not self._out:
+            asyncio.get_running_loop().call_soon(self._flush)
+        self._out.append(frame(header, body))
+
+    def _flush(self) -> None:
+        out, self._out = self._out, []
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.write(b"".join(out))
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self._flush()
+            self.transport.close()
+
+    def on_frame(self, header: dict, body: bytes) -> None:
+        raise NotImplementedError
+
+    def on_lost(self) -> None:
+        pass
+
+
+# ---------------------------------------------------------------- the central's side
+@dataclass(slots=True, eq=False)
+class RemotePending(Pending):
+    """A request a front process holds the client of: events go to the front instead of a local handler."""
+    link: "FrontLink | None" = None
+    n: int = 0
+
+    def deliver(self, attempt, event, status=200, data=None, end=False) -> None:
+        if attempt is not None and attempt != self.attempt:
+            return                       # a failed attempt's late event
+        if self.stream and event == "chunk" and not self.sent_bytes:
+            # the front opens its client's stream at the first meaningful chunk: from then on a worker failure
+            # ends the stream with an error event instead of a re-dispatch (as for a local request that has
+            # written bytes; a local handler may still be behind, so it is re-dispatched a little more often)
+            self.sent_bytes = meaningful(data)
+        self.link.send({"n": self.n, "a": attempt, "e": event, "st": status, "d": data, "end": end})
+
+
+class FrontLink(Link):
+    def __init__(self, fronts: "Fronts", index: int):
+        super().__init__()
+        self.fronts = fronts
+        self.index = index
+        self.live: dict[int, RemotePending] = {}
+        self.requests = 0
+        self.pid: int | None = None
+        self.ready = False
+
+    def on_frame(self, h: dict, body: bytes) -> None:
+        t = h["t"]
+        state = self.fronts.state
+        if t == "r":
+            n = h["n"]
+            try:
+                self.live[n] = state.admit(h["k"], body, h["s"], time.monotonic(), cls=RemotePending, link=self, n=n)
+            except APIError as e:
+                self.send({"n": n, "a": None, "e": "error", "st": e.status, "d": e.body(), "end": True})
+        elif t == "d":
+            p = self.live.pop(h["n"], None)
+            if p is not None:
+                state.release(p)
+            self.requests += 1
+            state.observe(h["p"], h["st"], h["s"])
+        elif t == "ready":
+            self.pid, self.ready = h["pid"], True
+            log.info("front process %d (pid %d) accepting connections", self.index, self.pid)
+
+    def on_lost(self) -> None:
+        state = self.fronts.state
+        for p in self.live.values():
+            state.release(p)
+            state.observe(PATHS.get(p.kind, "/v1/completions"), 502, time.monotonic() - p.started)
+        self.live.clear()
+
+
+class Fronts:
+    """The central's front processes: started after the central listens, restarted when one dies, closed last."""
+
+    def __init__(self, state, count: int, host: str, port: int, central_socket: str, api_key: str | None,
+                 restart_delay: float = 1.0):
+        self.state = state
+        self.count = count
+        self.host, self.port = host, port
+        self.central_socket = central_socket
+        self.api_key = api_key
+        self.restart_delay = restart_delay
+        self.links: list[FrontLink | None] = [None] * count
+        self.procs: list[asyncio.subprocess.Process | None] = [None] * count
+        self.restarts = [0] * count
+        self._closing = False
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        for i in range(self.count):
+            await self._spawn(i)
+            self._tasks.append(asyncio.create_task(self._supervise(i), name=f"front-{i}"))
+
+    async def _spawn(self, i: int) -> None:
+        ours, theirs = socket.socketpair()
+        env = {**os.environ, "DLLM_FRONT": json.dumps({
+            "fd": theirs.fileno(), "host": self.host, "port": self.port, "central": self.central_socket,
+            "api_key": self.api_key, "index": i, "log_level": logging.getLogger().getEffectiveLevel()})}
+        try:
+            self.procs[i] = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "balancer.front", pass_fds=(theirs.fileno(),), env=env)
+        finally:
+            theirs.close()
+        link = FrontLink(self, i)
+        await asyncio.get_running_loop().create_connection(lambda: link, sock=ours)
+        self.links[i] = link
+
+    async def _supervise(self, i: int) -> None:
+        while True:
+            code = await self.procs[i].wait()
+            if self._closing:
+                return
+            log.error("front process %d exited with %s; restarting it in %g s", i, code, self.restart_delay)
+            link = self.links[i]
+            if link is not None:
+                link.close()
+            await asyncio.sleep(self.restart_delay)
+            if self._closing:
+                return
+            self.restarts[i] += 1
+            try:
+                await self._spawn(i)
+            except OSError as e:
+                log.error("front process %d could not start: %s", i, e)
+
+    def snapshot(self) -> list[dict]:
+        out = []
+        for i, (link, proc) in enumerate(zip(self.links, self.procs)):
+            alive = proc is not None and proc.returncode is None
+            out.append({"role": "front", "index": i, "pid": proc.pid if proc else None,
+                        "status": "ready" if alive and link and link.ready else ("starting" if alive else "exited"),
+                        "requests": link.requests if link else 0, "open_requests": len(link.live) if link else 0,
+                        "restarts": self.restarts[i]})
+        return out
+
+    async def close(self, timeout: float = 10.0) -> None:
+        """Close the fronts' links (each answers what it still holds and exits), wait, then kill stragglers;
+        remove the central's Unix socket."""
+        self._closing = True
+        for t in self._tasks:
+            t.cancel()
+        for link in self.links:
+            if link is not None:
+                link.close()
+        procs = [p for p in self.procs if p is not None and p.returncode is None]
+        try:
+            async with asyncio.timeout(timeout):
+                await asyncio.gather(*(p.wait() for p in procs))
+        except TimeoutError:
+            for p in procs:
+                if p.returncode is None:
+                    log.warning("front process %d did not exit: SIGKILL", p.pid)
+                    p.kill()
+            await asyncio.gather(*(p.wait() for p in procs))
+        shutil.rmtree(os.path.dirname(self.central_socket), ignore_errors=True)
+
+
+# ---------------------------------------------------------------- a front process
+class Handle:
+    """A front's view of one request: the central's events, in order (stale attempts already dropped there)."""
+    __slots__ = ("events", "sent_bytes", "_waiter")
+
+    def __init__(self):
+        self.events: collections.deque = collections.deque()
+        self.sent_bytes = False
+        self._waiter: asyncio.Future | None = None
+
+    def deliver(self, ev: tuple) -> None:
+        self.events.append(ev)
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def next(self) -> tuple:
+        while not self.events:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self.events.popleft()
+
+
+@dataclass
+class FrontConfig:
+    fd: int
+    host: str
+    port: int
+    central: str                         # the central's Unix socket (HTTP) for every non-OpenAI path
+    api_key: str | None = None
+    index: int = 0
+    log_level: int = logging.INFO
+    proxy_timeout: float = 30.0
+
+
+@dataclass(eq=False)
+class FrontState:
+    cfg: FrontConfig
+    link: "CentralLink | None" = None
+    live: dict[int, Handle] = field(default_factory=dict)
+    session: aiohttp.ClientSession | None = None
+    ids: itertools.count = field(default_factory=itertools.count)
+
+
+class CentralLink(Link):
+    def __init__(self, front: FrontState):
+        super().__init__()
+        self.front = front
+
+    def on_frame(self, h: dict, body: bytes) -> None:
+        handle = self.front.live.get(h["n"])
+        if handle is not None:
+            handle.deliver((h["a"], h["e"], h["st"], h["d"], h["end"]))
+
+    def on_lost(self) -> None:
+        for handle in self.front.live.values():
+            handle.deliver((None, "error", 502, error_body("the balancer's central process went away",
+                                                           "server_error"), True))
+
+
+FRONT = web.AppKey("front", FrontState)
+
+
+async def _openai(request: web.Request, kind: str) -> web.StreamResponse:
+    front = request.app[FRONT]
+    t0 = time.monotonic()
+    status, n = 499, -1
+    try:
+        body = await request.read()
+        req = parse_request(kind, body)          # the validation work this process takes off the central
+        link = front.link
+        if link is None or link.transport is None:
+            raise APIError(503, "the balancer is restarting")
+        n = next(front.ids)
+        handle = front.live[n] = Handle()
+        link.send({"t": "r", "n": n, "k": kind, "s": req.stream}, body)
+        resp, status = await (answer_stream(request, handle) if req.stream else answer_single(handle))
+        return resp
+    except APIError as e:
+        status = e.status
+        raise
+    finally:
+        front.live.pop(n, None)
+        if front.link is not None:
+            front.link.send({"t": "d", "n": n, "p": request.path, "st": status, "s": time.monotonic() - t0})
+
+
+async def completions(request):
+    return await _openai(request, "completion")
+
+
+async def chat_completions(request):
+    return await _openai(request, "chat")
+
+
+async def proxy(request: web.Request) -> web.Response:
+    """Any other path: the central's own answer, over its Unix socket."""
+    front = request.app[FRONT]
+    headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type", "accept")}
+    try:
+        async with front.session.request(request.method, "http://central" + request.path_qs, headers=headers,
+                                         data=await request.read() if request.can_read_body else None) as r:
+            body = await r.read()
+            keep = {k: v for k, v in r.headers.items() if k.lower() in ("content-type", "retry-after", "allow")}
+            return web.Response(body=body, status=r.status, headers=keep)
+    except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        raise APIError(503, f"the balancer's central process did not answer: {type(e).__name__}")
+
+
+async def serve_front(cfg: FrontConfig) -> int:
+    front = FrontState(cfg)
+    app = web.Application(middlewares=middlewares(cfg.api_key, lambda path: path.startswith("/v1/")),
+                          client_max_size=64 * 1024 ** 2)
+    app[FRONT] = front
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_route("*", "/{tail:.*}", proxy)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, lambda: None)          # the central decides when fronts stop
+    front.session = aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=cfg.central),
+                                          timeout=aiohttp.ClientTimeout(total=cfg.proxy_timeout))
+    link = front.link = CentralLink(front)
+    await loop.create_connection(lambda: link, sock=socket.socket(fileno=cfg.fd))
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    try:
+        await web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True, reuse_port=True).start()
+    except OSError as e:
+        log.error("front process %d cannot listen on %s:%d: %s", cfg.index, cfg.host, cfg.port, e)
+        return 1
+    gc.freeze()
+    link.send({"t": "ready", "pid": os.getpid()})
+    await link.closed                                       # the central closed the link (or died)
+    try:
+        async with asyncio.timeout(5):                      # let handlers write what the central sent last
+            while front.live:
+                await asyncio.sleep(0.02)
+    except TimeoutError:
+        pass
+    await runner.cleanup()
+    await front.session.close()
+    return 0
+
+
+def main() -> int:
+    raw = json.loads(os.environ["DLLM_FRONT"])
+    cfg = FrontConfig(**raw)
+    logging.basicConfig(level=cfg.log_level, format=f"%(asctime)s front{cfg.index} %(levelname)s %(name)s: "
+                                                    "%(message)s")
+    try:
+        import uvloop
+        return uvloop.run(serve_front(cfg))
+    except ImportError:
+        return asyncio.run(serve_front(cfg))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""Fault-injecting fake workers (test doubles): in-process aiohttp servers that speak /health, /worker/batch and
+/worker/cancel like a worker, and crash or hang on cue."""
+import asyncio
+import contextlib
+
+import orjson
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+CHUNK = {"id": "c", "object": "text_completion", "created": 1, "model": "m"}
+
+
+def fake_worker(mode: str, seen: list, cancelled: list | None = None, delay: float = 0.0):
+    """mode: ok (answers), die (drops the connection after a stream's first chunk / before a plain answer),
+    hang (never answers)."""
+    async def health(request):
+        return web.json_response({"status": "ready", "busy": False, "seconds_since_last_step": 0.0})
+
+    async def batch(request):
+        body = await request.json()
+        seen.extend((mode, item["id"]) for item in body["requests"])
+        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await resp.prepare(request)
+        if mode == "hang":
+            await asyncio.sleep(60)
+        await asyncio.sleep(delay)
+        for item in body["requests"]:
+            rid, stream = item["id"], item["body"].get("stream", False)
+            if stream:
+                chunk = dict(CHUNK, choices=[{"index": 0, "text": f"{mode}-text", "finish_reason": None}])
+                await resp.write(orjson.dumps({"id": rid, "event": "chunk", "data": chunk}) + b"\n")
+                if mode == "die":
+                    request.transport.abort()
+                    return resp
+                final = dict(CHUNK, choices=[{"index": 0, "text": "", "finish_reason": "length"}])
+                await resp.write(orjson.dumps({"id": rid, "event": "chunk", "data": final, "end": True}) + b"\n")
+            else:
+                if mode == "die":
+                    request.transport.abort()
+                    return resp
+                data = dict(CHUNK, choices=[{"index": 0, "text": f"{mode}-{item['kind']}", "finish_reason": "length"}])
+                await resp.write(orjson.dumps({"id": rid, "event": "response", "data": data, "end": True}) + b"\n")
+        await resp.write_eof()
+        return resp
+
+    async def cancel(request):
+        if cancelled is not None:
+            cancelled.extend((await request.json())["ids"])
+        return web.json_response({"cancelled": 1})
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_post("/worker/batch", batch)
+    app.router.add_post("/worker/cancel", cancel)
+    return app
+
+
+@contextlib.asynccontextmanager
+async def workers(*apps):
+    servers = [TestServer(a) for a in apps]
+    for s in servers:
+        await s.start_server()
+    try:
+        yield [str(s.make_url("")).rstrip("/") for s in servers]
+    finally:
+        for s in servers:
+            await s.close()

@@ -1,0 +1,205 @@
+"""--http-processes: front processes that share the balancer's port and hand requests to its one queue.
+
+The balancer runs in the test's event loop (its front processes are real subprocesses); workers are fault-injecting
+fakes (test doubles: in-process aiohttp servers speaking /health, /worker/batch and /worker/cancel). Every client
+request opens its own connection, so the kernel spreads them over the listening processes (SO_REUSEPORT); the
+per-request assertions hold whichever process took the connection, and /stats shows that every process took some."""
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+
+import aiohttp
+import orjson
+
+from balancer.app import BalancerConfig, serve
+from balancer.batcher import BatchConfig
+from balancer.pool import HealthConfig
+from tests.fakes import fake_worker, workers
+from tests.helpers import ROOT, free_port
+
+async def get(url: str, **kw) -> tuple[int, dict]:
+    async with aiohttp.ClientSession() as s, s.get(url, **kw) as r:
+        return r.status, await r.json(content_type=None)
+
+
+async def wait_ready(base: str, processes: int, workers: int, timeout: float = 30.0) -> dict:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        with contextlib.suppress(aiohttp.ClientError, ValueError):
+            status, stats = await get(base + "/stats")
+            procs = stats.get("http_processes", [])
+            if (status == 200 and stats["healthy_workers"] == workers and len(procs) == processes
+                    and all(p["status"] == "ready" for p in procs)):
+                return stats
+        if asyncio.get_running_loop().time() > deadline:
+            raise TimeoutError(f"balancer at {base} not ready")
+        await asyncio.sleep(0.05)
+
+
+@contextlib.asynccontextmanager
+async def balancer(urls: list[str], processes: int = 3, **kw):
+    port = free_port()
+    batch = kw.pop("batch", BatchConfig(batch_size=8, wait_time=0.05))
+    cfg = BalancerConfig(worker_urls=urls, port=port, http_processes=processes, batch=batch,
+                         health=HealthConfig(interval=0.05, timeout=1, stall_timeout=30), drain_timeout=10, **kw)
+    stop = asyncio.Event()
+    task = asyncio.create_task(serve(cfg, stop))
+    base = f"http://127.0.0.1:{port}"
+    try:
+        await wait_ready(base, processes, len(urls))
+        yield base
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+
+
+async def post(base: str, path: str, body: dict, timeout: float = 30.0, headers: dict | None = None):
+    """One request on its own connection: (status, JSON body or list of SSE data lines)."""
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True),
+                                     timeout=aiohttp.ClientTimeout(total=timeout)) as s:
+        async with s.post(base + path, json=body, headers=headers) as r:
+            if r.headers.get("Content-Type", "").startswith("text/event-stream"):
+                return r.status, [line[6:] for line in (await r.text()).split("\n") if line.startswith("data: ")]
+            return r.status, await r.json(content_type=None)
+
+
+async def test_fronts_share_the_port_and_the_one_queue():
+    seen = []
+    async with workers(fake_worker("ok", seen), fake_worker("ok", seen)) as urls, \
+            balancer(urls, processes=3, api_key="k") as base:
+        auth = {"Authorization": "Bearer k"}
+        calls = []
+        for i in range(48):
+            if i % 3 == 0:
+                calls.append(post(base, "/v1/completions", {"prompt": f"p{i}"}, headers=auth))
+            elif i % 3 == 1:
+                calls.append(post(base, "/v1/completions", {"prompt": f"p{i}", "stream": True}, headers=auth))
+            else:
+                calls.append(post(base, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]},
+                                  headers=auth))
+        results = await asyncio.gather(*calls)
+        for i, (status, body) in enumerate(results):
+            assert status == 200, body
+            if i % 3 == 0:
+                assert body["choices"][0]["text"] == "ok-completion"
+            elif i % 3 == 1:
+                assert orjson.loads(body[0])["choices"][0]["text"] == "ok-text" and body[-1] == "[DONE]"
+            else:
+                assert body["choices"][0]["text"] == "ok-chat"
+        assert len(seen) == 48 and len({rid for _, rid in seen}) == 48       # each dispatched once
+
+        # errors are answered where the request arrived, in the OpenAI shape, with the central's statuses
+        bad = await asyncio.gather(*(post(base, "/v1/completions", {"prompt": "a", "top_p": 0.5}, headers=auth)
+                                     for _ in range(12)))
+        assert all(s == 400 and b["error"]["param"] == "top_p" for s, b in bad)
+        unauth = await asyncio.gather(*(post(base, "/v1/completions", {"prompt": "a"}) for _ in range(12)))
+        assert all(s == 401 and b["error"]["code"] == "invalid_api_key" for s, b in unauth)
+        missing = await asyncio.gather(*(post(base, "/v1/nothing", {}, headers=auth) for _ in range(12)))
+        assert all(s == 404 and b["error"]["type"] == "not_found_error" for s, b in missing)
+
+        stats = (await get(base + "/stats"))[1]
+        procs = stats["http_processes"]
+        assert [p["role"] for p in procs] == ["central", "front", "front"]
+        assert sum(p["requests"] for p in procs) == 48 + 12       # and the 400s (401s, 404s reach no handler)
+        assert all(p["requests"] > 0 for p in procs), procs
+        assert stats["total_requests"] == 48
+        assert stats["centralized_batching"]["avg_batch_size"] > 1
+        assert stats["last_minute"]["requests"] == 60 and stats["last_minute"]["ok"] == 48
+        for _ in range(12):                # every status path answers through a front too, with the central's data
+            status, health = await get(base + "/health")
+            assert status == 200 and health["healthy_workers"] == 2
+        async with aiohttp.ClientSession() as s, s.get(base + "/metrics") as r:
+            text = await r.text()
+        assert 'dllm_balancer_requests_total{endpoint="/v1/chat/completions",status="200"} 16.0' in text
+
+
+async def test_failover_disconnects_and_timeouts_through_fronts():
+    seen, cancelled = [], []
+    async with workers(fake_worker("die", seen), fake_worker("ok", seen)) as urls, balancer(urls) as base:
+        calls = [post(base, "/v1/completions", {"prompt": f"p{i}", "stream": i % 2 == 1}) for i in range(24)]
+        for status, body in await asyncio.gather(*calls):
+            assert status == 200
+            if isinstance(body, dict):              # plain: re-dispatched from the dying worker if it was there
+                assert body["choices"][0]["text"] == "ok-completion"
+            else:                                   # stream: whole from the good worker, or an error event after
+                first = orjson.loads(body[0])["choices"][0]["text"]   # the dying worker's first chunk
+                assert body[-1] == "[DONE]"
+                if first == "die-text":
+                    assert "cannot be resumed" in orjson.loads(body[1])["error"]["message"] and len(body) == 3
+                else:
+                    assert first == "ok-text" and len(body) == 3
+        died = [rid for mode, rid in seen if mode == "die"]
+        assert died, "the dying worker got no batch"
+        stats = (await get(base + "/stats"))[1]
+        assert stats["total_requests"] == 24 and stats["in_flight"] == 0 and stats["queue_depth"] == 0
+
+    async with workers(fake_worker("hang", seen, cancelled)) as urls, balancer(urls, request_timeout=1.5) as base:
+        seen.clear()
+
+        async def give_up(i):
+            with contextlib.suppress(asyncio.TimeoutError):
+                await post(base, "/v1/completions", {"prompt": f"p{i}"}, timeout=0.4)
+                raise AssertionError("a hanging worker answered")
+        timed = [post(base, "/v1/completions", {"prompt": f"t{i}", "stream": i % 2 == 1}) for i in range(6)]
+        results = await asyncio.gather(*timed, *(give_up(i) for i in range(6)))
+        for status, body in results[:6]:
+            assert status == 504 and "--request-timeout" in body["error"]["message"]
+        for _ in range(100):
+            if len(cancelled) == 12:
+                break
+            await asyncio.sleep(0.05)
+        assert sorted(cancelled) == sorted(rid for _, rid in seen) and len(seen) == 12
+        stats = (await get(base + "/stats"))[1]
+        assert stats["last_minute"]["requests"] == 12 and stats["last_minute"]["ok"] == 0
+        assert sum(p["open_requests"] for p in stats["http_processes"][1:]) == 0
+
+
+async def test_a_killed_front_is_restarted():
+    seen = []
+    async with workers(fake_worker("ok", seen)) as urls, balancer(urls, processes=2) as base:
+        front = (await get(base + "/stats"))[1]["http_processes"][1]
+        os.kill(front["pid"], signal.SIGKILL)
+        for _ in range(600):
+            procs = (await get(base + "/stats"))[1]["http_processes"]
+            if procs[1]["status"] == "ready" and procs[1]["pid"] != front["pid"]:
+                break
+            await asyncio.sleep(0.05)
+        assert procs[1]["restarts"] == 1 and procs[1]["status"] == "ready", procs
+        results = await asyncio.gather(*(post(base, "/v1/completions", {"prompt": f"p{i}"}) for i in range(16)))
+        assert all(s == 200 for s, _ in results)
+        procs = (await get(base + "/stats"))[1]["http_processes"]
+        assert procs[1]["requests"] > 0, procs
+
+
+async def test_sigterm_drains_through_fronts_then_stops_them():
+    """The real command: SIGTERM while requests wait on a slow worker; every one is answered, then the
+    balancer and its fronts exit."""
+    seen = []
+    async with workers(fake_worker("ok", seen, delay=1.5)) as urls:
+        port = free_port()
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "common.cli", "balancer", "--worker-urls", urls[0], "--port", str(port),
+            "--http-processes", "3", "--batch-size", "4", "--batch-wait-time", "0.01",
+            "--health-check-interval", "0.1", cwd=ROOT, stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE)
+        base = f"http://127.0.0.1:{port}"
+        try:
+            stats = await wait_ready(base, 3, 1)
+            pids = [p["pid"] for p in stats["http_processes"]]
+            calls = asyncio.gather(*(post(base, "/v1/completions", {"prompt": f"p{i}"}) for i in range(12)))
+            await asyncio.sleep(0.5)
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.2)
+            late = await asyncio.gather(*(post(base, "/v1/completions", {"prompt": "late"}) for _ in range(6)))
+            assert all(s == 503 for s, _ in late), late
+            assert all(s == 200 for s, _ in await calls)
+            assert await asyncio.wait_for(proc.wait(), 30) == 0
+            for pid in pids:
+                assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+            assert len(seen) == 12
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
