@@ -88,7 +88,11 @@ class Link(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self._buf += data
         for header, body in read_frames(self._buf):
-            self.on_frame(header, body)
+            try:
+                self.on_frame(header, body)
+            except Exception:           # a bug must not close the link (and fail every request on it)
+                log.exception("frame %s failed", header)
+                self.on_bad_frame(header)
 
     def connection_lost(self, exc) -> None:
         self.transport = None
@@ -117,6 +121,9 @@ class Link(asyncio.Protocol):
         raise NotImplementedError
 
     def on_lost(self) -> None:
+        pass
+
+    def on_bad_frame(self, header: dict) -> None:
         pass
 
 
@@ -167,6 +174,11 @@ class FrontLink(Link):
             self.pid, self.ready = h["pid"], True
             log.info("front process %d (pid %d) accepting connections", self.index, self.pid)
 
+    def on_bad_frame(self, h: dict) -> None:
+        if h.get("t") == "r" and h.get("n") not in self.live:       # answer it rather than leave it waiting
+            self.send({"n": h.get("n"), "a": None, "e": "error", "st": 500,
+                       "d": error_body("internal error in the balancer", "server_error"), "end": True})
+
     def on_lost(self) -> None:
         state = self.fronts.state
         for p in self.live.values():
@@ -212,15 +224,19 @@ class Fronts:
         self.links[i] = link
 
     async def _supervise(self, i: int) -> None:
+        quick = 0                                # exits within 10 s of a start in a row: the delay doubles
         while True:
+            started = time.monotonic()
             code = await self.procs[i].wait()
             if self._closing:
                 return
-            log.error("front process %d exited with %s; restarting it in %g s", i, code, self.restart_delay)
+            quick = quick + 1 if time.monotonic() - started < 10 else 0
+            delay = min(30.0, self.restart_delay * 2 ** max(0, quick - 1))
+            log.error("front process %d exited with %s; restarting it in %g s", i, code, delay)
             link = self.links[i]
             if link is not None:
                 link.close()
-            await asyncio.sleep(self.restart_delay)
+            await asyncio.sleep(delay)
             if self._closing:
                 return
             self.restarts[i] += 1

@@ -203,3 +203,15 @@ async def test_sigterm_drains_through_fronts_then_stops_them():
             if proc.returncode is None:
                 proc.kill()
                 await proc.wait()
+
+
+def test_frames_survive_any_split():
+    from balancer.front import frame, read_frames
+    sent = [({"t": "r", "n": i, "k": "chat"}, bytes(range(i % 256)) * (i + 1)) for i in range(40)]
+    wire = b"".join(frame(h, b) for h, b in sent)
+    for step in (1, 7, 64, 1000, len(wire)):
+        buf, got = bytearray(), []
+        for k in range(0, len(wire), step):
+            buf += wire[k:k + step]
+            got += read_frames(buf)
+        assert got == sent and not buf
