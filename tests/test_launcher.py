@@ -172,13 +172,14 @@ def _info(path: Path) -> dict:
 
 @pytest.mark.slow
 def test_serve_local_restarts_a_killed_worker_and_stops_cleanly(tmp_path):
+    """Two CPU workers and a balancer with one front process (--http-processes 2): nothing left after SIGTERM."""
     port, wport = free_port(), free_port()
     info = tmp_path / "server.env"
     log = open(tmp_path / "serve.log", "wb")
     p = subprocess.Popen([*DLLM, "serve", "--local", "--workers", "2", "--port", str(port), "--worker-base-port",
                           str(wport), "--stagger", "0.2", "--health-check-interval", "0.3", "--server-info-file",
-                          str(info), "--log-dir", str(tmp_path / "logs")], cwd=ROOT, stdout=log,
-                         stderr=subprocess.STDOUT)
+                          str(info), "--log-dir", str(tmp_path / "logs"), "--http-processes", "2"], cwd=ROOT,
+                         stdout=log, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 120
         while _info(info).get("SERVER_STATUS") != '"running"':
@@ -192,7 +193,7 @@ def test_serve_local_restarts_a_killed_worker_and_stops_cleanly(tmp_path):
         while get_json(url + "/health")[1]["healthy_workers"] < 2:
             time.sleep(0.2)
         children = psutil.Process(p.pid).children(recursive=True)
-        assert len(children) == 2
+        assert sorted("balancer.front" in " ".join(c.cmdline()) for c in children) == [False, False, True]
         assert sorted(f.name for f in (tmp_path / "logs").iterdir()) == ["worker-0.log", "worker-1.log"]
         victim = next(c for c in children if str(wport) in " ".join(c.cmdline()))
         victim.kill()
