@@ -10,7 +10,6 @@ import logging
 import os
 import secrets
 import signal
-import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -42,6 +41,7 @@ class BalancerConfig:
     request_timeout: float = 1800.0
     drain_timeout: float = 60.0
     http_processes: int = 1            # processes accepting client HTTP: this one + (N-1) fronts (balancer/front.py)
+    front_timeout: float = 10.0        # a front silent this long (no answer to pings) is killed and restarted
     api_key: str | None = None
     worker_api_key: str | None = None
 
@@ -320,7 +320,10 @@ async def _expire_loop(state: BalancerState) -> None:
     tick = max(0.01, min(1.0, state.cfg.request_timeout / 10))
     while True:
         await asyncio.sleep(tick)
-        state.expire(time.monotonic())
+        try:
+            state.expire(time.monotonic())
+        except Exception:                # the sweep must outlive any bug
+            log.exception("request-timeout sweep failed")
 
 
 async def _lifecycle(app: web.Application):
@@ -362,14 +365,12 @@ async def start_sites(runner: web.AppRunner, cfg: BalancerConfig) -> None:
     await site.start()
     if not many:
         return
-    from balancer.front import Fronts
+    from balancer.front import Fronts, socket_dir
     port = site._server.sockets[0].getsockname()[1]       # the real port when cfg.port is 0
-
-    sockdir = tempfile.mkdtemp(prefix="dllm-balancer-")
-    path = os.path.join(sockdir, "central.sock")
+    path = os.path.join(socket_dir(), "central.sock")
     await web.UnixSite(runner, path).start()
     state = runner.app[STATE]
-    state.fronts = Fronts(state, cfg.http_processes - 1, cfg.host, port, path, cfg.api_key)
+    state.fronts = Fronts(state, cfg.http_processes - 1, cfg.host, port, path, cfg.api_key, cfg.front_timeout)
     await state.fronts.start()
 
 

@@ -270,6 +270,10 @@ class CentralBatcher:
             if isinstance(e, aiohttp.ClientConnectorError) and w.ever_ready and not w.down:
                 w.down = True
                 log.warning("worker %d (%s) is down: %s", w.index, w.url, e)
+        except Exception as e:           # a malformed stream (or a bug) must fail over, not leave rows hanging
+            log.exception("batch on worker %d: unexpected error", w.index)
+            failure = f"bad batch stream: {type(e).__name__}: {e}"
+            w.errors += 1
         finally:
             w.inflight_batches -= 1
             w.inflight_rows -= len(batch)

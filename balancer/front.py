@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import gc
+import glob
 import itertools
 import json
 import logging
@@ -35,6 +36,7 @@ import signal
 import socket
 import struct
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -128,6 +130,22 @@ class Link(asyncio.Protocol):
 
 
 # ---------------------------------------------------------------- the central's side
+def socket_dir() -> str:
+    """A private directory for the central's Unix socket, named after this process; directories left by balancers
+    that are gone (killed before they could remove theirs) are removed."""
+    base = tempfile.gettempdir()
+    if len(base) > 60:                   # a Unix socket path has ~100 bytes
+        base = "/tmp"
+    for old in glob.glob(os.path.join(base, "dllm-balancer-*-*")):
+        try:
+            os.kill(int(os.path.basename(old).split("-")[2]), 0)
+        except ProcessLookupError:
+            shutil.rmtree(old, ignore_errors=True)
+        except (ValueError, PermissionError):
+            pass
+    return tempfile.mkdtemp(prefix=f"dllm-balancer-{os.getpid()}-", dir=base)
+
+
 @dataclass(slots=True, eq=False)
 class RemotePending(Pending):
     """A request a front process holds the client of: events go to the front instead of a local handler."""
@@ -137,12 +155,15 @@ class RemotePending(Pending):
     def deliver(self, attempt, event, status=200, data=None, end=False) -> None:
         if attempt is not None and attempt != self.attempt:
             return                       # a failed attempt's late event
-        if self.stream and event == "chunk" and not self.sent_bytes:
-            # the front opens its client's stream at the first meaningful chunk: from then on a worker failure
-            # ends the stream with an error event instead of a re-dispatch (as for a local request that has
-            # written bytes; a local handler may still be behind, so it is re-dispatched a little more often)
-            self.sent_bytes = meaningful(data)
-        self.link.send({"n": self.n, "a": attempt, "e": event, "st": status, "d": data, "end": end})
+        try:
+            if self.stream and event == "chunk" and not self.sent_bytes:
+                # the front opens its client's stream at the first meaningful chunk: from then on a worker failure
+                # ends the stream with an error event instead of a re-dispatch (as for a local request that has
+                # written bytes; a local handler may still be behind, so it is re-dispatched a little more often)
+                self.sent_bytes = isinstance(data, dict) and meaningful(data)
+            self.link.send({"n": self.n, "a": attempt, "e": event, "st": status, "d": data, "end": end})
+        except Exception:                # never into the batcher's dispatch task or the timeout sweep
+            log.exception("request %s: event %s could not be forwarded", self.id, event)
 
 
 class FrontLink(Link):
@@ -151,13 +172,14 @@ class FrontLink(Link):
         self.fronts = fronts
         self.index = index
         self.live: dict[int, RemotePending] = {}
-        self.requests = 0
         self.pid: int | None = None
         self.ready = False
+        self.started = self.last_seen = time.monotonic()
 
     def on_frame(self, h: dict, body: bytes) -> None:
         t = h["t"]
         state = self.fronts.state
+        self.last_seen = time.monotonic()
         if t == "r":
             n = h["n"]
             try:
@@ -168,7 +190,7 @@ class FrontLink(Link):
             p = self.live.pop(h["n"], None)
             if p is not None:
                 state.release(p)
-            self.requests += 1
+            self.fronts.requests[self.index] += 1
             state.observe(h["p"], h["st"], h["s"])
         elif t == "ready":
             self.pid, self.ready = h["pid"], True
@@ -190,16 +212,20 @@ class FrontLink(Link):
 class Fronts:
     """The central's front processes: started after the central listens, restarted when one dies, closed last."""
 
+    STARTUP_GRACE = 60.0                 # seconds a starting front may take before its first frame (imports)
+
     def __init__(self, state, count: int, host: str, port: int, central_socket: str, api_key: str | None,
-                 restart_delay: float = 1.0):
+                 timeout: float = 10.0, restart_delay: float = 1.0):
         self.state = state
         self.count = count
         self.host, self.port = host, port
         self.central_socket = central_socket
         self.api_key = api_key
+        self.timeout = timeout           # a ready front silent for this long (no pong) is killed and restarted
         self.restart_delay = restart_delay
         self.links: list[FrontLink | None] = [None] * count
         self.procs: list[asyncio.subprocess.Process | None] = [None] * count
+        self.requests = [0] * count      # OpenAI requests answered through each front (across restarts)
         self.restarts = [0] * count
         self._closing = False
         self._tasks: list[asyncio.Task] = []
@@ -208,20 +234,44 @@ class Fronts:
         for i in range(self.count):
             await self._spawn(i)
             self._tasks.append(asyncio.create_task(self._supervise(i), name=f"front-{i}"))
+        self._tasks.append(asyncio.create_task(self._watch(), name="front-watch"))
 
     async def _spawn(self, i: int) -> None:
         ours, theirs = socket.socketpair()
         env = {**os.environ, "DLLM_FRONT": json.dumps({
             "fd": theirs.fileno(), "host": self.host, "port": self.port, "central": self.central_socket,
             "api_key": self.api_key, "index": i, "log_level": logging.getLogger().getEffectiveLevel()})}
+        proc = None
         try:
-            self.procs[i] = await asyncio.create_subprocess_exec(
+            proc = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "balancer.front", pass_fds=(theirs.fileno(),), env=env)
-        finally:
             theirs.close()
-        link = FrontLink(self, i)
-        await asyncio.get_running_loop().create_connection(lambda: link, sock=ours)
-        self.links[i] = link
+            link = FrontLink(self, i)
+            await asyncio.get_running_loop().create_connection(lambda: link, sock=ours)
+        except BaseException:
+            theirs.close()
+            ours.close()                 # the front, if it started, sees the link closed and exits
+            if proc is not None and proc.returncode is None:
+                proc.kill()
+            raise
+        self.procs[i], self.links[i] = proc, link
+
+    async def _watch(self) -> None:
+        """Ping every front; one that answers nothing (a wedged loop, SIGSTOP) for ``timeout`` is killed, and
+        restarted by its supervisor like one that crashed."""
+        while True:
+            await asyncio.sleep(max(0.05, self.timeout / 4))
+            now = time.monotonic()
+            for link, proc in zip(self.links, self.procs):
+                if link is None or proc is None or proc.returncode is not None:
+                    continue
+                limit = self.timeout if link.ready else self.STARTUP_GRACE + self.timeout
+                if now - link.last_seen > limit:
+                    log.error("front process %d (pid %d) silent for %.1f s: killing it", link.index, proc.pid,
+                              now - link.last_seen)
+                    proc.kill()
+                elif link.ready:
+                    link.send({"t": "ping"})
 
     async def _supervise(self, i: int) -> None:
         quick = 0                                # exits within 10 s of a start in a row: the delay doubles
@@ -233,7 +283,7 @@ class Fronts:
             quick = quick + 1 if time.monotonic() - started < 10 else 0
             delay = min(30.0, self.restart_delay * 2 ** max(0, quick - 1))
             log.error("front process %d exited with %s; restarting it in %g s", i, code, delay)
-            link = self.links[i]
+            link, self.links[i] = self.links[i], None
             if link is not None:
                 link.close()
             await asyncio.sleep(delay)
@@ -242,7 +292,7 @@ class Fronts:
             self.restarts[i] += 1
             try:
                 await self._spawn(i)
-            except OSError as e:
+            except OSError as e:         # tried again after the (doubled) delay: procs[i] is still the dead one
                 log.error("front process %d could not start: %s", i, e)
 
     def snapshot(self) -> list[dict]:
@@ -251,7 +301,7 @@ class Fronts:
             alive = proc is not None and proc.returncode is None
             out.append({"role": "front", "index": i, "pid": proc.pid if proc else None,
                         "status": "ready" if alive and link and link.ready else ("starting" if alive else "exited"),
-                        "requests": link.requests if link else 0, "open_requests": len(link.live) if link else 0,
+                        "requests": self.requests[i], "open_requests": len(link.live) if link else 0,
                         "restarts": self.restarts[i]})
         return out
 
@@ -330,6 +380,9 @@ class CentralLink(Link):
         self.front = front
 
     def on_frame(self, h: dict, body: bytes) -> None:
+        if "t" in h:                     # the central's ping
+            self.send({"t": "pong"})
+            return
         handle = self.front.live.get(h["n"])
         if handle is not None:
             handle.deliver((h["a"], h["e"], h["st"], h["d"], h["end"]))
@@ -352,7 +405,7 @@ async def _openai(request: web.Request, kind: str) -> web.StreamResponse:
         req = parse_request(kind, body)          # the validation work this process takes off the central
         link = front.link
         if link is None or link.transport is None:
-            raise APIError(503, "the balancer is restarting")
+            raise APIError(503, "the balancer is shutting down or restarting")
         n = next(front.ids)
         handle = front.live[n] = Handle()
         link.send({"t": "r", "n": n, "k": kind, "s": req.stream}, body)
@@ -404,7 +457,7 @@ async def serve_front(cfg: FrontConfig) -> int:
                                           timeout=aiohttp.ClientTimeout(total=cfg.proxy_timeout))
     link = front.link = CentralLink(front)
     await loop.create_connection(lambda: link, sock=socket.socket(fileno=cfg.fd))
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=4.0)
     await runner.setup()
     try:
         await web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True, reuse_port=True).start()

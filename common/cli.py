@@ -170,6 +170,11 @@ _http_processes_option = click.option(
          "processes that read and validate requests and hand them to its one queue over a Unix socket. Raise it "
          "when one core of HTTP work is the limit (thousands of requests/s; docs/balancer.md).")
 
+_front_timeout_option = click.option(
+    "--front-timeout", type=click.FloatRange(0.1), default=10.0, show_default=True,
+    help="With --http-processes > 1: seconds a front process may leave pings unanswered before it is killed and "
+         "restarted.")
+
 
 @main.command()
 @click.option("--worker-urls", required=True, help="Comma-separated worker base URLs (http://h:8001,http://h:8002).")
@@ -202,6 +207,7 @@ _http_processes_option = click.option(
               help="Seconds queued requests wait for a healthy worker before 503.")
 @click.option("--drain-timeout", type=click.FloatRange(0), default=60.0, show_default=True)
 @_http_processes_option
+@_front_timeout_option
 @click.option("--api-key", default=None, envvar="DLLM_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1.")
 @click.option("--worker-api-key", default=None, envvar="DLLM_WORKER_API_KEY",
               help="Bearer key the balancer sends to workers.")
@@ -209,7 +215,7 @@ _http_processes_option = click.option(
 def balancer(worker_urls, host, port, batch_size, batch_wait_time, max_inflight_per_worker, max_queue,
              request_timeout, max_retries, health_check_interval, health_timeout, unhealthy_threshold,
              healthy_threshold, stall_timeout, connect_timeout, no_worker_grace, drain_timeout, http_processes,
-             api_key, worker_api_key, log_level):
+             front_timeout, api_key, worker_api_key, log_level):
     """Centralized batching in front of N workers (never imports torch)."""
     from balancer.app import BalancerConfig, run
     from balancer.batcher import BatchConfig
@@ -220,7 +226,8 @@ def balancer(worker_urls, host, port, batch_size, batch_wait_time, max_inflight_
         raise click.BadParameter("no worker URL", param_hint="--worker-urls")
     cfg = BalancerConfig(
         worker_urls=urls, host=host, port=port, request_timeout=request_timeout, drain_timeout=drain_timeout,
-        http_processes=http_processes, api_key=api_key, worker_api_key=worker_api_key,
+        http_processes=http_processes, front_timeout=front_timeout, api_key=api_key,
+        worker_api_key=worker_api_key,
         batch=BatchConfig(batch_size=batch_size, wait_time=batch_wait_time,
                           max_inflight_per_worker=max_inflight_per_worker, max_queue=max_queue,
                           max_retries=max_retries, connect_timeout=connect_timeout, no_worker_grace=no_worker_grace),
@@ -294,6 +301,7 @@ def _serve_options(f):
         click.option("--dtype", default="auto", show_default=True),
         _compile_option,
         _http_processes_option,
+        _front_timeout_option,
         click.option("--api-key", default=None, envvar="DLLM_API_KEY", help="Clients must send this Bearer key."),
         click.option("--worker-api-key", default=None, envvar="DLLM_WORKER_API_KEY",
                      help="Key between balancer and workers (generated per SLURM job)."),
@@ -324,7 +332,7 @@ def _serve_options(f):
 @_serve_options
 def serve(local, model_path, dcp_path, base_model, gpus, gpu_ids, workers, host, port, worker_host,
           worker_base_port, batch_size, max_wait_time, default_algorithm, default_max_tokens, dtype, compile_,
-          http_processes, api_key,
+          http_processes, front_timeout, api_key,
           worker_api_key, log_dir, server_info_file, stagger, min_workers, startup_timeout, request_timeout,
           stall_timeout, health_check_interval, drain_timeout, extra_worker_urls, no_balancer, slurm_script,
           log_level):
@@ -356,7 +364,7 @@ def serve(local, model_path, dcp_path, base_model, gpus, gpu_ids, workers, host,
                    "--request-timeout", str(request_timeout), "--drain-timeout", str(drain_timeout),
                    "--max-queue", str(max(1024, batch_size * 8)), "--log-level", log_level]
     bcfg = BalancerConfig(worker_urls=[], request_timeout=request_timeout, drain_timeout=drain_timeout,
-                          http_processes=http_processes, api_key=api_key,
+                          http_processes=http_processes, front_timeout=front_timeout, api_key=api_key,
                           batch=BatchConfig(batch_size=batch_size, wait_time=max_wait_time),
                           health=HealthConfig(interval=health_check_interval, stall_timeout=stall_timeout))
     cfg = ServeConfig(model_path=str(resolved), gpu_ids=ids, cpu_workers=workers, host=host, port=port,

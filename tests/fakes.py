@@ -12,7 +12,7 @@ CHUNK = {"id": "c", "object": "text_completion", "created": 1, "model": "m"}
 
 def fake_worker(mode: str, seen: list, cancelled: list | None = None, delay: float = 0.0):
     """mode: ok (answers), die (drops the connection after a stream's first chunk / before a plain answer),
-    hang (never answers)."""
+    hang (never answers), garbage (a well-formed HTTP stream of lines that are JSON but not events)."""
     async def health(request):
         return web.json_response({"status": "ready", "busy": False, "seconds_since_last_step": 0.0})
 
@@ -23,6 +23,10 @@ def fake_worker(mode: str, seen: list, cancelled: list | None = None, delay: flo
         await resp.prepare(request)
         if mode == "hang":
             await asyncio.sleep(60)
+        if mode == "garbage":
+            await resp.write(b'[1, 2]\n{"id": null}\n')
+            await resp.write_eof()
+            return resp
         await asyncio.sleep(delay)
         for item in body["requests"]:
             rid, stream = item["id"], item["body"].get("stream", False)

@@ -127,3 +127,15 @@ async def test_requests_that_failed_on_the_least_loaded_worker_go_to_another(aio
         assert [r.status for r in answers] == [200] * 4
         assert [(await r.json())["choices"][0]["text"] for r in answers] == ["ok-completion"] * 4
         assert [m for m, _ in seen] == ["die", "die", "ok", "ok", "ok", "ok"]
+
+
+async def test_a_malformed_batch_stream_fails_over_instead_of_hanging(aiohttp_client):
+    seen = []
+    async with workers(fake_worker("garbage", seen), fake_worker("ok", seen)) as urls:
+        client = await _balancer(aiohttp_client, urls)
+        async with asyncio.timeout(10):
+            r = await client.post("/v1/completions", json={"prompt": "a"})
+        assert r.status == 200 and (await r.json())["choices"][0]["text"] == "ok-completion"
+        assert [m for m, _ in seen] == ["garbage", "ok"]
+        stats = await (await client.get("/stats")).json()
+        assert stats["redispatched_requests"] == 1 and stats["workers"][0]["errors"] == 1

@@ -173,6 +173,47 @@ async def test_a_killed_front_is_restarted():
         assert procs[1]["requests"] > 0, procs
 
 
+async def test_a_wedged_front_is_killed_and_restarted():
+    """A front that stops answering the central's pings (SIGSTOP here) is killed after --front-timeout."""
+    seen = []
+    async with workers(fake_worker("ok", seen)) as urls, balancer(urls, processes=2, front_timeout=1.0) as base:
+        front = (await get(base + "/stats"))[1]["http_processes"][1]
+        os.kill(front["pid"], signal.SIGSTOP)
+        for _ in range(600):
+            procs = (await get(base + "/stats"))[1]["http_processes"]
+            if procs[1]["status"] == "ready" and procs[1]["pid"] != front["pid"]:
+                break
+            await asyncio.sleep(0.05)
+        assert procs[1]["restarts"] == 1 and procs[1]["status"] == "ready", procs
+        assert not os.path.exists(f"/proc/{front['pid']}") or open(f"/proc/{front['pid']}/stat").read().split()[2] \
+            in "ZX"
+        results = await asyncio.gather(*(post(base, "/v1/completions", {"prompt": f"p{i}"}) for i in range(16)))
+        assert all(s == 200 for s, _ in results)
+
+
+def test_stale_socket_directories_are_removed(monkeypatch):
+    import shutil
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    from balancer.front import socket_dir
+    base = Path(tempfile.mkdtemp(prefix="t-", dir="/tmp"))        # short: a Unix socket path has ~100 bytes
+    try:
+        gone = subprocess.Popen(["true"])
+        gone.wait()                                               # a pid that no longer runs
+        (base / f"dllm-balancer-{gone.pid}-abc").mkdir()
+        (base / f"dllm-balancer-{os.getpid()}-def").mkdir()       # a live balancer's: kept
+        monkeypatch.setattr(tempfile, "gettempdir", lambda: str(base))
+        new = socket_dir()
+        names = sorted(p.name for p in base.iterdir())
+        assert f"dllm-balancer-{gone.pid}-abc" not in names and f"dllm-balancer-{os.getpid()}-def" in names
+        assert os.path.dirname(new) == str(base)
+        assert os.path.basename(new).startswith(f"dllm-balancer-{os.getpid()}-")
+    finally:
+        shutil.rmtree(base)
+
+
 async def test_sigterm_drains_through_fronts_then_stops_them():
     """The real command: SIGTERM while requests wait on a slow worker; every one is answered, then the
     balancer and its fronts exit."""
