@@ -23,6 +23,24 @@ from common.protocol import error_body
 log = logging.getLogger("dllm.balancer.batcher")
 
 
+def push_event(box, ev: tuple) -> None:
+    """Append to ``box.events`` and wake its reader (``box``: a Pending, or a front's handle)."""
+    box.events.append(ev)
+    w = box._waiter
+    if w is not None and not w.done():
+        w.set_result(None)
+
+
+async def until_event(box) -> None:
+    """Wait until ``box.events`` holds an event (one waiter future at a time, no task or queue per request)."""
+    while not box.events:
+        box._waiter = asyncio.get_running_loop().create_future()
+        try:
+            await box._waiter
+        finally:
+            box._waiter = None
+
+
 @dataclass(slots=True, eq=False)
 class Pending:
     """One client request while the balancer holds it. Its handler reads events with :meth:`next`:
@@ -44,20 +62,12 @@ class Pending:
     _waiter: asyncio.Future | None = None
 
     def deliver(self, attempt: int | None, event: str, status: int = 200, data=None, end: bool = False) -> None:
-        self.events.append((attempt, event, status, data, end))
-        w = self._waiter
-        if w is not None and not w.done():
-            w.set_result(None)
+        push_event(self, (attempt, event, status, data, end))
 
     async def next(self) -> tuple:
         """The next event of the current attempt (stale attempts' events are skipped)."""
         while True:
-            while not self.events:
-                self._waiter = asyncio.get_running_loop().create_future()
-                try:
-                    await self._waiter
-                finally:
-                    self._waiter = None
+            await until_event(self)
             ev = self.events.popleft()
             if ev[0] is None or ev[0] == self.attempt:
                 return ev

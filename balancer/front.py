@@ -45,7 +45,7 @@ import orjson
 from aiohttp import web
 
 from balancer.app import answer_single, answer_stream, meaningful
-from balancer.batcher import Pending
+from balancer.batcher import Pending, push_event, until_event
 from common.http import middlewares
 from common.protocol import APIError, error_body, parse_request
 
@@ -338,18 +338,10 @@ class Handle:
         self._waiter: asyncio.Future | None = None
 
     def deliver(self, ev: tuple) -> None:
-        self.events.append(ev)
-        w = self._waiter
-        if w is not None and not w.done():
-            w.set_result(None)
+        push_event(self, ev)
 
     async def next(self) -> tuple:
-        while not self.events:
-            self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await self._waiter
-            finally:
-                self._waiter = None
+        await until_event(self)
         return self.events.popleft()
 
 
