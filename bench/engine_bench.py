@@ -27,6 +27,8 @@ SHAPES = {
     # name: (d_model, n_layers, n_heads, n_kv_heads, mlp_hidden, vocab)
     "llada-8b": (4096, 32, 32, 32, 12288, 126464),
     "llada-1b": (2048, 10, 16, 16, 5632, 126464),   # ~1.03B parameters, LLaDA-shaped
+    "llada-small": (256, 4, 4, 4, 704, 126464),     # 68M parameters, almost all in the real vocabulary's embedding
+                                                    # and head: the per-step confidence work shows, as on LLaDA-8B
 }
 
 

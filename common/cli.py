@@ -52,10 +52,15 @@ _compile_option = click.option(
               show_default=True, help="auto: bfloat16 on CUDA, float32 on CPU.")
 @_compile_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+@click.option("--requests", "requests_file", type=click.File("rb"), default=None,
+              help="Generate for every line of this JSON-lines file (- for stdin) in one batch, one JSON line out per "
+                   "request, in order. Each line has prompt, prompt_ids or messages and may override any generation "
+                   "option by its name with underscores (gen_length, block_length, steps, algorithm, remasking, "
+                   "temperature, cfg_scale, threshold, factor, seed, shift_logits, algorithm_params).")
 def generate(model_path, prompt, chat, prompt_ids, gen_length, block_length, steps, algorithm, remasking,
              temperature, cfg_scale, threshold, factor, seed, shift_logits, algorithm_params, no_early_exit, device,
-             dtype, compile_, as_json):
-    """Generate offline for one prompt and print the result."""
+             dtype, compile_, as_json, requests_file):
+    """Generate offline for one prompt (or a batch of them, --requests) and print the result."""
     from worker.engine import Engine, GenerationParams, ParamError, Request
     from worker.models import DEFAULT_ALGORITHM, CheckpointError
     from worker.tokenizer import apply_chat_template
@@ -68,37 +73,79 @@ def generate(model_path, prompt, chat, prompt_ids, gen_length, block_length, ste
     if shift_logits:
         extra["shift_logits"] = True
 
-    if (prompt is None) == (prompt_ids is None):
-        raise click.UsageError("give exactly one of --prompt or --prompt-ids")
+    if requests_file is not None:
+        if prompt is not None or prompt_ids is not None:
+            raise click.UsageError("--requests replaces --prompt / --prompt-ids")
+    elif (prompt is None) == (prompt_ids is None):
+        raise click.UsageError("give exactly one of --prompt or --prompt-ids (or --requests)")
     if chat and prompt is None:
         raise click.UsageError("--chat needs --prompt")
     try:
         engine = Engine.from_pretrained(model_path, device=device, dtype=dtype, compile=compile_)
     except (CheckpointError, ValueError, OSError) as e:
         raise click.ClickException(str(e))
-    if prompt_ids is not None:
-        ids = _int_list(prompt_ids)
-    elif chat:
-        ids = apply_chat_template(engine.tokenizer, [{"role": "user", "content": prompt}])
+    defaults = dict(gen_length=gen_length, block_length=block_length, steps=steps,
+                    algorithm=algorithm or DEFAULT_ALGORITHM[engine.family], temperature=temperature,
+                    remasking=remasking, cfg_scale=cfg_scale, threshold=threshold, factor=factor, seed=seed)
+
+    def tokens(text=None, ids=None, messages=None, as_chat=False):
+        if ids is not None:
+            return ids
+        if messages is not None:
+            return apply_chat_template(engine.tokenizer, messages)
+        if as_chat:
+            return apply_chat_template(engine.tokenizer, [{"role": "user", "content": text}])
+        return engine.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    if requests_file is None:
+        reqs = [Request(tokens(prompt, _int_list(prompt_ids), None, chat), GenerationParams(**defaults, extra=extra))]
     else:
-        ids = engine.tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    params = GenerationParams(gen_length=gen_length, block_length=block_length, steps=steps,
-                              algorithm=algorithm or DEFAULT_ALGORITHM[engine.family],
-                              temperature=temperature, remasking=remasking, cfg_scale=cfg_scale,
-                              threshold=threshold, factor=factor, seed=seed, extra=extra)
+        reqs = [_batch_request(n, line, defaults, extra, tokens, chat)
+                for n, line in enumerate(requests_file.read().splitlines(), 1) if line.strip()]
+        as_json = True
     try:
-        res = engine.generate([Request(ids, params)], early_exit=not no_early_exit)[0]
+        results = engine.generate(reqs, early_exit=not no_early_exit)
     except ParamError as e:
         raise click.ClickException(f"{e.param}: {e.message}")
-    text = engine.tokenizer.decode(res.token_ids, skip_special_tokens=True)
-    out = {"token_ids": res.token_ids, "text": text, "finish_reason": res.finish_reason, "nfe": res.nfe}
-    if no_early_exit:
-        out["canvas"] = res.canvas
-    if as_json:
-        sys.stdout.write(orjson.dumps(out).decode() + "\n")
-    else:
-        click.echo(text)
-        click.echo(f"[finish_reason={res.finish_reason} nfe={res.nfe} tokens={len(res.token_ids)}]", err=True)
+    for res in results:
+        text = engine.tokenizer.decode(res.token_ids, skip_special_tokens=True)
+        out = {"token_ids": res.token_ids, "text": text, "finish_reason": res.finish_reason, "nfe": res.nfe}
+        if no_early_exit:
+            out["canvas"] = res.canvas
+        if as_json:
+            sys.stdout.write(orjson.dumps(out).decode() + "\n")
+        else:
+            click.echo(text)
+            click.echo(f"[finish_reason={res.finish_reason} nfe={res.nfe} tokens={len(res.token_ids)}]", err=True)
+
+
+_REQUEST_KEYS = {"prompt", "prompt_ids", "messages", "chat", "gen_length", "block_length", "steps", "algorithm",
+                 "remasking", "temperature", "cfg_scale", "threshold", "factor", "seed", "shift_logits",
+                 "algorithm_params"}
+
+
+def _batch_request(n: int, line: bytes, defaults: dict, extra: dict, tokens, chat: bool):
+    """One line of ``generate --requests``: a Request with the command line's options as defaults."""
+    from worker.engine import GenerationParams, Request
+    try:
+        obj = orjson.loads(line)
+    except orjson.JSONDecodeError as e:
+        raise click.ClickException(f"--requests line {n}: not JSON: {e}")
+    if not isinstance(obj, dict):
+        raise click.ClickException(f"--requests line {n}: expected a JSON object")
+    unknown = sorted(set(obj) - _REQUEST_KEYS)
+    if unknown:
+        raise click.ClickException(f"--requests line {n}: unknown key {unknown[0]!r}; known: "
+                                   f"{', '.join(sorted(_REQUEST_KEYS))}")
+    if sum(k in obj for k in ("prompt", "prompt_ids", "messages")) != 1:
+        raise click.ClickException(f"--requests line {n}: give exactly one of prompt, prompt_ids, messages")
+    row_extra = dict(extra)
+    row_extra.update(obj.get("algorithm_params") or {})
+    if obj.get("shift_logits"):
+        row_extra["shift_logits"] = True
+    params = {**defaults, **{k: obj[k] for k in defaults if k in obj}}
+    ids = tokens(obj.get("prompt"), obj.get("prompt_ids"), obj.get("messages"), obj.get("chat", chat))
+    return Request(ids, GenerationParams(**params, extra=row_extra))
 
 
 def _logging(level: str) -> None:

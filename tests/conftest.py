@@ -17,6 +17,7 @@ def fixture_path(name: str) -> Path:
 
 TINY_LLADA = fixture_path("tiny-llada")
 TINY_NEMOTRON = fixture_path("tiny-nemotron")
+TINY_LLADA_PEAKY = fixture_path("tiny-llada-peaky")
 
 
 @pytest.fixture(scope="session")
@@ -29,6 +30,18 @@ def llada_golden() -> dict:
 def nemotron_golden() -> dict:
     with open(fixture_path("tiny-nemotron-golden.json")) as f:
         return json.load(f)
+
+
+@pytest.fixture(scope="session")
+def peaky_golden() -> dict:
+    with open(fixture_path("tiny-llada-peaky-golden.json")) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="session")
+def peaky_engine():
+    from worker.engine import Engine
+    return Engine.from_pretrained(TINY_LLADA_PEAKY, device="cpu", dtype="float32")
 
 
 @pytest.fixture(scope="session")

@@ -28,6 +28,8 @@ class Row:
     canvas: list[int] = field(default_factory=list)   # the whole generated canvas when the row ended
     reported: int = 0             # length of the final prefix already reported to on_progress
     credit: object = None         # dinfer_credit: the block's credit matrix [block_length, vocab]
+    min_block_steps: int = 1      # steps a block takes at least under threshold/factor rules (see cached.py)
+    softmax: object = None        # sampling.Softmax: the confidence arithmetic of the row's reference (its algorithm sets it)
 
     @property
     def params(self) -> GenerationParams:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..rows import Canvas, Finisher, Row
-from ..sampling import denoise
+from ..sampling import Layout, Softmax, denoise
 from . import Algorithm, register
 
 
@@ -37,7 +37,8 @@ def advance(row: Row, gen: list[int], mask_id: int) -> bool:
     if row.fixed_steps:
         block_done = row.step >= row.plan.steps_per_block
     else:   # until the block has no mask (a safety cap, never reached unless the model keeps proposing the mask)
-        block_done = mask_id not in gen[s:e] or row.step >= 4 * row.plan.block_length
+        block_done = (mask_id not in gen[s:e] and row.step >= row.min_block_steps) \
+            or row.step >= 4 * row.plan.block_length
     if not block_done:
         return False
     if row.block + 1 >= row.plan.num_blocks:
@@ -47,10 +48,17 @@ def advance(row: Row, gen: list[int], mask_id: int) -> bool:
     return False
 
 
-def commit(canvas: Canvas, logits: torch.Tensor, gidx: torch.Tensor, widths: list[int], mask_id: int) -> None:
+def whole_sequence(row: Row, region: tuple[int, int]) -> Layout:
+    """The topk vector of a step that forwards the whole sequence (LLaDA's ``generate``, Fast-dLLM's ``generate`` and
+    a cache's block-start step): prompt + canvas, the candidates from ``region``'s start."""
+    return Layout(row.plan.prompt_length + row.plan.canvas_length, row.plan.prompt_length + region[0])
+
+
+def commit(canvas: Canvas, logits: torch.Tensor, gidx: torch.Tensor, widths: list[int], mask_id: int,
+           layouts: list[Layout | None]) -> None:
     """Decide this step for every row (candidates at canvas columns ``gidx``) and write the chosen tokens."""
     tokens = canvas.x.gather(1, gidx)
-    x0, chosen = denoise(logits, tokens, widths, canvas.rows, mask_id)
+    x0, chosen = denoise(logits, tokens, widths, canvas.rows, mask_id, layouts)
     bi, ki = chosen.nonzero(as_tuple=True)
     canvas.x[bi, gidx[bi, ki]] = x0[bi, ki]
 
@@ -77,6 +85,8 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
     gens = canvas.read_gens()
     for r in rows:
         start_block(r, gens[r.index], mask_id)
+        # LLaDA generate.py takes the softmax in the logits' dtype; Fast-dLLM's generate (threshold/factor) in float64
+        r.softmax = Softmax.MODEL if r.rule == "fixed" else Softmax.FLOAT64
     while canvas.rows:
         keep = [b for b, r in enumerate(canvas.rows) if not fin.cancelled(r)]
         if len(keep) < len(canvas.rows):
@@ -104,10 +114,11 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
         if cfg:
             hu = hidden[B:].gather(1, gidx[cfg][..., None].expand(-1, -1, D))
             lu = model.logits(hu)
-            scale = torch.tensor([active[b].params.cfg_scale for b in cfg], device=lu.device, dtype=lu.dtype)
-            logits[cfg] = lu + (scale[:, None, None] + 1) * (logits[cfg] - lu)
+            for i, b in enumerate(cfg):   # the reference's order, with its Python-float scale
+                logits[b] = lu[i] + (active[b].params.cfg_scale + 1) * (logits[b] - lu[i])
 
-        commit(canvas, logits, gidx, [e - s for s, e in regions], mask_id)
+        commit(canvas, logits, gidx, [e - s for s, e in regions], mask_id,
+               [whole_sequence(r, reg) for r, reg in zip(active, regions)])
         gens, _ = step_done(canvas, fin, mask_id)
 
 

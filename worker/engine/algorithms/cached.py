@@ -16,7 +16,12 @@ import torch
 
 from ..rows import Canvas, Finisher, Row
 from . import Algorithm, register
-from .basic import candidate_region, commit, start_block, step_done
+from ..sampling import Layout, Softmax
+from .basic import candidate_region, commit, start_block, step_done, whole_sequence
+
+# dInfer's decoders and their confidence arithmetic; every other rule is Fast-dLLM's (float64 softmax)
+DINFER_SOFTMAX = {"dinfer_threshold": Softmax.FLOAT32, "dinfer_credit": Softmax.FLOAT32,
+                  "dinfer_hierarchy": Softmax.EXP_LOG_SOFTMAX}
 
 
 def _gather_logits(model, hidden: torch.Tensor, idx: list[list[int]]) -> torch.Tensor:
@@ -44,6 +49,11 @@ def run_cached(engine, rows: list[Row], fin: Finisher, dual: bool) -> None:
     gens = canvas.read_gens()
     for r in rows:
         start_block(r, gens[r.index], mask_id)
+        r.softmax = DINFER_SOFTMAX.get(r.rule, Softmax.FLOAT64)
+        # Fast-dLLM's loops run at least one cached step per block, even when the block-start step committed the
+        # whole block (that step commits nothing but counts in nfe). Replicated for the reference's nfe without early
+        # exit; with early exit a finished block moves on at once (the tokens are the same).
+        r.min_block_steps = 1 if fin.early_exit or r.rule in DINFER_SOFTMAX else 2
     while canvas.rows:
         keep = [b for b, r in enumerate(canvas.rows) if not fin.cancelled(r)]
         if len(keep) < len(canvas.rows):
@@ -54,7 +64,7 @@ def run_cached(engine, rows: list[Row], fin: Finisher, dual: bool) -> None:
         B = len(active)
         full = [b for b, r in enumerate(active) if _full_step(r)]
         part = [b for b, r in enumerate(active) if not _full_step(r)]
-        regions, logits_by_row = [None] * B, [None] * B
+        regions, logits_by_row, layouts = [None] * B, [None] * B, [None] * B
 
         if full:   # block start (or warm-up): full forward, refresh the cache, decide from its logits
             slots = None if len(full) == B else torch.tensor(full, device=model.device)
@@ -65,6 +75,7 @@ def run_cached(engine, rows: list[Row], fin: Finisher, dual: bool) -> None:
             for b in full:
                 s, e = _region(active[b], gens[active[b].index], mask_id)
                 regions[b] = (s, e)
+                layouts[b] = whole_sequence(active[b], (s, e))   # Fast-dLLM ranks the whole sequence here
                 idx.append([canvas.gen_start(b) + j for j in range(s, e)])
             lg = _gather_logits(model, hidden, idx)
             for i, b in enumerate(full):
@@ -84,6 +95,8 @@ def run_cached(engine, rows: list[Row], fin: Finisher, dual: bool) -> None:
                 wins.append((g0 + ws, g0 + we))
                 at.append(s - ws)
                 regions[b] = (s, e)
+                # Fast-dLLM ranks what it forwarded: the block (dual), the block and everything after it (prefix)
+                layouts[b] = Layout(e - s if dual else r.plan.canvas_length - s, 0)
             W = max(e - s for s, e in wins)
             cols = torch.tensor([[min(s + j, e - 1) for j in range(W)] for s, e in wins], device=model.device)
             valid = torch.tensor([[j < e - s for j in range(W)] for s, e in wins], device=model.device)
@@ -109,7 +122,7 @@ def run_cached(engine, rows: list[Row], fin: Finisher, dual: bool) -> None:
                 logits[b, e - s:] = logits_by_row[b][-1]
             g0 = canvas.gen_start(b)
             gidx[b] = torch.tensor([g0 + min(s + j, e - 1) for j in range(K)])
-        commit(canvas, logits, gidx.to(model.device), widths, mask_id)
+        commit(canvas, logits, gidx.to(model.device), widths, mask_id, layouts)
         gens, dropped = step_done(canvas, fin, mask_id)
         if dropped and dropped[0]:
             cache.keep(*dropped)

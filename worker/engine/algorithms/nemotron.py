@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from ..rows import Finisher, Row
-from ..sampling import denoise
+from ..sampling import Layout, Softmax, denoise
 from . import Algorithm, ParamInfo, register
 
 
@@ -52,6 +52,7 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
     commit = {r.index: False for r in rows}
     for r in rows:
         r.block, r.step, r.block_masks = 0, 0, r.plan.block_length
+        r.softmax = Softmax.MODEL     # the reference's softmax in the logits' dtype, topk over the block
 
     active = list(rows)
     while active:
@@ -87,7 +88,8 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
                     lg[j, 0] = ctx[r.index]
             widths = [ends[i] - starts[i] for i in den]
             tokens = ids[den]
-            x0, chosen = denoise(lg, tokens, widths, [active[i] for i in den], mask_id)
+            x0, chosen = denoise(lg, tokens, widths, [active[i] for i in den], mask_id,
+                                 [Layout(w, 0) for w in widths])
             rb, kb = chosen.nonzero(as_tuple=True)
             rows_idx = sl[torch.tensor(den, device=dev)][rb]
             x[rows_idx, cols[torch.tensor(den, device=dev)][rb, kb]] = x0[rb, kb]

@@ -1,0 +1,68 @@
+"""The confidence and tie-breaking arithmetic of worker/engine/sampling.py, against the operations the references
+use (F.softmax over the whole [B, L, V] logits, torch.topk over the whole sequence)."""
+import torch
+import torch.nn.functional as F
+
+from worker.engine.sampling import Layout, Softmax, select_factor, select_fixed, select_threshold
+
+
+def test_softmax_keeps_ulps_that_logsumexp_loses():
+    logits = torch.tensor([[20.0, 4.1, 3.9, 0.0]])
+    x0 = torch.tensor([0])
+    ours = Softmax.MODEL.probability(logits, x0)
+    assert ours.item() == F.softmax(logits, -1)[0, 0].item() < 1.0
+    assert torch.exp(logits[0, 0] - torch.logsumexp(logits, -1)[0]).item() == 1.0   # what the old code computed
+
+
+def test_confidence_of_a_position_does_not_depend_on_the_other_positions():
+    g = torch.Generator().manual_seed(0)
+    for dtype, kind in [(torch.float32, Softmax.MODEL), (torch.float32, Softmax.FLOAT64),
+                        (torch.bfloat16, Softmax.MODEL), (torch.bfloat16, Softmax.FLOAT32),
+                        (torch.float32, Softmax.EXP_LOG_SOFTMAX)]:
+        logits = (torch.randn(3, 37, 1001, generator=g) * 30).to(dtype)
+        x0 = logits.argmax(-1)
+        if kind is Softmax.EXP_LOG_SOFTMAX:
+            full = F.log_softmax(logits, -1).gather(-1, x0[..., None]).squeeze(-1).exp()
+        else:
+            full = F.softmax(logits.to(kind.dtype(dtype)), -1).gather(-1, x0[..., None]).squeeze(-1)
+        bi = torch.tensor([2, 0, 0, 1, 2])
+        ki = torch.tensor([36, 0, 17, 5, 3])
+        part = kind.probability(logits[bi, ki], x0[bi, ki])
+        assert part.dtype == full.dtype
+        assert torch.equal(part, full[bi, ki]), (dtype, kind)
+
+
+def _tied():
+    return torch.tensor([1.0, 0.5, 1.0, 1.0, 0.9, 1.0, 1.0, 0.2])
+
+
+def test_ties_are_broken_by_topk_on_the_reference_vector():
+    conf = _tied()
+    long = Layout(40, 8)                          # e.g. prompt 8 + canvas 32, the block first
+    vec = torch.full((40,), float("-inf"))
+    vec[8:16] = conf
+    for k in (1, 2, 3, 5):
+        assert select_fixed(conf, long, k).tolist() == (torch.topk(vec, k).indices - 8).tolist()
+    # the vector's shape matters: a block-only vector ranks the same ties differently
+    assert select_fixed(conf, long, 2).tolist() != select_fixed(conf, Layout(8, 0), 2).tolist()
+
+
+def test_threshold_rule_compares_in_the_confidence_dtype():
+    # float32(0.9) < 0.9 as doubles, but the reference compares the float32 confidence with the threshold as float32
+    conf = torch.tensor([1.0, 0.9, 0.5], dtype=torch.float32)
+    picked = sorted(select_threshold(conf, Layout(3, 0), 3, 0.9).tolist())
+    assert picked == [0, 1]
+    conf64 = conf.double()
+    assert sorted(select_threshold(conf64, Layout(3, 0), 3, 0.9).tolist()) == [0]
+    # the first ranked is always committed, even below the threshold
+    assert select_threshold(torch.tensor([0.2, 0.3]), Layout(2, 0), 2, 0.9).tolist() == [1]
+
+
+def test_factor_rule():
+    conf = torch.tensor([0.99, 0.95, 0.7, 0.6], dtype=torch.float64)
+    masked = torch.ones(4, dtype=torch.bool)
+    # cuts 1 - f/(n+1): n=1 -> -1 (forced), n=2 -> 0.6667, n=3 -> 0.75: 0.7 < 0.75 stops at index 2
+    assert sorted(select_factor(conf, Layout(4, 0), masked, 1.0).tolist()) == [0, 1]
+    # stopping on the last masked position moves one further: all of them
+    assert len(select_factor(torch.tensor([0.99, 0.98, 0.97, 0.1], dtype=torch.float64), Layout(4, 0), masked,
+                             1.0)) == 4
