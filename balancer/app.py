@@ -22,7 +22,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from balancer.batcher import BatchConfig, CentralBatcher, Pending
 from balancer.pool import HealthConfig, WorkerPool
 from balancer.stats import Window
-from common.http import json_response, middlewares, retry_headers
+from common.http import MAX_BODY_BYTES, json_response, middlewares, read_body, retry_headers
 from common.metrics import RequestMetrics
 from common.protocol import APIError, error_body, parse_request
 
@@ -141,8 +141,8 @@ async def _openai(request: web.Request, kind: str) -> web.StreamResponse:
     try:
         if state.draining:
             raise APIError(503, "the balancer is shutting down")
-        body = await request.read()
-        req = parse_request(kind, body)      # validated from the raw bytes; forwarded to the worker as they are
+        body = await read_body(request)
+        req = parse_request(kind, body)      # the one JSON language (common/protocol.py); forwarded as it is
         p = state.admit(kind, body, req.stream, t0)
         resp, status = await (answer_stream(request, p) if req.stream else answer_single(p))
         return resp
@@ -272,6 +272,7 @@ async def stats(request: web.Request) -> web.Response:
         "queue_depth": b.queue_depth,
         "redispatched_requests": b.retries,
         "failed_midstream": b.failed_midstream,
+        "split_batches": b.split_batches,
         "workers": [w.snapshot() for w in state.pool.workers],
         "centralized_batching": {
             "enabled": True, "max_batch_size": cfg.batch_size, "max_wait_time": cfg.wait_time,
@@ -344,7 +345,7 @@ async def _lifecycle(app: web.Application):
 
 def make_app(cfg: BalancerConfig) -> web.Application:
     app = web.Application(middlewares=middlewares(cfg.api_key, lambda path: path.startswith("/v1/")),
-                          client_max_size=64 * 1024 ** 2)
+                          client_max_size=MAX_BODY_BYTES)
     app[STATE] = BalancerState(cfg)
     app.cleanup_ctx.append(_lifecycle)
     app.router.add_post("/v1/completions", completions)

@@ -5,7 +5,12 @@ worker has free capacity. While every worker is busy, requests keep accumulating
 Failover: when a worker dies, stalls or its connection breaks mid-batch, every request of that batch that has not
 yet sent bytes to its client goes back to the front of the queue (bounded retries, the failed worker excluded while
 others are healthy); a streaming request that already sent bytes ends with an error event. Events carry the attempt
-number they belong to, so a request is never answered twice."""
+number they belong to, so a request is never answered twice.
+
+Row isolation: a worker answers each row of a batch on its own (a row it rejects gets its own 4xx event). A 4xx for
+the whole batch (a body the worker could not read: a balancer bug, since both parse with common/protocol.py) is
+logged as an error and the batch's rows are re-sent one by one, each alone in its batch; a row that is rejected even
+alone gets the worker's answer. Neither case counts against the worker's health or the request's retries."""
 from __future__ import annotations
 
 import asyncio
@@ -18,9 +23,14 @@ import aiohttp
 import orjson
 
 from balancer.pool import Worker, WorkerPool
+from common.http import MAX_BATCH_BYTES
 from common.protocol import error_body
 
 log = logging.getLogger("dllm.balancer.batcher")
+
+# Statuses of a whole-batch answer that reject the batch's content (not a worker fault): 400 bad body, 413 too
+# large, 422. A 401/403 (the worker's key differs), 429 and 503 (busy, loading, draining) fail over instead.
+REJECTED = frozenset({400, 413, 415, 422})
 
 
 def push_event(box, ev: tuple) -> None:
@@ -56,6 +66,7 @@ class Pending:
     cancelled: bool = False
     done: bool = False
     excluded: set = field(default_factory=set)
+    solo: bool = False             # goes alone in its batch (its batch was rejected as a whole)
     worker: Worker | None = None
     enqueued_at: float = field(default_factory=time.monotonic)
     started: float = field(default_factory=time.monotonic)
@@ -86,6 +97,7 @@ class BatchConfig:
     max_retries: int = 2                 # re-dispatches of one request after worker failures
     connect_timeout: float = 5.0
     no_worker_grace: float = 30.0        # queued requests fail with 503 after this long with no healthy worker
+    max_batch_bytes: int = MAX_BATCH_BYTES // 2   # request bodies per batch, well under the worker's body limit
 
 
 class CentralBatcher:
@@ -102,6 +114,7 @@ class CentralBatcher:
         self.histogram: collections.Counter[int] = collections.Counter()
         self.retries = 0
         self.failed_midstream = 0
+        self.split_batches = 0         # batches a worker rejected as a whole, re-sent one request at a time
         self.on_batch = None           # callback(batch_size) for metrics
         self._no_worker_since: float | None = None
 
@@ -205,14 +218,19 @@ class CentralBatcher:
     def _take(self, worker: Worker) -> list[Pending]:
         healthy = {w.index for w in self.pool.healthy()}
         batch, keep = [], collections.deque()
+        size = 0
         while self.queue and len(batch) < self.cfg.batch_size:
             p = self.queue.popleft()
             if p.cancelled:
                 continue
-            if worker.index in p.excluded and (healthy - p.excluded):
+            if (worker.index in p.excluded and (healthy - p.excluded)) or (
+                    batch and (p.solo or size + len(p.body) > self.cfg.max_batch_bytes)):
                 keep.append(p)
                 continue
             batch.append(p)
+            size += len(p.body)
+            if p.solo:
+                break
         keep.extend(self.queue)
         self.queue = keep
         return batch
@@ -252,7 +270,10 @@ class CentralBatcher:
                     w.url + "/worker/batch", data=payload,
                     headers={**self.headers, "Content-Type": "application/json"},
                     timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout)) as r:
-                if r.status != 200:
+                if r.status in REJECTED:
+                    self._rejected(w, batch, r.status, await r.read())
+                    open_.clear()
+                elif r.status != 200:
                     text = (await r.read())[:300].decode(errors="replace")
                     failure = f"worker answered {r.status}: {text}"
                     if r.status not in (429, 503):
@@ -309,6 +330,33 @@ class CentralBatcher:
                 p.done = True
                 p.worker = None
             p.deliver(attempts[p.id], kind, ev.get("status", 200), ev.get("data"), end)
+
+    def _rejected(self, w: Worker, batch: list[Pending], status: int, body: bytes) -> None:
+        """The worker rejected the whole batch (a 4xx for the batch, not for a row): split it, or answer the row."""
+        if len(batch) == 1:
+            p = batch[0]
+            log.warning("worker %d rejected request %s sent alone: %d %s", w.index, p.id, status,
+                        body[:300].decode(errors="replace"))
+            try:
+                data = orjson.loads(body)
+                if not isinstance(data, dict) or not isinstance(data.get("error"), dict):
+                    raise ValueError
+            except ValueError:
+                data = error_body(f"the worker rejected the request: {body[:300].decode(errors='replace')}",
+                                  "invalid_request_error")
+            p.worker = None
+            p.done = True
+            p.deliver(p.attempt, "error", status, data, True)
+            return
+        log.error("BUG: worker %d rejected a whole batch of %d requests (%d: %s); re-sending each alone", w.index,
+                  len(batch), status, body[:300].decode(errors="replace"))
+        self.split_batches += 1
+        for p in batch:
+            p.worker = None
+            p.solo = True
+            p.tries -= 1            # not a failure of the request or of the worker
+            p.attempt += 1
+        self.queue.extendleft(reversed([p for p in batch if not (p.cancelled or p.done)]))
 
     def _failover(self, w: Worker, unfinished: list[Pending], attempts: dict, why: str) -> None:
         log.warning("batch on worker %d failed (%s): %d requests unfinished", w.index, why, len(unfinished))

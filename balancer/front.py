@@ -46,7 +46,7 @@ from aiohttp import web
 
 from balancer.app import answer_single, answer_stream, meaningful
 from balancer.batcher import Pending, push_event, until_event
-from common.http import middlewares
+from common.http import MAX_BODY_BYTES, middlewares, read_body
 from common.protocol import APIError, error_body, parse_request
 
 log = logging.getLogger("dllm.balancer.front")
@@ -393,7 +393,7 @@ async def _openai(request: web.Request, kind: str) -> web.StreamResponse:
     t0 = time.monotonic()
     status, n = 499, -1
     try:
-        body = await request.read()
+        body = await read_body(request)
         req = parse_request(kind, body)          # the validation work this process takes off the central
         link = front.link
         if link is None or link.transport is None:
@@ -437,7 +437,7 @@ async def proxy(request: web.Request) -> web.Response:
 async def serve_front(cfg: FrontConfig) -> int:
     front = FrontState(cfg)
     app = web.Application(middlewares=middlewares(cfg.api_key, lambda path: path.startswith("/v1/")),
-                          client_max_size=64 * 1024 ** 2)
+                          client_max_size=MAX_BODY_BYTES)
     app[FRONT] = front
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)

@@ -8,6 +8,7 @@ import asyncio
 import ctypes
 import logging
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -83,6 +84,12 @@ class Supervisor:
     def __init__(self, cfg: ServeConfig):
         self.cfg = cfg
         cfg.log_dir.mkdir(parents=True, exist_ok=True)
+        if cfg.balancer is not None and cfg.balancer.api_key and not cfg.worker_api_key:
+            if cfg.extra_worker_urls or cfg.no_balancer:
+                log.warning("--api-key without --worker-api-key on a multi-node job: the workers' ports are open "
+                            "to anyone who can reach them; give every node the same --worker-api-key")
+            else:      # the workers are all ours: lock their ports with a key only this process knows
+                cfg.worker_api_key = secrets.token_urlsafe(32)
         ids = cfg.gpu_ids if cfg.gpu_ids is not None else [None] * cfg.cpu_workers
         self.workers = [WorkerProc(i, cfg.worker_base_port + i, gpu, cfg.log_dir / f"worker-{i}.log")
                         for i, gpu in enumerate(ids)]
@@ -135,6 +142,7 @@ class Supervisor:
         args = [sys.executable, "-m", "common.cli", "worker", "--model-path", c.model_path,
                 "--host", c.worker_host, "--port", str(w.port), *c.worker_args]
         env = dict(os.environ)
+        env.pop("DLLM_API_KEY", None)          # the clients' key (if it came from the environment) is not theirs
         if c.worker_api_key:
             env["DLLM_API_KEY"] = c.worker_api_key
         if w.gpu is not None:

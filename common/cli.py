@@ -349,7 +349,9 @@ def _serve_options(f):
         _compile_option,
         _http_processes_option,
         _front_timeout_option,
-        click.option("--api-key", default=None, envvar="DLLM_API_KEY", help="Clients must send this Bearer key."),
+        click.option("--api-key", default=None, envvar="DLLM_API_KEY",
+                     help="Clients must send this Bearer key on /v1 (status endpoints stay open); the workers then "
+                          "get a generated key of their own unless --worker-api-key is given."),
         click.option("--worker-api-key", default=None, envvar="DLLM_WORKER_API_KEY",
                      help="Key between balancer and workers (generated per SLURM job)."),
         click.option("--log-dir", default="logs", show_default=True, type=click.Path(file_okay=False)),

@@ -14,6 +14,25 @@ from common.protocol import APIError, error_body
 log = logging.getLogger("dllm.http")
 
 
+MAX_BODY_BYTES = 64 * 1024 ** 2        # one client request (balancer, fronts, worker /v1); larger: 413
+MAX_BATCH_BYTES = 4 * MAX_BODY_BYTES   # one /worker/batch body; the balancer never forms a larger one
+
+# Content types a JSON body may come with: none, JSON, and those HTTP clients send by default for raw bytes
+# (``curl -d``: application/x-www-form-urlencoded; aiohttp: application/octet-stream). Anything else (multipart
+# forms, XML, ...) is a 415.
+JSON_CONTENT_TYPES = ("", "application/json", "text/plain", "application/x-www-form-urlencoded",
+                      "application/octet-stream")
+
+
+async def read_body(request: web.Request) -> bytes:
+    """The raw body of an OpenAI request, after the Content-Type check (415 in the OpenAI shape)."""
+    ctype = request.headers.get("Content-Type", "").split(";", 1)[0].strip().lower()
+    if ctype not in JSON_CONTENT_TYPES and not ctype.endswith("+json"):
+        raise APIError(415, f"unsupported Content-Type {ctype!r}: send the body as application/json",
+                       type="invalid_request_error")
+    return await request.read()
+
+
 def json_response(data, status: int = 200, headers: dict | None = None) -> web.Response:
     return web.Response(body=orjson.dumps(data), status=status, content_type="application/json", headers=headers)
 

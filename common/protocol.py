@@ -16,6 +16,7 @@ import secrets
 import time
 from typing import Any, Literal, Union
 
+import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
@@ -177,21 +178,48 @@ class ChatCompletionRequest(CommonFields):
     messages: list[ChatMessage] = Field(min_length=1)
 
 
+MAX_DEPTH = 64      # nesting levels a request body may use (an OpenAI request needs about 6)
+
+
+def loads(raw: bytes | bytearray | memoryview | str, max_depth: int = MAX_DEPTH) -> Any:
+    """The one JSON language of every server here (the balancer, its fronts and the worker): strict RFC 8259 as
+    orjson reads it: no NaN/Infinity, numbers that overflow a double rejected, invalid UTF-8 and lone surrogates
+    rejected, no byte order mark; plus at most ``max_depth`` levels of nesting. Raises APIError(400)."""
+    try:
+        obj = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise APIError(400, f"the request body is not valid JSON: {e}")
+    brackets = raw.count(b"[") + raw.count(b"{") if isinstance(raw, (bytes, bytearray)) else max_depth + 1
+    if brackets > max_depth and isinstance(obj, (dict, list)) and _deeper_than(obj, max_depth):
+        raise APIError(400, f"the request body nests deeper than {max_depth} levels")
+    return obj
+
+
+def _deeper_than(obj: dict | list, limit: int) -> bool:
+    stack = [(obj, 1)]
+    while stack:
+        o, depth = stack.pop()
+        if depth > limit:
+            return True
+        for child in (o.values() if isinstance(o, dict) else o):
+            if isinstance(child, (dict, list)):
+                stack.append((child, depth + 1))
+    return False
+
+
 def parse_request(kind: Literal["chat", "completion"], data: Any) -> CompletionRequest | ChatCompletionRequest:
-    """Validate a body (decoded JSON, or raw JSON bytes: parsed and validated in one pass); raises APIError(400)
-    naming the first offending field."""
-    raw = isinstance(data, (bytes, bytearray))
-    if not raw and not isinstance(data, dict):
+    """Validate a body (raw JSON bytes, read by :func:`loads`, or an object already read by it); raises
+    APIError(400) naming the first offending field. The balancer, its fronts and the worker all validate here, so a
+    body one of them accepts, every other accepts too."""
+    if isinstance(data, (bytes, bytearray, memoryview, str)):
+        data = loads(data)
+    if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
     cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
     try:
-        return cls.model_validate_json(data) if raw else cls.model_validate(data)
+        return cls.model_validate(data)
     except ValidationError as e:
         err = e.errors()[0]
-        if err.get("type") == "json_invalid":
-            raise APIError(400, f"the request body is not valid JSON: {err.get('ctx', {}).get('error', '')}")
-        if err.get("type") == "model_type" and not err.get("loc"):
-            raise APIError(400, "the request body must be a JSON object")
         loc = [str(x) for x in err.get("loc", ())]
         # union members appear in loc (e.g. prompt.str): keep the field path only
         param = ".".join(x for x in loc if x not in ("str", "int", "TextPart") and not x.startswith("list[")) or None

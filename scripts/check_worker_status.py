@@ -5,9 +5,8 @@
   scripts/check_worker_status.py --json      # exit code: 0 all healthy, 1 degraded, 2 down or unreachable
 """
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import _venv  # noqa: F401  (re-runs this script with the project's .venv)
 
 from common.cli import main  # noqa: E402
 

@@ -6,6 +6,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import _venv  # noqa: E402,F401  (re-runs this script with the project's .venv)
+
 
 def render() -> str:
     import click

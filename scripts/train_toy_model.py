@@ -28,6 +28,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import _venv  # noqa: E402,F401  (re-runs this script with the project's .venv)
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 

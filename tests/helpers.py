@@ -11,6 +11,7 @@ from pathlib import Path
 
 import json
 import urllib.error
+from dataclasses import dataclass
 import urllib.request
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -119,3 +120,19 @@ class Cluster:
         self.balancer.stop()
         for w in self.workers:
             w.stop()
+
+
+@dataclass
+class Tally:
+    """What became of the requests a fault test sent (printed for docs/reliability.md)."""
+    name: str
+    sent: int = 0
+    answered: int = 0        # a complete 200
+    errored: int = 0         # a definite error the client saw at once (4xx/5xx, SSE error event, reset connection)
+    lost: int = 0            # no answer at all before the client's own timeout
+    left: int = 0            # the client went away on purpose
+
+    def report(self, extra: str = "") -> None:
+        left = f", left by their clients {self.left}" if self.left else ""
+        print(f"\nFAULT {self.name}: sent {self.sent}, answered {self.answered}, errored {self.errored}, "
+              f"lost {self.lost}{left}{extra}")

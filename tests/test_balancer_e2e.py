@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from tests.conftest import TINY_LLADA
-from tests.helpers import Cluster, get_json, post_json
+from tests.helpers import Cluster, Tally, get_json, post_json
 
 pytestmark = pytest.mark.slow
 FAST_HEALTH = ["--health-check-interval", "0.3", "--health-timeout", "1", "--unhealthy-threshold", "2",
@@ -150,10 +150,22 @@ def test_overload_gives_429_and_no_crash(tmp_path):
         for t in threads:
             t.join()
         codes = sorted(s for s, _ in results)
+        Tally("10x overload (20 clients, 1 worker, 1 row at a time, --max-queue 3)", sent=20,
+              answered=codes.count(200), errored=len(codes) - codes.count(200), lost=20 - len(codes)).report(
+            f"; {codes.count(429)} of the errors are 429 + Retry-After")
         assert codes.count(429) >= 10 and codes.count(200) >= 4 and set(codes) <= {200, 429}, codes
         assert get_json(c.url + "/health")[0] == 200
     finally:
         c.stop()
+
+
+def _report(name, results, sent):
+    ok = sum(r in ("stop", "length") for r in results)
+    mid = results.count("midstream-error")
+    timed_out = sum(isinstance(r, openai.APITimeoutError) for r in results)
+    Tally(name, sent=sent, answered=ok, errored=len(results) - ok - timed_out,
+          lost=sent - len(results) + timed_out).report(
+        f"; {mid} of the errors are streams whose worker died after sending text (an SSE error event)")
 
 
 def _load_in_thread(url, n, max_tokens, out):
@@ -175,6 +187,7 @@ def test_kill_9_of_a_worker_under_load_loses_no_request(tmp_path):
         os.kill(victim.p.pid, signal.SIGKILL)
         t.join(300)
         # every request answered 200: complete, or (streams that had already sent text) ended with an SSE error
+        _report("kill -9 of 1 of 2 workers under load (64 requests)", results, 64)
         assert len(results) == 64
         assert [r for r in results if r not in ("stop", "length", "midstream-error")] == []
         stats = get_json(c.url + "/stats")[1]
@@ -209,6 +222,7 @@ def test_sigstop_is_stalled_then_readmitted(tmp_path):
             seen.add(get_json(c.url + "/worker-status")[1]["workers"][0]["status"])
         finally:
             os.kill(victim.p.pid, signal.SIGCONT)
+        _report("SIGSTOP (then SIGCONT) of 1 of 2 workers under load (24 requests)", results, 24)
         assert "stalled" in seen, seen
         assert len(results) == 24 and all(r in ("stop", "length", "midstream-error") for r in results), results
         assert get_json(c.url + "/stats")[1]["redispatched_requests"] > 0

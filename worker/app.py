@@ -16,9 +16,9 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from common.http import json_response, middlewares
+from common.http import MAX_BATCH_BYTES, MAX_BODY_BYTES, json_response, middlewares, read_body
 from common.metrics import RequestMetrics
-from common.protocol import APIError, error_body
+from common.protocol import MAX_DEPTH, APIError, error_body, loads
 
 log = logging.getLogger("dllm.worker")
 
@@ -94,12 +94,12 @@ OPEN_PATHS = ("/health", "/metrics")
 
 
 # ---------------------------------------------------------------- helpers
-async def read_json(request: web.Request):
-    raw = await request.read()
-    try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError as e:
-        raise APIError(400, f"the request body is not valid JSON: {e}")
+async def read_request(request: web.Request):
+    """An OpenAI request body, read exactly as the balancer reads it (common/http.py, common/protocol.py)."""
+    raw = await read_body(request)
+    if len(raw) > MAX_BODY_BYTES:
+        raise APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+    return loads(raw)
 
 
 def require_ready(state: WorkerState) -> None:
@@ -121,7 +121,7 @@ async def _openai(request: web.Request, kind: str) -> web.StreamResponse:
     status = 200
     try:
         require_ready(state)
-        body = await read_json(request)
+        body = await read_request(request)
         prep = state.serving.prepare(kind, body)
         run = state.serving.submit(prep)
     except APIError as e:
@@ -190,7 +190,7 @@ async def worker_batch(request: web.Request) -> web.StreamResponse:
     happen. Each request's last line carries ``"end": true``."""
     state = request.app[STATE]
     require_ready(state)
-    body = await read_json(request)
+    body = loads(await request.read(), MAX_DEPTH + 3)   # each row's body nests as the balancer allowed, 3 levels down
     items = body.get("requests") if isinstance(body, dict) else None
     if not isinstance(items, list) or not items:
         raise APIError(400, "body must be {\"requests\": [{\"id\", \"kind\", \"body\"}, ...]}", param="requests")
@@ -235,8 +235,11 @@ async def worker_batch(request: web.Request) -> web.StreamResponse:
                 raise APIError(400, "kind must be 'chat' or 'completion'", param="kind")
             prep = state.serving.prepare(kind, item.get("body"))
             runs[rid] = state.serving.submit(prep, emit, wait=False)   # the batch was formed upstream
-        except APIError as e:
+        except APIError as e:                 # this row's own rejection: the other rows go on
             emit("error", (e.status, e.body()), True)
+        except Exception as e:                # a bug on one row must not fail the batch
+            log.exception("request %s: preparing the row failed", rid)
+            emit("error", (500, error_body(f"internal error: {type(e).__name__}", "server_error")), True)
 
     state.runs.update(runs)
     state.active += 1
@@ -264,7 +267,7 @@ async def worker_batch(request: web.Request) -> web.StreamResponse:
 
 async def worker_cancel(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    body = await read_json(request)
+    body = loads(await request.read())
     ids = body.get("ids") if isinstance(body, dict) else None
     if not isinstance(ids, list):
         raise APIError(400, "body must be {\"ids\": [...]}", param="ids")
@@ -391,7 +394,7 @@ async def _lifecycle(app: web.Application):
 
 def make_app(config: WorkerConfig) -> web.Application:
     app = web.Application(middlewares=middlewares(config.api_key, lambda path: not path.startswith(OPEN_PATHS)),
-                          client_max_size=256 * 1024 ** 2)
+                          client_max_size=MAX_BATCH_BYTES)
     state = WorkerState(config)
     state.metrics = Metrics(state)
     app[STATE] = state

@@ -11,7 +11,7 @@ from common.protocol import (APIError, ChatCompletionRequest, CompletionRequest,
                              parse_request, response, usage, usage_chunk)
 from worker.batcher import Batcher, Job
 from worker.engine import Engine, GenerationParams, ParamError
-from worker.tokenizer import apply_chat_template, text_decoder
+from worker.tokenizer import apply_chat_template, max_token_chars, text_decoder
 
 log = logging.getLogger("dllm.worker.serving")
 
@@ -40,6 +40,9 @@ class Serving:
         self.names = {model_name, *aliases}
         self.tok = engine.tokenizer
         self.decode = text_decoder(self.tok)
+        # A text longer than this cannot fit the context whatever it holds: refused before the tokenizer spends
+        # seconds on it (4x margin for normalisation that merges characters).
+        self.max_prompt_chars = 4 * max_token_chars(self.tok) * engine.max_sequence_length
 
     # ------------------------------------------------------------ request -> rows
     def prepare(self, kind: str, body) -> Prepared:
@@ -47,6 +50,12 @@ class Serving:
         if req.model is not None and req.model not in self.names:
             raise APIError(404, f"The model {req.model!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
+        chars = (sum(len(m.text()) for m in req.messages) if kind == "chat"
+                 else sum(len(p) for p in req.prompts() if isinstance(p, str)))
+        if chars > self.max_prompt_chars:
+            raise APIError(400, f"the prompt ({chars} characters) cannot fit the model's maximum sequence length "
+                                f"({self.engine.max_sequence_length} tokens)",
+                           param="messages" if kind == "chat" else "prompt")
         if kind == "chat":
             msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
             try:

@@ -85,3 +85,12 @@ def text_decoder(tokenizer):
         fast = backend.decode
         return lambda ids: fast(ids, skip_special_tokens=True)
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def max_token_chars(tokenizer) -> int:
+    """The most characters any one token's text can span (its vocabulary string: byte-level BPE writes one
+    character per byte, SentencePiece one per character, special tokens their literal text). A text of C characters
+    has at least C / this many tokens, before normalisation."""
+    pieces = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    return max(1, max(len(p) for p in pieces if p is not None))
+

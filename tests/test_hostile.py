@@ -1,0 +1,262 @@
+"""Hostile input (issue 14): generated malformed bodies (hypothesis, 1,000 per endpoint) and a fixed corpus of the
+nasty cases, sent through a real balancer (two HTTP processes) over a real worker on the tiny fixture, while good
+requests run beside them. Every good request gets its right answer, every bad one a 4xx in the OpenAI shape, nothing
+gets a 5xx, and both servers are alive with bounded memory afterwards.
+
+    ./scripts/test.sh tests/test_hostile.py -s      # prints the figures docs/reliability.md shows
+"""
+import asyncio
+import http.client
+import json
+import threading
+import time
+from dataclasses import dataclass
+
+import aiohttp
+import psutil
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tests.conftest import TINY_LLADA
+from tests.helpers import Cluster, get_json
+
+pytestmark = pytest.mark.slow
+EXAMPLES = 1000          # generated bodies per endpoint
+
+
+@dataclass(frozen=True)
+class Raw:
+    """A JSON token written as it is (NaN, Infinity, 1e400, a lone surrogate escape...)."""
+    text: str
+
+
+def encode(v) -> str:
+    if isinstance(v, Raw):
+        return v.text
+    if isinstance(v, dict):
+        return "{" + ",".join(json.dumps(k) + ":" + encode(x) for k, x in v.items()) + "}"
+    if isinstance(v, list):
+        return "[" + ",".join(encode(x) for x in v) + "]"
+    return json.dumps(v)
+
+
+NASTY = st.sampled_from([
+    Raw("NaN"), Raw("Infinity"), Raw("-Infinity"), Raw("1e400"), Raw("-1e400"), Raw('"\\ud800"'), Raw('"\\udfff x"'),
+    Raw("123456789012345678901234567890"), 10 ** 9, -1, 0, 1, 3, 2 ** 31, 2 ** 63, 2 ** 64 - 1, 0.5, 1.5, -0.1,
+    1e308, -0.0, "", "x", "x" * 5000, None, True, False, [], {}, [[]], [None], {"type": "text"},
+    [-1, 5], [5, 10 ** 6], [5, 2 ** 40], [[1, 2], []], ["a", 1], [{"role": "user"}], [{"role": "robot", "content": "x"}],
+    [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+    [{"role": "user", "content": None}], {"include_usage": "yes"}, {"include_usage": True},
+])
+FIELDS = ["prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "stop", "seed", "stream",
+          "stream_options", "n", "steps", "block_length", "remasking", "generation_algorithm", "threshold", "factor",
+          "cfg_scale", "algorithm_params", "model", "top_p", "logprobs", "echo", "best_of", "user", "ignore_eos",
+          "return_token_ids", "x_extra", ""]
+SMALL = st.recursive(st.none() | st.booleans() | st.integers(-5, 5) | st.text(max_size=5) | NASTY,
+                     lambda c: st.lists(c, max_size=3) | st.dictionaries(st.sampled_from(FIELDS), c, max_size=3),
+                     max_leaves=8)
+BASE = {"completion": {"prompt": [5, 6, 7], "max_tokens": 4, "block_length": 4},
+        "chat": {"messages": [{"role": "user", "content": "di vo"}], "max_tokens": 4, "block_length": 4}}
+
+
+@st.composite
+def hostile_body(draw, kind: str) -> tuple[bytes, str]:
+    """(body, content type): a good body mutated in 1 to 3 fields, or corrupted as bytes."""
+    body = dict(BASE[kind])
+    for _ in range(draw(st.integers(1, 3))):
+        body[draw(st.sampled_from(FIELDS))] = draw(NASTY | SMALL)
+    raw = encode(body).encode("utf-8", "surrogatepass")
+    how = draw(st.sampled_from(["json"] * 6 + ["truncate", "bad-utf8", "binary", "wrap", "deep", "ctype"]))
+    ctype = "application/json"
+    if how == "truncate":
+        raw = raw[:draw(st.integers(0, max(0, len(raw) - 1)))]
+    elif how == "bad-utf8":
+        at = draw(st.integers(0, len(raw)))
+        raw = raw[:at] + draw(st.sampled_from([b"\xff", b"\xc3", b"\xed\xa0\x80", b"\x00"])) + raw[at:]
+    elif how == "binary":
+        raw = draw(st.binary(max_size=64))
+    elif how == "wrap":
+        raw = b"[" + raw + b"]"
+    elif how == "deep":
+        n = draw(st.sampled_from([65, 1000, 100000]))
+        raw = raw[:-1] + b',"x":' + b"[" * n + b"]" * n + b"}"
+    elif how == "ctype":
+        ctype = draw(st.sampled_from(["multipart/form-data; boundary=x", "text/xml", "image/png"]))
+    return raw, ctype
+
+
+def corpus(kind: str) -> list[tuple[bytes, str, int]]:
+    """(body, content type, expected status) of the nasty cases issue 14 names, for one endpoint."""
+    base = BASE[kind]
+    key = "prompt" if kind == "completion" else "messages"
+
+    def j(**kw):
+        return encode({**base, **kw}).encode("utf-8", "surrogatepass")
+    cases = [
+        (j(x_extra=Raw("NaN")), 400), (j(x_extra=Raw("Infinity")), 400), (j(x_extra=Raw("1e400")), 400),
+        (j(max_tokens=10 ** 9), 400), (j(max_tokens=-1), 400), (j(max_tokens=Raw("NaN")), 400),
+        (j(temperature=Raw("-Infinity")), 400), (j(x=Raw('"\\ud800"')), 400), (j(seed=2 ** 64), 400),
+        (j(n=2), 400), (j(top_p=0.5), 400), (j(stream="yes"), 400), (j(model="another-model"), 404),
+        (j(generation_algorithm="warp"), 400), (j(steps=0), 400), (j(block_length=2 ** 40), 400),
+        (j(stop=[""] * 20), 400), (j(**{key: []}), 400), (j(**{key: None}), 400),
+        (b"", 400), (b"null", 400), (b"[]", 400), (b"{", 400), (b"\xef\xbb\xbf" + j(), 400), (b"\xff\xfe", 400),
+        (b'{"x": ' + b"[" * 100000 + b"]" * 100000 + b"}", 400),
+        (j()[:-1] + b', "x": "\xff"}', 400),
+        (encode({**base, key: "x" * (10 * 1024 ** 2)}).encode(), 400),            # 10 MB of text
+        (encode({**base, key: "x" * (65 * 1024 ** 2)}).encode(), 413),            # over the 64 MiB body limit
+    ]
+    if kind == "completion":
+        cases += [(j(prompt=[5, 300000]), 400), (j(prompt=[-1]), 400), (j(prompt=[[5], []]), 400),
+                  (j(prompt=list(range(5, 100005))), 400),                        # a 100k-token prompt
+                  (encode({**base, "prompt": [7] * (2 * 1024 ** 2)}).encode(), 400)]   # 2M ids, ~4 MB of JSON
+    else:
+        cases += [(j(messages=[{}]), 400), (j(messages=[{"role": "user", "content": [{"type": "image_url"}]}]), 400),
+                  (j(messages=[{"role": "user", "content": "x"}] * 100000), 400)]
+    out = [(raw, "application/json", status) for raw, status in cases]
+    out.append((j(), "multipart/form-data; boundary=x", 415))
+    return out
+
+
+def post_raw(port: int, path: str, raw: bytes, ctype: str, timeout: float = 60) -> tuple[int, bytes, str]:
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        c.request("POST", path, body=raw, headers={"Content-Type": ctype})
+        r = c.getresponse()
+        return r.status, r.read(), r.getheader("Content-Type", "")
+    finally:
+        c.close()
+
+
+def check_answer(status: int, body: bytes, ctype: str) -> None:
+    """No 5xx; a 4xx in the OpenAI error shape; a 200 a well-formed answer (JSON, or an SSE stream ending [DONE])."""
+    assert status < 500, (status, body[:300])
+    if status >= 400:
+        err = json.loads(body)["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["message"], body[:300]
+    elif ctype.startswith("text/event-stream"):
+        assert body.rstrip().endswith(b"data: [DONE]"), body[-200:]
+    else:
+        assert json.loads(body)["choices"], body[:300]
+
+
+class GoodTraffic:
+    """Good requests (chat and completion, plain and streamed), 4 at a time, for as long as the suite runs; each
+    answer is compared with the one the same request got alone before the suite began."""
+
+    def __init__(self, url: str):
+        self.url, self.results, self.stop = url, [], threading.Event()
+        self.requests = [("/v1/completions", {**BASE["completion"], "prompt": [i + 5, 6, 7], "ignore_eos": True,
+                                              "stream": i % 2 == 1}) for i in range(4)]
+        self.requests += [("/v1/chat/completions", {**BASE["chat"], "stream": i % 2 == 1}) for i in range(2)]
+        self.expected = [asyncio.run(self._one(i)) for i in range(len(self.requests))]
+        self.thread = threading.Thread(target=lambda: asyncio.run(self._run()))
+
+    async def _one(self, i: int, session: aiohttp.ClientSession | None = None) -> tuple[int, str]:
+        path, body = self.requests[i]
+        own = session is None
+        session = session or aiohttp.ClientSession()
+        try:
+            async with session.post(self.url + path, json=body) as r:
+                text = await r.text()
+                if body.get("stream"):
+                    chunks = [json.loads(x[6:]) for x in text.split("\n") if x.startswith("data: {")]
+                    text = "".join((c["choices"][0].get("text") or (c["choices"][0].get("delta") or {})
+                                    .get("content") or "") for c in chunks if c.get("choices"))
+                else:
+                    c = json.loads(text)["choices"][0]
+                    text = c.get("text") if "text" in c else c["message"]["content"]
+                return r.status, text
+        finally:
+            if own:
+                await session.close()
+
+    async def _run(self) -> None:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
+            async def lane(k):
+                i = k
+                while not self.stop.is_set():
+                    idx = i % len(self.requests)
+                    try:
+                        self.results.append((idx, await self._one(idx, s)))
+                    except Exception as e:        # noqa: BLE001  (recorded, then asserted on)
+                        self.results.append((idx, (0, repr(e))))
+                    i += 1
+            await asyncio.gather(*[lane(k) for k in range(4)])
+
+    def check(self) -> int:
+        wrong = [(i, got) for i, got in self.results if got != self.expected[i]]
+        assert not wrong, wrong[:5]
+        return len(self.results)
+
+
+def rss_mb(pid: int) -> float:
+    p = psutil.Process(pid)
+    return sum(q.memory_info().rss for q in [p, *p.children(recursive=True)]) / 2 ** 20
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    c = Cluster(tmp_path_factory.mktemp("hostile"), TINY_LLADA, 1, worker_args=["--batch-size", "16"],
+                balancer_args=["--batch-size", "8", "--batch-wait-time", "0.01", "--http-processes", "2"])
+    try:
+        c.wait_ready()
+        yield c
+    finally:
+        c.stop()
+
+
+@pytest.fixture(scope="module")
+def traffic(cluster):
+    g = GoodTraffic(cluster.url)
+    assert all(s == 200 for s, _ in g.expected)
+    mem0 = {"balancer": rss_mb(cluster.balancer.p.pid), "worker": rss_mb(cluster.workers[0].p.pid)}
+    g.thread.start()
+    yield g
+    g.stop.set()
+    g.thread.join(60)
+    n = g.check()
+    for name, proc in (("balancer", cluster.balancer), ("worker", cluster.workers[0])):
+        assert proc.p.poll() is None, f"the {name} died:\n{proc.tail()}"
+        grew = rss_mb(proc.p.pid) - mem0[name]
+        print(f"\n{name}: RSS {mem0[name]:.0f} MB before, grew {grew:+.0f} MB")
+        assert grew < 512, f"{name} memory grew by {grew:.0f} MB"
+    assert get_json(cluster.url + "/health")[0] == 200
+    stats = get_json(cluster.url + "/stats")[1]
+    print(f"good requests beside the hostile ones: {n}, all answered right; balancer stats: redispatched "
+          f"{stats['redispatched_requests']}, split batches {stats['split_batches']}, "
+          f"worker errors {stats['workers'][0]['errors']}")
+    assert stats["workers"][0]["errors"] == 0 and stats["split_batches"] == 0
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_fixed_corpus(cluster, traffic, kind):
+    path = "/v1/completions" if kind == "completion" else "/v1/chat/completions"
+    t0 = time.monotonic()
+    cases = corpus(kind)
+    for raw, ctype, want in cases:
+        status, body, rtype = post_raw(cluster.balancer.port, path, raw, ctype)
+        check_answer(status, body, rtype)
+        assert status == want, (raw[:120], status, body[:300])
+    print(f"\n{kind}: {len(cases)} corpus cases, each its expected 4xx, in {time.monotonic() - t0:.1f} s")
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_generated_bodies(cluster, traffic, kind):
+    path = "/v1/completions" if kind == "completion" else "/v1/chat/completions"
+    counts = {}
+
+    @settings(max_examples=EXAMPLES, deadline=None, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(hostile_body(kind))
+    def run(case):
+        raw, ctype = case
+        status, body, rtype = post_raw(cluster.balancer.port, path, raw, ctype)
+        check_answer(status, body, rtype)
+        counts[status] = counts.get(status, 0) + 1
+
+    t0 = time.monotonic()
+    run()
+    print(f"\n{kind}: {sum(counts.values())} generated bodies in {time.monotonic() - t0:.1f} s; "
+          f"statuses {dict(sorted(counts.items()))}")
+    assert sum(counts.values()) >= EXAMPLES

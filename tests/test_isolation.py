@@ -1,0 +1,234 @@
+"""One request can never fail another (issue 14): one JSON language for the balancer, its fronts and the worker; a
+worker rejects rows, not batches; a whole-batch rejection is split, never failed together; security defaults.
+
+The poison tests run a real worker app (in-process, on the tiny fixture) behind a real balancer, with one HTTP process
+and with a front process; the split test uses a fake worker (a test double that rejects whole batches on cue)."""
+import asyncio
+import contextlib
+import json
+
+import aiohttp
+import orjson
+import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from balancer.app import BalancerConfig, make_app
+from balancer.batcher import BatchConfig
+from balancer.pool import HealthConfig
+from common.protocol import MAX_DEPTH, APIError, loads, parse_request
+from tests.conftest import TINY_LLADA
+from tests.fakes import workers
+from tests.test_balancer_fronts import balancer as balancer_with_fronts
+from worker.app import WorkerConfig
+from worker.app import make_app as make_worker_app
+
+GOOD = {"prompt": [5, 6, 7], "max_tokens": 8, "block_length": 8, "ignore_eos": True}
+POISONS = [   # (raw body, status): each is rejected, alone, and must not touch the good requests batched with it
+    (b'{"prompt": "hi", "max_tokens": 8, "x_extra": NaN}', 400),              # the issue's case
+    (b'{"prompt": "hi", "max_tokens": 8, "x_extra": Infinity}', 400),
+    (b'{"prompt": "hi", "max_tokens": 8, "x_extra": -1e400}', 400),
+    (b'{"prompt": "hi", "max_tokens": 8, "x_extra": "\\ud800"}', 400),        # a lone surrogate
+    (b'{"prompt": "hi", "max_tokens": 8, "x_extra": "\xff"}', 400),          # invalid UTF-8
+    (b'{"prompt": "hi", "x": ' + b"[" * (MAX_DEPTH + 1) + b"]" * (MAX_DEPTH + 1) + b"}", 400),
+    (orjson.dumps({"prompt": [1, 10 ** 6], "max_tokens": 8}), 400),           # passes the balancer; the worker's row
+    (orjson.dumps({"prompt": "hi", "max_tokens": 10 ** 9}), 400),             # idem: longer than the context
+    (orjson.dumps({"prompt": "hi", "model": "another-model"}), 404),          # idem
+]
+
+
+def test_one_json_language():
+    """What the strict parser refuses, every server refuses; what it accepts, the worker's batch envelope carries."""
+    for raw, _ in POISONS[:6]:
+        with pytest.raises(APIError) as e:
+            parse_request("completion", raw)
+        assert e.value.status == 400
+    ok = b'{"prompt": "hi", "x": ' + b"[" * (MAX_DEPTH - 1) + b"]" * (MAX_DEPTH - 1) + b"}"
+    assert parse_request("completion", ok).prompt == "hi"
+    # numbers: a huge integer reads as a float (so an int field refuses it), never as an exact big int on one
+    # side and a float on the other
+    with pytest.raises(APIError) as e:
+        parse_request("completion", b'{"prompt": "hi", "max_tokens": 100000000000000000000000000000}')
+    assert e.value.param == "max_tokens"
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-(1 << 70), 1 << 70) | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=20),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=30)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(st.text(max_size=10), json_values, max_size=6), st.sampled_from([b" ", b"\n", b""]))
+def test_every_body_the_balancer_accepts_fits_the_worker_envelope(body, space):
+    raw = json.dumps(body, ensure_ascii=False).encode("utf-8", "surrogatepass") + space
+    try:
+        value = loads(raw)
+    except APIError:
+        return
+    envelope = b'{"requests":[{"id":"a","kind":"completion","body":' + raw + b"}]}"
+    assert loads(envelope, MAX_DEPTH + 3)["requests"][0]["body"] == value
+
+
+@contextlib.asynccontextmanager
+async def real_worker(**kw):
+    server = TestServer(make_worker_app(WorkerConfig(model_path=str(TINY_LLADA), device="cpu", **kw)))
+    await server.start_server()
+    url = str(server.make_url("")).rstrip("/")
+    try:
+        async with aiohttp.ClientSession() as s:
+            for _ in range(600):
+                async with s.get(url + "/health") as r:
+                    if (await r.json())["status"] == "ready":
+                        break
+                await asyncio.sleep(0.05)
+        yield url
+    finally:
+        await server.close()
+
+
+async def _raw_post(session: aiohttp.ClientSession, url: str, body: bytes):
+    async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as r:
+        return r.status, orjson.loads(await r.read())
+
+
+async def _poison_round(base: str, poison: bytes) -> tuple[list, tuple]:
+    """7 good requests and one poison, sent together so they share a batch (batch wait 0.3 s)."""
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
+        results = await asyncio.gather(*[_raw_post(s, base + "/v1/completions", orjson.dumps(GOOD))
+                                         for _ in range(7)], _raw_post(s, base + "/v1/completions", poison))
+    return list(results[:7]), results[7]
+
+
+def _check_round(goods, bad, status, expected_text):
+    assert bad[0] == status, bad
+    assert set(bad[1]["error"]) == {"message", "type", "param", "code"}
+    assert [s for s, _ in goods] == [200] * 7, goods
+    assert {b["choices"][0]["text"] for _, b in goods} == {expected_text}
+
+
+async def test_a_poison_request_fails_alone(aiohttp_client):
+    async with real_worker() as url:
+        cfg = BalancerConfig(worker_urls=[url], batch=BatchConfig(batch_size=8, wait_time=0.3),
+                             health=HealthConfig(interval=0.05, timeout=2))
+        client = await aiohttp_client(make_app(cfg))
+        while (await (await client.get("/health")).json())["healthy_workers"] != 1:
+            await asyncio.sleep(0.02)
+        base = str(client.make_url("")).rstrip("/")
+        async with aiohttp.ClientSession() as s:
+            expected = (await _raw_post(s, base + "/v1/completions", orjson.dumps(GOOD)))[1]["choices"][0]["text"]
+        for poison, status in POISONS:
+            goods, bad = await _poison_round(base, poison)
+            _check_round(goods, bad, status, expected)
+        stats = await (await client.get("/stats")).json()
+        assert stats["redispatched_requests"] == 0 and stats["split_batches"] == 0
+        assert stats["workers"][0]["errors"] == 0 and stats["workers"][0]["status"] in ("idle", "busy")
+        assert stats["centralized_batching"]["avg_batch_size"] > 1     # the poisons really shared batches
+
+
+async def test_a_poison_request_fails_alone_through_a_front_process():
+    async with real_worker() as url, balancer_with_fronts([url], processes=2,
+                                                          batch=BatchConfig(batch_size=8, wait_time=0.3)) as base:
+        async with aiohttp.ClientSession() as s:
+            expected = (await _raw_post(s, base + "/v1/completions", orjson.dumps(GOOD)))[1]["choices"][0]["text"]
+        for poison, status in POISONS[:2] + POISONS[6:7]:
+            for _ in range(2):       # connections spread over both processes
+                goods, bad = await _poison_round(base, poison)
+                _check_round(goods, bad, status, expected)
+        async with aiohttp.ClientSession() as s, s.get(base + "/stats") as r:
+            stats = await r.json()
+        assert stats["redispatched_requests"] == 0 and stats["workers"][0]["errors"] == 0
+        assert all(p["requests"] > 0 for p in stats["http_processes"])
+
+
+def rejecting_worker(seen: list):
+    """A fake worker whose batch parser disagrees with the balancer's: a batch holding "poison" anywhere is
+    rejected whole (400), as a worker with a stricter parser would; otherwise every row is answered."""
+    async def health(request):
+        return web.json_response({"status": "ready", "busy": False, "seconds_since_last_step": 0.0})
+
+    async def batch(request):
+        raw = await request.read()
+        items = orjson.loads(raw)["requests"]
+        seen.append(len(items))
+        if b"poison" in raw:
+            return web.json_response({"error": {"message": "poison refused", "type": "invalid_request_error",
+                                                "param": "x", "code": None}}, status=400)
+        lines = [orjson.dumps({"id": it["id"], "event": "response", "end": True, "data": {
+            "choices": [{"index": 0, "text": "ok", "finish_reason": "length"}]}}) for it in items]
+        return web.Response(body=b"\n".join(lines) + b"\n", content_type="application/x-ndjson")
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_post("/worker/batch", batch)
+    return app
+
+
+async def test_a_whole_batch_rejection_is_split_not_failed(aiohttp_client):
+    seen = []
+    async with workers(rejecting_worker(seen)) as urls:
+        cfg = BalancerConfig(worker_urls=urls, batch=BatchConfig(batch_size=8, wait_time=0.2, max_retries=0),
+                             health=HealthConfig(interval=0.05, timeout=2))
+        client = await aiohttp_client(make_app(cfg))
+        while (await (await client.get("/health")).json())["healthy_workers"] != 1:
+            await asyncio.sleep(0.02)
+        rs = await asyncio.gather(*[client.post("/v1/completions", json={"prompt": "a"}) for _ in range(5)],
+                                  client.post("/v1/completions", json={"prompt": "a", "x": "poison"}))
+        assert [r.status for r in rs] == [200] * 5 + [400]
+        assert (await rs[-1].json())["error"]["message"] == "poison refused"     # the worker's own answer
+        assert seen[0] == 6 and sorted(seen[1:]) == [1] * 6                     # split, each row alone
+        stats = await (await client.get("/stats")).json()
+        assert stats["split_batches"] == 1 and stats["redispatched_requests"] == 0
+        assert stats["workers"][0]["errors"] == 0 and stats["healthy_workers"] == 1
+
+
+async def test_wrong_content_type_is_415(aiohttp_client):
+    async with workers(rejecting_worker([])) as urls:
+        client = await aiohttp_client(make_app(BalancerConfig(worker_urls=urls)))
+        r = await client.post("/v1/completions", data=b'{"prompt": "a"}', headers={"Content-Type": "text/xml"})
+        assert r.status == 415 and (await r.json())["error"]["type"] == "invalid_request_error"
+        form = aiohttp.FormData({"prompt": "a"}, default_to_multipart=True)
+        r = await client.post("/v1/chat/completions", data=form)
+        assert r.status == 415
+
+
+# ---------------------------------------------------------------- security defaults
+async def test_api_key_guards_openai_endpoints_only(aiohttp_client):
+    async with workers(rejecting_worker([])) as urls:
+        client = await aiohttp_client(make_app(BalancerConfig(worker_urls=urls, api_key="k")))
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            r = await client.post(path, json={"prompt": "a"})
+            assert r.status == 401 and (await r.json())["error"]["code"] == "invalid_api_key"
+        assert (await client.get("/v1/models")).status == 401
+        for path in ("/health", "/stats", "/worker-status", "/metrics"):     # read-only status: open
+            assert (await client.get(path)).status in (200, 503)
+
+
+async def test_worker_key_guards_batch_and_cancel(aiohttp_client):
+    client = await aiohttp_client(make_worker_app(WorkerConfig(model_path=str(TINY_LLADA), device="cpu",
+                                                                api_key="wk")))
+    for path, body in (("/worker/batch", {"requests": []}), ("/worker/cancel", {"ids": ["x"]}),
+                       ("/v1/completions", {"prompt": "a"})):
+        r = await client.post(path, json=body)
+        assert r.status == 401, path
+    r = await client.post("/worker/cancel", json={"ids": ["x"]}, headers={"Authorization": "Bearer wk"})
+    assert r.status == 200 and (await r.json()) == {"cancelled": 0}
+    assert (await client.get("/health")).status == 200 and (await client.get("/metrics")).status == 200
+
+
+def test_supervisor_locks_worker_ports_when_clients_need_a_key(tmp_path, monkeypatch):
+    from balancer.supervisor import ServeConfig, Supervisor
+    monkeypatch.setenv("DLLM_API_KEY", "client-key")
+    cfg = ServeConfig(model_path="m", cpu_workers=1, log_dir=tmp_path,
+                      balancer=BalancerConfig(worker_urls=[], api_key="client-key"))
+    sup = Supervisor(cfg)
+    key = sup.cfg.worker_api_key
+    assert key and key != "client-key" and len(key) >= 32
+    open_ = Supervisor(ServeConfig(model_path="m", cpu_workers=1, log_dir=tmp_path, balancer=BalancerConfig([])))
+    assert open_.cfg.worker_api_key is None
+    shared = Supervisor(ServeConfig(model_path="m", cpu_workers=1, log_dir=tmp_path, worker_api_key="given",
+                                    balancer=BalancerConfig(worker_urls=[], api_key="client-key")))
+    assert shared.cfg.worker_api_key == "given"
