@@ -1,15 +1,18 @@
 """The balancer: one OpenAI endpoint in front of N workers. Never imports torch.
 
-Routes: POST /v1/completions, /v1/chat/completions; GET /v1/models, /health, /stats, /worker-status, /metrics."""
+Routes: POST /v1/completions, /v1/chat/completions; GET /v1/models, /generation/algorithms (from a worker), /health,
+/stats, /worker-status, /metrics."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import gc
 import itertools
 import logging
 import os
 import secrets
 import signal
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -22,7 +25,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from balancer.batcher import BatchConfig, CentralBatcher, Pending
 from balancer.pool import HealthConfig, WorkerPool
 from balancer.stats import Window
-from common.http import MAX_BODY_BYTES, json_response, middlewares, read_body, retry_headers
+from common.http import EXIT_PORT_IN_USE, MAX_BODY_BYTES, json_response, middlewares, read_body, retry_headers
 from common.metrics import RequestMetrics
 from common.protocol import APIError, error_body, parse_request
 
@@ -44,6 +47,7 @@ class BalancerConfig:
     front_timeout: float = 10.0        # a front silent this long (no answer to pings) is killed and restarted
     api_key: str | None = None
     worker_api_key: str | None = None
+    worker_launch_ids: list[str | None] | None = None   # per worker URL: accept only the process showing this id
 
 
 class Metrics:
@@ -65,7 +69,7 @@ class BalancerState:
         self.cfg = cfg
         self.session: aiohttp.ClientSession | None = None
         headers = {"Authorization": f"Bearer {cfg.worker_api_key}"} if cfg.worker_api_key else {}
-        self.pool = WorkerPool(cfg.worker_urls, lambda: self.session, cfg.health, headers)
+        self.pool = WorkerPool(cfg.worker_urls, lambda: self.session, cfg.health, headers, cfg.worker_launch_ids)
         self.batcher = CentralBatcher(self.pool, lambda: self.session, cfg.batch, headers)
         self.metrics = Metrics()
         self.batcher.on_batch = self.metrics.batch_size.observe
@@ -76,7 +80,7 @@ class BalancerState:
         self.fronts = None                       # balancer.front.Fronts when --http-processes > 1
         self.draining = False
         self.started = time.time()
-        self._models: tuple[float, dict] | None = None
+        self._from_workers: dict[str, tuple[float, dict]] = {}   # path -> (when, a worker's answer)
         self._ids = itertools.count()
         self._id_prefix = f"{os.getpid():x}{secrets.token_hex(4)}-"    # unique across balancers sharing a worker
 
@@ -221,22 +225,26 @@ async def chat_completions(request):
 
 
 # ---------------------------------------------------------------- status endpoints
-async def models(request: web.Request) -> web.Response:
+async def from_a_worker(request: web.Request) -> web.Response:
+    """A read-only worker endpoint the balancer answers for its workers (GET /v1/models, /generation/algorithms):
+    the first healthy worker's answer, cached 30 s (every worker serves the same model)."""
     state = request.app[STATE]
+    path = request.path
     now = time.monotonic()
-    if state._models and now - state._models[0] < 30:
-        return json_response(state._models[1])
+    hit = state._from_workers.get(path)
+    if hit and now - hit[0] < 30:
+        return json_response(hit[1])
     for w in state.pool.healthy() + [w for w in state.pool.workers if not w.healthy]:
         try:
-            async with state.session.get(w.url + "/v1/models", headers=state.pool.headers,
+            async with state.session.get(w.url + path, headers=state.pool.headers,
                                          timeout=aiohttp.ClientTimeout(total=5)) as r:
                 if r.status == 200:
                     data = await r.json(content_type=None)
-                    state._models = (now, data)
+                    state._from_workers[path] = (now, data)
                     return json_response(data)
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
             continue
-    raise APIError(503, "no worker could list its model")
+    raise APIError(503, f"no worker could answer {path}")
 
 
 async def health(request: web.Request) -> web.Response:
@@ -350,7 +358,8 @@ def make_app(cfg: BalancerConfig) -> web.Application:
     app.cleanup_ctx.append(_lifecycle)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models", from_a_worker)
+    app.router.add_get("/generation/algorithms", from_a_worker)
     app.router.add_get("/health", health)
     app.router.add_get("/stats", stats)
     app.router.add_get("/worker-status", worker_status)
@@ -381,7 +390,12 @@ async def serve(cfg: BalancerConfig, stop: asyncio.Event | None = None) -> int:
     app = make_app(cfg)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
-    await start_sites(runner, cfg)
+    try:
+        await start_sites(runner, cfg)
+    except OSError as e:
+        print(f"dllm-serve balancer: cannot listen on {cfg.host}:{cfg.port}: {e.strerror or e}", file=sys.stderr)
+        await runner.cleanup()
+        return EXIT_PORT_IN_USE if e.errno == errno.EADDRINUSE else 1
     gc.freeze()      # everything set up so far lives as long as the process: keep it out of every GC pass
     log.info("balancer on http://%s:%d over %d workers (%d HTTP processes)", cfg.host, cfg.port,
              len(cfg.worker_urls), cfg.http_processes)

@@ -44,6 +44,8 @@ class Worker:
     last_health: dict = field(default_factory=dict)
     last_dispatch: float = 0.0
     dispatches: set = field(default_factory=set)                     # in-flight dispatch tasks
+    launch_id: str | None = None     # when set, only a worker whose /health shows it is ours (the supervisor's)
+    instance_id: str | None = None   # the worker process last seen on /health
 
     @property
     def status(self) -> str:
@@ -76,8 +78,11 @@ class Worker:
 
 
 class WorkerPool:
-    def __init__(self, urls: list[str], session_factory, health: HealthConfig, headers: dict | None = None):
+    def __init__(self, urls: list[str], session_factory, health: HealthConfig, headers: dict | None = None,
+                 launch_ids: list[str | None] | None = None):
         self.workers = [Worker(i, u.rstrip("/")) for i, u in enumerate(urls)]
+        for w, lid in zip(self.workers, launch_ids or ()):
+            w.launch_id = lid
         self.health = health
         self.headers = headers or {}
         self._session_factory = session_factory
@@ -144,6 +149,18 @@ class WorkerPool:
             w.down = True
 
     def _answered(self, w: Worker, data: dict, now: float) -> None:
+        if w.launch_id is not None and data.get("launch_id") != w.launch_id:
+            self._failed(w, f"another server answers on {w.url} (launch id {data.get('launch_id')!r}, not ours)",
+                         refused=True)
+            if not w.ever_ready and w.consecutive_errors == 1:
+                log.error("worker %d: another server answers on %s; it is not used", w.index, w.url)
+            return
+        inst = data.get("instance_id")
+        if inst != w.instance_id:
+            if w.instance_id is not None:
+                log.warning("worker %d (%s) is a new process (instance %s, was %s)", w.index, w.url, inst,
+                            w.instance_id)
+            w.instance_id = inst
         w.last_health = data
         status = data.get("status")
         w.draining = status == "draining"

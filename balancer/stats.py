@@ -8,6 +8,7 @@ import time
 class Window:
     def __init__(self, seconds: float = 60.0):
         self.seconds = seconds
+        self.started = time.monotonic()
         self.samples: collections.deque[tuple[float, float, int]] = collections.deque()   # (t, latency, status)
 
     def add(self, latency: float, status: int) -> None:
@@ -27,6 +28,7 @@ class Window:
 
         def pct(q: float):
             return round(lat[min(len(lat) - 1, int(q * len(lat)))], 4) if lat else None
-        return {"window_seconds": self.seconds, "requests": len(lat), "ok": ok,
-                "requests_per_second": round(len(lat) / self.seconds, 3),
+        span = min(self.seconds, max(now - self.started, 1.0))     # the first minute is not a whole minute yet
+        return {"window_seconds": round(span, 1), "requests": len(lat), "ok": ok,
+                "requests_per_second": round(len(lat) / span, 3),
                 "latency_p50": pct(0.5), "latency_p90": pct(0.9), "latency_p99": pct(0.99)}

@@ -10,6 +10,7 @@ import logging
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -20,6 +21,7 @@ import aiohttp
 from aiohttp import web
 
 from balancer.app import BalancerConfig, drain, make_app, start_sites
+from common.http import EXIT_PORT_IN_USE
 
 log = logging.getLogger("dllm.supervisor")
 
@@ -70,6 +72,7 @@ class WorkerProc:
     ready: bool = False
     ever_ready: bool = False
     started_at: float = 0.0
+    launch_id: str = field(default_factory=lambda: secrets.token_hex(8))   # this slot's workers show it on /health
 
 
 def log_tail(path: Path, n: int = 40) -> str:
@@ -142,7 +145,8 @@ class Supervisor:
         args = [sys.executable, "-m", "common.cli", "worker", "--model-path", c.model_path,
                 "--host", c.worker_host, "--port", str(w.port), *c.worker_args]
         env = dict(os.environ)
-        env.pop("DLLM_API_KEY", None)          # the clients' key (if it came from the environment) is not theirs
+        env.pop("DLLM_API_KEY", None)
+        env["DLLM_LAUNCH_ID"] = w.launch_id          # the clients' key (if it came from the environment) is not theirs
         if c.worker_api_key:
             env["DLLM_API_KEY"] = c.worker_api_key
         if w.gpu is not None:
@@ -169,12 +173,19 @@ class Supervisor:
             headers = {"Authorization": f"Bearer {self.cfg.worker_api_key}"} if self.cfg.worker_api_key else {}
             async with session.get(f"http://127.0.0.1:{w.port}/health", headers=headers,
                                    timeout=aiohttp.ClientTimeout(total=2)) as r:
-                return r.status == 200 and (await r.json(content_type=None)).get("status") == "ready"
+                data = await r.json(content_type=None)
+            if data.get("launch_id") != w.launch_id:       # another server on our port: never "ready"
+                return False
+            return r.status == 200 and data.get("status") == "ready"
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
             return False
 
     def _on_exit(self, w: WorkerProc) -> None:
         code = w.proc.returncode
+        if code == EXIT_PORT_IN_USE:
+            self.fatal = (f"worker {w.index} cannot listen on {self.cfg.worker_host}:{w.port}: address already in "
+                          f"use (another server?); choose other ports with --worker-base-port")
+            return
         now = time.monotonic()
         w.crashes = [t for t in w.crashes if now - t < self.cfg.crash_window] + [now]
         w.ready = False
@@ -193,12 +204,33 @@ class Supervisor:
             self.fatal = (f"every worker crashed {self.cfg.crash_loop} times before becoming ready; "
                           f"last lines of {w.log_path}:\n{tail}")
 
+    def taken_ports(self) -> str | None:
+        """One line naming the first port this launch needs that something else already holds, else None."""
+        c = self.cfg
+        wanted = [] if c.no_balancer else [(c.host, c.port, "the balancer's port (--port)")]
+        wanted += [(c.worker_host, w.port, f"worker {w.index}'s port (--worker-base-port {c.worker_base_port})")
+                   for w in self.workers]
+        for host, port, what in wanted:
+            try:
+                with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                    s.bind((host, port))
+            except OSError as e:
+                return f"{host}:{port}, {what}, is not free: {e.strerror or e}"
+        return None
+
     # ------------------------------------------------------------ main loop
     async def run(self, stop: asyncio.Event | None = None) -> int:
         stop = stop or asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        taken = self.taken_ports()
+        if taken:                       # before anything starts: one line, no worker, never "ready"
+            self.fatal, self.status = taken, "failed"
+            log.error("cannot start: %s", taken)
+            self.write_info()
+            return 1
         self.write_info()
         async with aiohttp.ClientSession() as session:
             next_start = time.monotonic()
@@ -227,7 +259,14 @@ class Supervisor:
                 if self.status == "initializing":
                     if ready >= min(self.cfg.min_workers, len(self.workers)) or (not self.workers and not
                                                                                   self.cfg.no_balancer):
-                        await self._start_balancer()
+                        try:
+                            await self._start_balancer()
+                        except OSError as e:
+                            self.fatal = f"the balancer cannot listen on {self.cfg.host}:{self.cfg.port}: " \
+                                         f"{e.strerror or e}"
+                            log.error("giving up: %s", self.fatal)
+                            self.status = "failed"
+                            break
                         self.status = "running"
                         self.write_info()
                         log.info("serving on %s (%d/%d workers ready)", self.base_url, ready, len(self.workers))
@@ -249,6 +288,7 @@ class Supervisor:
             return
         bcfg = self.cfg.balancer or BalancerConfig(worker_urls=[])
         bcfg.worker_urls = self.worker_urls()
+        bcfg.worker_launch_ids = [w.launch_id for w in self.workers] + [None] * len(self.cfg.extra_worker_urls)
         bcfg.host, bcfg.port = self.cfg.host, self.cfg.port
         if self.cfg.worker_api_key:
             bcfg.worker_api_key = self.cfg.worker_api_key

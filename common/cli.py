@@ -7,6 +7,8 @@ import sys
 import click
 import orjson
 
+DTYPES = ["auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"]   # checked before anything starts
+
 
 def _int_list(value: str | None) -> list[int] | None:
     if value is None:
@@ -18,6 +20,7 @@ def _int_list(value: str | None) -> list[int] | None:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.version_option(package_name="dllm-serve", prog_name="dllm-serve")
 def main() -> None:
     """dllm-serve: OpenAI-compatible serving for masked diffusion language models."""
 
@@ -29,12 +32,14 @@ _compile_option = click.option(
 
 
 @main.command()
-@click.option("--model-path", required=True, help="Checkpoint directory (config.json, weights, tokenizer).")
+@click.option("--model-path", default=None, help="Checkpoint directory or hub id (default: the built-in demo model).")
 @click.option("--prompt", help="Prompt text.")
 @click.option("--chat", is_flag=True, help="Wrap --prompt as one user message in the model's chat template.")
 @click.option("--prompt-ids", help="Prompt as comma-separated token ids (no template, no special tokens added).")
-@click.option("--gen-length", type=int, default=128, show_default=True, help="Tokens to generate.")
-@click.option("--block-length", type=int, default=32, show_default=True, help="Semi-autoregressive block size.")
+@click.option("--gen-length", type=int, default=None,
+              help="Tokens to generate (default: the checkpoint's generation_config.json max_new_tokens, else 128).")
+@click.option("--block-length", type=int, default=None,
+              help="Semi-autoregressive block size (default: 32, or gen-length when shorter).")
 @click.option("--steps", type=int, default=None, help="Denoising steps in all (default: gen-length).")
 @click.option("--algorithm", default=None, help="Generation algorithm (registry name; default: the model family's).")
 @click.option("--remasking", type=click.Choice(["low_confidence", "random"]), default="low_confidence",
@@ -48,7 +53,7 @@ _compile_option = click.option(
 @click.option("--algorithm-params", default=None, help='Algorithm-specific parameters as JSON, e.g. \'{"low_threshold": 0.3}\'.')
 @click.option("--no-early-exit", is_flag=True, help="Decode the whole canvas even after a stop token.")
 @click.option("--device", default="auto", show_default=True, help="cuda, cpu or auto.")
-@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
+@click.option("--dtype", type=click.Choice(DTYPES), default="auto",
               show_default=True, help="auto: bfloat16 on CUDA, float32 on CPU.")
 @_compile_option
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
@@ -80,6 +85,14 @@ def generate(model_path, prompt, chat, prompt_ids, gen_length, block_length, ste
         raise click.UsageError("give exactly one of --prompt or --prompt-ids (or --requests)")
     if chat and prompt is None:
         raise click.UsageError("--chat needs --prompt")
+    from common.resolve import ResolveError, resolve_model
+    from worker.models.checkpoint import default_max_new_tokens
+    try:
+        model_path = str(resolve_model(model_path))
+        gen_length = gen_length or default_max_new_tokens(model_path, 128)
+    except (ResolveError, CheckpointError) as e:
+        raise click.ClickException(str(e))
+    block_length = block_length or min(32, gen_length)
     try:
         engine = Engine.from_pretrained(model_path, device=device, dtype=dtype, compile=compile_)
     except (CheckpointError, ValueError, OSError) as e:
@@ -163,14 +176,15 @@ def _logging(level: str) -> None:
 @click.option("--max-queue", type=click.IntRange(1), default=256, show_default=True,
               help="Rows waiting beyond which requests get 429.")
 @click.option("--device", default="auto", show_default=True, help="cuda, cuda:N, cpu or auto.")
-@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16", "float16"]), default="auto",
+@click.option("--dtype", type=click.Choice(DTYPES), default="auto",
               show_default=True)
 @_compile_option
 @click.option("--default-algorithm", default=None,
               help="Algorithm for requests that name none (default: the family's: basic for LLaDA, nemotron for "
                    "Nemotron-Diffusion).")
-@click.option("--default-max-tokens", type=click.IntRange(1), default=256, show_default=True,
-              help="max_tokens when a request gives none (capped by the context left).")
+@click.option("--default-max-tokens", type=click.IntRange(1), default=None,
+              help="max_tokens when a request gives none (capped by the context left; default: the checkpoint's "
+                   "generation_config.json max_new_tokens, else 256).")
 @click.option("--default-block-length", type=click.IntRange(1), default=32, show_default=True)
 @click.option("--served-model-name", default=None, help="Model id in the API (default: the directory name).")
 @click.option("--api-key", default=None, envvar="DLLM_API_KEY", help="Require 'Authorization: Bearer KEY'.")
@@ -306,16 +320,18 @@ def _gpu_ids(gpus: int | None, gpu_ids: str | None, workers: int | None = None) 
     (CUDA_VISIBLE_DEVICES when set, as under SLURM), else 0..N-1; --workers N: CPU workers; none of them: every
     visible GPU, or one CPU worker when there is none."""
     import os
+    if gpu_ids or gpus:
+        visible = _visible_gpus()
+        if not visible:
+            raise click.BadParameter("this machine shows no GPU (CUDA_VISIBLE_DEVICES unset or empty, no nvidia-smi "
+                                     "GPU); use --workers N for CPU workers", param_hint="--gpus/--gpu-ids")
     if gpu_ids:
         return [g.strip() for g in gpu_ids.split(",") if g.strip()]
     if gpus:
-        visible = [g for g in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if g.strip()]
-        if visible:
-            if gpus > len(visible):
-                raise click.BadParameter(f"--gpus {gpus} but CUDA_VISIBLE_DEVICES lists {len(visible)}",
-                                         param_hint="--gpus")
-            return visible[:gpus]
-        return [str(i) for i in range(gpus)]
+        if gpus > len(visible):
+            source = "CUDA_VISIBLE_DEVICES lists" if os.environ.get("CUDA_VISIBLE_DEVICES") else "nvidia-smi shows"
+            raise click.BadParameter(f"--gpus {gpus} but {source} {len(visible)}", param_hint="--gpus")
+        return visible[:gpus]
     if workers is None:
         return _visible_gpus() or None
     return None
@@ -344,8 +360,14 @@ def _serve_options(f):
                      help="Balancer batch wait time in seconds."),
         click.option("--default-algorithm", default=None, help="Default generation algorithm (default: the "
                      "model family's)."),
-        click.option("--default-max-tokens", type=click.IntRange(1), default=256, show_default=True),
-        click.option("--dtype", default="auto", show_default=True),
+        click.option("--default-max-tokens", type=click.IntRange(1), default=None,
+                     help="max_tokens when a request gives none (default: the checkpoint's generation_config.json "
+                          "max_new_tokens, else 256)."),
+        click.option("--dtype", type=click.Choice(DTYPES), default="auto",
+                     show_default=True, help="auto: bfloat16 on a GPU, float32 on the CPU."),
+        click.option("--served-model-name", default=None,
+                     help="Model id in the API (default: the checkpoint directory's name; with --dcp-path, the DCP "
+                          "directory's name)."),
         _compile_option,
         _http_processes_option,
         _front_timeout_option,
@@ -354,7 +376,8 @@ def _serve_options(f):
                           "get a generated key of their own unless --worker-api-key is given."),
         click.option("--worker-api-key", default=None, envvar="DLLM_WORKER_API_KEY",
                      help="Key between balancer and workers (generated per SLURM job)."),
-        click.option("--log-dir", default="logs", show_default=True, type=click.Path(file_okay=False)),
+        click.option("--log-dir", default=None, type=click.Path(file_okay=False),
+                     help="Worker logs (default: logs/port-PORT, so two servers from one checkout never share one)."),
         click.option("--server-info-file", default=None, type=click.Path(dir_okay=False),
                      help='KEY="VAL" file eval jobs wait on (SERVER_STATUS=running).'),
         click.option("--stagger", type=click.FloatRange(0), default=2.0, show_default=True,
@@ -380,7 +403,8 @@ def _serve_options(f):
 @main.command()
 @_serve_options
 def serve(local, model_path, dcp_path, base_model, gpus, gpu_ids, workers, host, port, worker_host,
-          worker_base_port, batch_size, max_wait_time, default_algorithm, default_max_tokens, dtype, compile_,
+          worker_base_port, batch_size, max_wait_time, default_algorithm, default_max_tokens, dtype, served_model_name,
+          compile_,
           http_processes, front_timeout, api_key,
           worker_api_key, log_dir, server_info_file, stagger, min_workers, startup_timeout, request_timeout,
           stall_timeout, health_check_interval, drain_timeout, extra_worker_urls, no_balancer, slurm_script,
@@ -408,7 +432,10 @@ def serve(local, model_path, dcp_path, base_model, gpus, gpu_ids, workers, host,
     workers = workers or 1
     worker_args = ["--batch-size", str(batch_size * 2), "--max-wait-time", "0",
                    *(["--default-algorithm", default_algorithm] if default_algorithm else []),
-                   "--default-max-tokens", str(default_max_tokens), "--dtype", dtype,
+                   *(["--default-max-tokens", str(default_max_tokens)] if default_max_tokens else []),
+                   "--dtype", dtype,
+                   "--served-model-name", served_model_name or (Path(dcp_path).resolve().name if dcp_path else
+                                                                Path(resolved).name),
                    *(["--compile"] if compile_ else []),
                    "--request-timeout", str(request_timeout), "--drain-timeout", str(drain_timeout),
                    "--max-queue", str(max(1024, batch_size * 8)), "--log-level", log_level]
@@ -420,11 +447,11 @@ def serve(local, model_path, dcp_path, base_model, gpus, gpu_ids, workers, host,
                       worker_host=worker_host, worker_base_port=worker_base_port, worker_args=worker_args,
                       worker_api_key=worker_api_key, balancer=bcfg,
                       extra_worker_urls=[u for u in (extra_worker_urls or "").split(",") if u],
-                      no_balancer=no_balancer, log_dir=Path(log_dir),
+                      no_balancer=no_balancer, log_dir=Path(log_dir or f"logs/port-{port}"),
                       server_info_file=Path(server_info_file) if server_info_file else None, stagger=stagger,
                       min_workers=min_workers, startup_timeout=startup_timeout)
     click.echo(f"dllm-serve: model {resolved}; {len(ids) if ids else workers} "
-               f"{'GPU' if ids else 'CPU'} worker(s); balancer on http://{host}:{port}; logs in {log_dir}/",
+               f"{'GPU' if ids else 'CPU'} worker(s); balancer on http://{host}:{port}; logs in {cfg.log_dir}/",
                err=True)
     sys.exit(run(cfg))
 

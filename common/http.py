@@ -14,6 +14,7 @@ from common.protocol import APIError, error_body
 log = logging.getLogger("dllm.http")
 
 
+EXIT_PORT_IN_USE = 98                  # a server's exit code when its port is taken (the supervisor gives up)
 MAX_BODY_BYTES = 64 * 1024 ** 2        # one client request (balancer, fronts, worker /v1); larger: 413
 MAX_BATCH_BYTES = 4 * MAX_BODY_BYTES   # one /worker/batch body; the balancer never forms a larger one
 

@@ -41,6 +41,10 @@ def _ago(v) -> str:
     return "-" if v is None else f"{v:.1f}s"
 
 
+def _secs(v) -> str:
+    return "-" if v is None else f"{v}s"
+
+
 def render(data: dict, url: str):
     if "error" in data:
         return Text(data["error"], style="bold red")
@@ -59,14 +63,14 @@ def render(data: dict, url: str):
         t.add_row(str(w["worker_id"]), w["url"], Text(w["status"], style=COLOURS.get(w["status"], "")),
                   str(w["in_flight"]), str(w.get("in_flight_batches", 0)), str(w["requests_served"]),
                   str(w["errors"]), _ago(w.get("last_activity_seconds_ago")),
-                  _ago(h.get("seconds_since_last_step")) if h.get("busy") else "idle")
+                  _ago(h.get("seconds_since_last_step")) if h.get("busy") else "-")
     cb, lm = st["centralized_batching"], st["last_minute"]
     legend = Text("rows/batches: in flight; active: since the last event; step: since the device's last "
-                  "denoising step", style="dim")
+                  "denoising step (- while its device runs no batch)", style="dim")
     foot = Text(f"batching: max {cb['max_batch_size']}, wait {cb['max_wait_time']}s, batches "
                 f"{cb['total_batches_processed']}, avg size {cb['avg_batch_size']}  |  last minute: "
-                f"{lm['requests']} requests, {lm['requests_per_second']} req/s, p50 {lm['latency_p50']}s, "
-                f"p99 {lm['latency_p99']}s  |  re-dispatched {st.get('redispatched_requests', 0)}")
+                f"{lm['requests']} requests, {lm['requests_per_second']} req/s, p50 {_secs(lm['latency_p50'])}, "
+                f"p99 {_secs(lm['latency_p99'])}  |  re-dispatched {st.get('redispatched_requests', 0)}")
     return Group(head, t, foot, legend)
 
 

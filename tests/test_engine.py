@@ -157,4 +157,4 @@ def test_cli_generate_chat_and_errors():
     res = runner.invoke(cli, ["generate", "--model-path", str(TINY_LLADA), "--prompt-ids", "1,2", "--steps", "0"])
     assert res.exit_code != 0 and "steps" in res.output
     res = runner.invoke(cli, ["generate", "--model-path", "/nonexistent", "--prompt", "x"])
-    assert res.exit_code != 0 and "not a directory" in res.output
+    assert res.exit_code != 0 and "no such directory" in res.output

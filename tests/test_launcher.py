@@ -8,6 +8,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import click
 import psutil
 import pytest
 from aiohttp import web
@@ -59,11 +60,19 @@ def test_gpu_ids(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1,3")
     assert _gpu_ids(None, None) == ["1", "3"]      # every visible GPU by default
     assert _gpu_ids(None, None, workers=2) is None  # --workers asks for CPU workers
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    assert _gpu_ids(3, None) == ["0", "1", "2"]
-    assert _gpu_ids(None, "0,2,4") == ["0", "2", "4"]
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")      # e.g. set by SLURM for the job
     assert _gpu_ids(2, None) == ["4", "5"]
+    with pytest.raises(click.BadParameter, match="--gpus 5 but CUDA_VISIBLE_DEVICES lists 4"):
+        _gpu_ids(5, None)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    monkeypatch.setattr("shutil.which", lambda name: None)    # no nvidia-smi: no GPU, checked before launch
+    for gpus, ids in ((2, None), (None, "0,1")):
+        with pytest.raises(click.BadParameter, match="shows no GPU"):
+            _gpu_ids(gpus, ids)
+    r = CliRunner().invoke(cli, ["serve", "--local", "--gpus", "2"])
+    assert r.exit_code == 2 and "shows no GPU" in r.output and "Traceback" not in r.output
+    r = CliRunner().invoke(cli, ["serve", "--local", "--dtype", "half"])
+    assert r.exit_code == 2 and "'half' is not one of" in r.output
 
 
 # ---------------------------------------------------------------- DCP
@@ -258,3 +267,36 @@ def test_serve_reports_a_crash_loop_and_gives_up(tmp_path):
     assert r.returncode == 1
     assert "crash loop" in r.stderr and "truncated" in r.stderr     # the worker's own log tail is shown
     assert _info(info)["SERVER_STATUS"] == '"failed"' and "SERVER_ERROR" in _info(info)
+
+
+def test_status_table_before_traffic_and_between_batches():
+    from rich.console import Console
+
+    from common.status import render
+    ws = {"healthy_workers": 1, "total_workers": 1, "system_status": "normal",
+          "workers": [{"worker_id": 0, "url": "http://w0", "status": "busy", "in_flight": 4, "in_flight_batches": 1,
+                       "requests_served": 0, "errors": 0, "last_activity_seconds_ago": None,
+                       "worker_health": {"busy": False, "seconds_since_last_step": 0.2}}]}
+    stats = {"queue_depth": 0, "in_flight": 4, "centralized_batching": {
+        "max_batch_size": 16, "max_wait_time": 0.02, "total_batches_processed": 0, "avg_batch_size": 0.0},
+        "last_minute": {"requests": 0, "requests_per_second": 0.0, "latency_p50": None, "latency_p99": None}}
+    console = Console(width=200, record=True)
+    console.print(render({"worker_status": ws, "stats": stats}, "http://x"))
+    text = console.export_text()
+    assert "p50 -," in text and "None" not in text
+    row = next(line for line in text.splitlines() if "http://w0" in line)
+    assert "busy" in row and "idle" not in row          # the step column never says idle for a busy worker
+
+
+def test_last_minute_rate_in_the_first_minute(monkeypatch):
+    from balancer import stats
+    now = [1000.0]
+    monkeypatch.setattr(stats.time, "monotonic", lambda: now[0])
+    w = stats.Window(60.0)
+    now[0] += 10
+    for _ in range(20):
+        w.add(0.1, 200)
+    assert w.summary()["requests_per_second"] == 2.0        # 20 requests in the first 10 s, not 20/60
+    now[0] += 100
+    w.add(0.1, 200)
+    assert w.summary()["requests_per_second"] == round(1 / 60, 3)

@@ -5,9 +5,13 @@ GET /health, /v1/models, /batch/stats, /generation/algorithms, /metrics."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import gc
 import logging
+import os
+import secrets
 import signal
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -16,7 +20,8 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from common.http import MAX_BATCH_BYTES, MAX_BODY_BYTES, json_response, middlewares, read_body
+from common.http import (EXIT_PORT_IN_USE, MAX_BATCH_BYTES, MAX_BODY_BYTES, json_response, middlewares,
+                         read_body)
 from common.metrics import RequestMetrics
 from common.protocol import MAX_DEPTH, APIError, error_body, loads
 
@@ -35,7 +40,7 @@ class WorkerConfig:
     dtype: str = "auto"
     compile: bool = False                    # torch.compile the dense half of each block (eager fallback)
     default_algorithm: str | None = None     # None: the model family's default
-    default_max_tokens: int = 256
+    default_max_tokens: int | None = None    # None: the checkpoint's generation_config.json max_new_tokens, else 256
     default_block_length: int = 32
     served_model_name: str | None = None
     api_key: str | None = None
@@ -75,6 +80,8 @@ class WorkerState:
     active: int = 0                              # requests being answered
     error: str | None = None
     metrics: Metrics | None = None
+    instance_id: str = field(default_factory=lambda: secrets.token_hex(8))      # this process, on /health
+    launch_id: str | None = field(default_factory=lambda: os.environ.get("DLLM_LAUNCH_ID") or None)
 
     @property
     def model_name(self) -> str:
@@ -294,6 +301,8 @@ async def health(request: web.Request) -> web.Response:
         "family": e.family if e else None,
         "device": str(e.device) if e else state.config.device,
         "uptime_seconds": round(time.time() - state.started, 1),
+        "instance_id": state.instance_id,
+        "launch_id": state.launch_id,
     }
     if state.error:
         data["error"] = state.error
@@ -363,6 +372,9 @@ async def _load(app: web.Application) -> None:
                 None, lambda: Engine.from_pretrained(c.model_path, device=c.device, dtype=c.dtype,
                                                       compile=c.compile))
         from worker.models import DEFAULT_ALGORITHM
+        from worker.models.checkpoint import default_max_new_tokens
+        if c.default_max_tokens is None:
+            c.default_max_tokens = default_max_new_tokens(c.model_path, 256)
         if c.default_algorithm is None:
             c.default_algorithm = DEFAULT_ALGORITHM.get(engine.family, "basic")
         engine.plan([1], GenerationParams(algorithm=c.default_algorithm))
@@ -418,7 +430,12 @@ async def serve(config: WorkerConfig) -> int:
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port, reuse_address=True)
-    await site.start()
+    try:
+        await site.start()
+    except OSError as e:
+        print(f"dllm-serve worker: cannot listen on {config.host}:{config.port}: {e.strerror or e}", file=sys.stderr)
+        await runner.cleanup()
+        return EXIT_PORT_IN_USE if e.errno == errno.EADDRINUSE else 1
     log.info("worker listening on http://%s:%d (model %s)", config.host, config.port, config.model_path)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

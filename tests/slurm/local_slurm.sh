@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # A throwaway single-node SLURM cluster for tests (Debian's slurmctld, slurmd, munge), all state under DIR.
+#   tests/slurm/local_slurm.sh installed        # exit 0 when the packages are there (installs nothing)
 #   tests/slurm/local_slurm.sh install          # apt-get the packages if missing (root)
 #   tests/slurm/local_slurm.sh start DIR        # then: export SLURM_CONF=DIR/slurm.conf
 #   tests/slurm/local_slurm.sh stop DIR
@@ -7,6 +8,10 @@
 set -euo pipefail
 cmd=$1
 case "$cmd" in
+installed)
+    command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v munged >/dev/null \
+        && command -v sbatch >/dev/null
+    ;;
 install)
     if command -v slurmctld >/dev/null && command -v slurmd >/dev/null && command -v munged >/dev/null \
         && command -v sbatch >/dev/null; then exit 0; fi
@@ -68,6 +73,12 @@ CONF
     ;;
 stop)
     dir=$(realpath -m "$2")
+    if [ -f "$dir/slurm.conf" ]; then          # cancel every job first, so no slurmstepd outlives the daemons
+        export SLURM_CONF=$dir/slurm.conf
+        jobs=$(timeout 10 squeue -h -o %i 2>/dev/null || true)
+        [ -n "$jobs" ] && timeout 10 scancel $jobs 2>/dev/null || true
+        for _ in $(seq 1 40); do [ -z "$(timeout 5 squeue -h -o %i 2>/dev/null)" ] && break; sleep 0.25; done
+    fi
     for pidf in "$dir/slurmd.pid" "$dir/slurmctld.pid" "$dir/munge/munged.pid"; do
         [ -f "$pidf" ] && kill "$(cat "$pidf")" 2>/dev/null || true
     done

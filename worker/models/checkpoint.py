@@ -40,6 +40,22 @@ def read_config(path: str | os.PathLike) -> dict:
         return json.load(f)
 
 
+def generation_defaults(path: str | os.PathLike) -> dict:
+    """The checkpoint's own generation defaults (``generation_config.json``, as Hugging Face writes it), or {}.
+    Used: ``max_new_tokens``, the default length when a request or command gives none."""
+    f = Path(path) / "generation_config.json"
+    try:
+        data = json.loads(f.read_text()) if f.is_file() else {}
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{f}: {e}")
+    return data if isinstance(data, dict) else {}
+
+
+def default_max_new_tokens(path: str | os.PathLike, fallback: int) -> int:
+    n = generation_defaults(path).get("max_new_tokens")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else fallback
+
+
 def weight_files(path: str | os.PathLike) -> list[Path]:
     """The weight files of a checkpoint directory, in a stable order."""
     path = Path(path)

@@ -1,0 +1,161 @@
+"""A newcomer's first ten minutes (issue 15): taken ports fail at once in one line and never report ready; only the
+worker a supervisor started counts as its worker; concurrent first runs share one .venv build; the Python scripts
+run with the project's .venv whatever python3 starts them; the balancer answers /generation/algorithms."""
+import asyncio
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from balancer.app import BalancerConfig, make_app
+from balancer.pool import HealthConfig
+from tests.fakes import workers
+from tests.helpers import DLLM, ROOT, free_port
+
+
+def _listener() -> socket.socket:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen()
+    return s
+
+
+@pytest.mark.parametrize("which", ["worker", "balancer"])
+def test_serve_on_a_taken_port_fails_at_once_in_one_line(tmp_path, which):
+    taken = _listener()
+    port = taken.getsockname()[1]
+    args = ["--port", str(port), "--worker-base-port", str(free_port())] if which == "balancer" else \
+        ["--port", str(free_port()), "--worker-base-port", str(port)]
+    info = tmp_path / "server.env"
+    t0 = time.monotonic()
+    r = subprocess.run([*DLLM, "serve", "--local", *args, "--server-info-file", str(info), "--log-dir",
+                        str(tmp_path / "logs")], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    took = time.monotonic() - t0
+    taken.close()
+    assert r.returncode == 1, r.stderr
+    errors = [line for line in r.stderr.splitlines() if "ERROR" in line or "Error" in line]
+    assert len(errors) == 1 and f"127.0.0.1:{port}" in errors[0] and "is not free" in errors[0], r.stderr
+    assert "Traceback" not in r.stderr and not re.search(r"\bready\b", r.stderr)
+    assert 'SERVER_STATUS="failed"' in info.read_text() and "SERVER_ERROR" in info.read_text()
+    assert not (tmp_path / "logs").exists() or not any((tmp_path / "logs").iterdir())    # no worker started
+    assert took < 10          # the launch fails before anything starts (about 1 s here: the CLI's imports)
+
+
+@pytest.mark.parametrize("command", ["worker", "balancer"])
+def test_a_server_on_a_taken_port_exits_98_in_one_line(command):
+    taken = _listener()
+    port = taken.getsockname()[1]
+    args = (["worker", "--model-path", str(ROOT / "tests" / "fixtures" / "tiny-llada"), "--device", "cpu"]
+            if command == "worker" else ["balancer", "--worker-urls", "http://127.0.0.1:9"])
+    r = subprocess.run([*DLLM, *args, "--port", str(port)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    taken.close()
+    assert r.returncode == 98, r.stderr
+    assert f"cannot listen on 127.0.0.1:{port}" in r.stderr and "Traceback" not in r.stderr
+
+
+def impostor(launch_id):
+    async def health(request):
+        return web.json_response({"status": "ready", "busy": False, "seconds_since_last_step": 0.0,
+                                  "instance_id": "x", "launch_id": launch_id})
+    app = web.Application()
+    app.router.add_get("/health", health)
+    return app
+
+
+async def test_the_balancer_uses_only_the_workers_it_was_given(aiohttp_client):
+    async with workers(impostor("theirs"), impostor("ours")) as urls:
+        cfg = BalancerConfig(worker_urls=urls, worker_launch_ids=["ours", "ours"],
+                             health=HealthConfig(interval=0.05, timeout=1))
+        client = await aiohttp_client(make_app(cfg))
+        await asyncio.sleep(0.5)
+        ws = await (await client.get("/worker-status")).json()
+        assert [w["status"] for w in ws["workers"]] == ["starting", "idle"]
+        assert ws["healthy_workers"] == 1
+
+
+async def test_the_supervisor_calls_ready_only_its_own_worker(tmp_path):
+    import aiohttp
+
+    from balancer.supervisor import ServeConfig, Supervisor, WorkerProc
+    async with workers(impostor("someone-else")) as urls:
+        port = int(urls[0].rsplit(":", 1)[1])
+        sup = Supervisor(ServeConfig(model_path="m", cpu_workers=1, log_dir=tmp_path))
+        w = WorkerProc(0, port, None, tmp_path / "w.log")
+        async with aiohttp.ClientSession() as s:
+            assert not await sup._probe(s, w)
+            w.launch_id = "someone-else"
+            assert await sup._probe(s, w)
+
+
+async def test_generation_algorithms_through_the_balancer(aiohttp_client):
+    async def algorithms(request):
+        return web.json_response({"family": "llada", "algorithms": [{"name": "basic"}]})
+
+    async def health(request):
+        return web.json_response({"status": "ready", "busy": False, "seconds_since_last_step": 0.0})
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/generation/algorithms", algorithms)
+    async with workers(app) as urls:
+        client = await aiohttp_client(make_app(BalancerConfig(worker_urls=urls,
+                                                              health=HealthConfig(interval=0.05, timeout=1))))
+        await asyncio.sleep(0.2)
+        r = await client.get("/generation/algorithms")
+        assert r.status == 200 and (await r.json())["algorithms"][0]["name"] == "basic"
+
+
+def test_concurrent_first_runs_build_the_venv_once(tmp_path):
+    """Two setup_venv.sh runs at once on a fresh checkout (python3 and pip are fakes that log and take a second):
+    one builds, the other waits on the lock and then finds .venv current."""
+    proj = tmp_path / "proj"
+    (proj / "scripts").mkdir(parents=True)
+    (proj / "scripts" / "setup_venv.sh").write_text((ROOT / "scripts" / "setup_venv.sh").read_text())
+    (proj / "pyproject.toml").write_text("[project]\nname = 'x'\n")
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    log = tmp_path / "calls.log"
+    fake_python = f"""#!/bin/sh
+echo "start $*" >> {log}; sleep 1; echo "end $*" >> {log}
+"""
+    (bin_ / "python3").write_text(f"""#!/bin/sh
+# python3 -m venv .venv: make a .venv whose python is a fake that logs its pip calls
+mkdir -p .venv/bin
+cat > .venv/bin/python <<'PY'
+{fake_python}PY
+chmod +x .venv/bin/python
+echo "venv" >> {log}
+""")
+    (bin_ / "python3").chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_}:{os.environ['PATH']}")
+    procs = [subprocess.Popen(["bash", str(proj / "scripts" / "setup_venv.sh")], env=env, stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=60)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    calls = log.read_text().splitlines()
+    assert calls.count("venv") == 1, calls                           # built once
+    starts = [i for i, c in enumerate(calls) if c.startswith("start")]
+    ends = [i for i, c in enumerate(calls) if c.startswith("end")]
+    assert len(starts) == 3 and all(e == s + 1 for s, e in zip(starts, ends)), calls   # pip runs never overlap
+    assert any("waiting for another setup" in o for o in outs)
+
+
+def test_scripts_run_with_the_project_venv_from_any_python(tmp_path):
+    """scripts/check_worker_status.py started by a python3 without the project's packages still runs (exit 2:
+    unreachable, not 1 from an ImportError)."""
+    bare = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True)
+    r = subprocess.run([str(bare / "bin" / "python3"), str(ROOT / "scripts" / "check_worker_status.py"), "--url",
+                        "http://127.0.0.1:9", "--json"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "unreachable" in r.stdout, r.stdout + r.stderr
+
+
+def test_version():
+    r = subprocess.run([*DLLM, "--version"], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.startswith("dllm-serve, version ")
+    assert Path(ROOT / "pyproject.toml").read_text().count(r.stdout.split()[-1]) >= 1
