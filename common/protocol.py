@@ -3,7 +3,8 @@ stream-chunk builders, and the OpenAI error body. No torch.
 
 Field policy (documented in docs/api.md):
 - honoured: model, prompt/messages, max_tokens, max_completion_tokens, temperature, stop, seed, stream,
-  stream_options.include_usage, n (=1), user, ignore_eos, and the diffusion fields;
+  stream_options.include_usage, n (1 to MAX_N), user, ignore_eos, and the diffusion fields;
+- null is accepted for every field, as OpenAI accepts it, and means the field's default;
 - accepted only at their neutral value, else a 400 naming the field: top_p (1), frequency_penalty (0),
   presence_penalty (0), logprobs (null/false), top_logprobs (null/0), echo (false), best_of (1), logit_bias (empty),
   suffix (null), tools/functions (none), response_format ({"type": "text"});
@@ -59,6 +60,10 @@ NEUTRAL_ONLY = {
 }
 
 
+MAX_N = 128                  # choices per prompt (n)
+MAX_ROWS = 1024              # prompts x n in one request
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool = False
@@ -89,15 +94,8 @@ class CommonFields(DiffusionFields):
     seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1)
+    n: int = Field(1, ge=1, le=MAX_N)
     user: str | None = Field(None, max_length=512)
-
-    @field_validator("n")
-    @classmethod
-    def _n_is_one(cls, v: int) -> int:
-        if v != 1:
-            raise ValueError("only n=1 is supported (send several requests, or a list of prompts, instead)")
-        return v
 
     @field_validator("stop")
     @classmethod
@@ -113,6 +111,8 @@ class CommonFields(DiffusionFields):
     @classmethod
     def _neutral_only(cls, data):
         if isinstance(data, dict):
+            if None in data.values():          # null means "the default", as in OpenAI's API
+                data = {k: v for k, v in data.items() if v is not None}
             for name, (ok, accepted) in NEUTRAL_ONLY.items():
                 if name in data and not ok(data[name]):
                     raise ValueError(f"{name} is not supported by this server (accepted: {accepted})")

@@ -97,7 +97,7 @@ def corpus(kind: str) -> list[tuple[bytes, str, int]]:
         (j(x_extra=Raw("NaN")), 400), (j(x_extra=Raw("Infinity")), 400), (j(x_extra=Raw("1e400")), 400),
         (j(max_tokens=10 ** 9), 400), (j(max_tokens=-1), 400), (j(max_tokens=Raw("NaN")), 400),
         (j(temperature=Raw("-Infinity")), 400), (j(x=Raw('"\\ud800"')), 400), (j(seed=2 ** 64), 400),
-        (j(n=2), 400), (j(top_p=0.5), 400), (j(stream="yes"), 400), (j(model="another-model"), 404),
+        (j(n=0), 400), (j(n=10 ** 9), 400), (j(top_p=0.5), 400), (j(stream="yes"), 400), (j(model="another-model"), 404),
         (j(generation_algorithm="warp"), 400), (j(steps=0), 400), (j(block_length=2 ** 40), 400),
         (j(stop=[""] * 20), 400), (j(**{key: []}), 400), (j(**{key: None}), 400),
         (b"", 400), (b"null", 400), (b"[]", 400), (b"{", 400), (b"\xef\xbb\xbf" + j(), 400), (b"\xff\xfe", 400),

@@ -7,7 +7,8 @@ from common.protocol import APIError, parse_request
 @pytest.mark.parametrize("body, param", [
     ({"prompt": "x", "top_p": 0.5}, "top_p"),
     ({"prompt": "x", "logprobs": 3}, "logprobs"),
-    ({"prompt": "x", "n": 2}, "n"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "n": 129}, "n"),
     ({"prompt": 5}, "prompt"),
     ({"prompt": []}, "prompt"),
     ({"prompt": [[]]}, "prompt"),

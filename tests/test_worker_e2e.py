@@ -62,6 +62,37 @@ def test_token_id_prompts(client):
     assert single.choices[0].model_extra["token_ids"] == r.choices[0].model_extra["token_ids"]
 
 
+def test_n_choices_are_rows_with_derived_seeds(client):
+    kw = dict(model="tiny-llada", max_tokens=8, temperature=1.0, seed=5,
+              extra_body={"block_length": 8, "ignore_eos": True, "return_token_ids": True})
+    r = client.completions.create(prompt=[[1, 2, 3], [4, 5]], n=3, **kw)
+    assert [c.index for c in r.choices] == list(range(6))
+    assert r.usage.prompt_tokens == 5 and r.usage.completion_tokens == 6 * 8     # prompts counted once each
+    ids = [c.model_extra["token_ids"] for c in r.choices]
+    assert len({tuple(x) for x in ids[:3]}) > 1                                 # sampled choices differ
+    for i, prompt in enumerate(([1, 2, 3], [4, 5])):                           # choice j = the same request, seed + j
+        for j in range(3):
+            one = client.completions.create(prompt=prompt, **{**kw, "seed": 5 + j})
+            assert one.choices[0].model_extra["token_ids"] == ids[i * 3 + j]
+    chunks = list(client.completions.create(prompt=[1, 2, 3], n=2, stream=True, **kw))
+    assert {c.choices[0].index for c in chunks if c.choices} == {0, 1}
+
+
+def test_no_max_tokens_never_fails_and_null_is_the_default(client):
+    """No max_tokens: the longest generation that fits in whole blocks (here 64 tokens of context left, blocks of
+    48: one block); null fields mean their defaults."""
+    r = client.completions.create(model="tiny-llada", prompt=[5] * (4096 - 64),
+                                  extra_body={"block_length": 48, "ignore_eos": True})
+    assert r.usage.completion_tokens == 48 and r.choices[0].finish_reason == "length"
+    r = client.completions.create(model="tiny-llada", prompt=[5] * (4096 - 20),
+                                  extra_body={"block_length": 48, "ignore_eos": True})
+    assert r.usage.completion_tokens == 20              # less than a block left: one shorter block
+    status, body = post_json(client.base_url.__str__().rstrip("/") + "/completions",
+                             {"prompt": [1, 2], "max_tokens": 4, "n": None, "stream": None, "stop": None,
+                              "seed": None, "temperature": None, "ignore_eos": None})
+    assert status == 200 and len(body["choices"]) == 1, body
+
+
 def test_streaming_matches_non_streaming(client):
     kw = dict(model="tiny-llada", prompt=[7, 8, 9], max_tokens=32, extra_body={"block_length": 8, "ignore_eos": True})
     full = client.completions.create(**kw).choices[0].text
@@ -94,7 +125,7 @@ def test_stop_strings(client):
 
 @pytest.mark.parametrize("kw, exc, param", [
     (dict(max_tokens=5, extra_body={"steps": 0}), openai.BadRequestError, "steps"),
-    (dict(max_tokens=5, n=2), openai.BadRequestError, "n"),
+    (dict(max_tokens=5, n=0), openai.BadRequestError, "n"),
     (dict(max_tokens=5, top_p=0.3), openai.BadRequestError, "top_p"),
     (dict(max_tokens=5000), openai.BadRequestError, "max_tokens"),
     (dict(max_tokens=5, extra_body={"generation_algorithm": "nope"}), openai.BadRequestError, "generation_algorithm"),

@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from common.protocol import (APIError, ChatCompletionRequest, CompletionRequest, chunk, completion_choice, new_id,
+from common.protocol import (MAX_ROWS, APIError, ChatCompletionRequest, CompletionRequest, chunk, completion_choice, new_id,
                              parse_request, response, usage, usage_chunk)
 from worker.batcher import Batcher, Job
 from worker.engine import Engine, GenerationParams, ParamError
@@ -27,7 +27,7 @@ class Defaults:
 class Prepared:
     kind: str                       # "chat" | "completion"
     req: CompletionRequest | ChatCompletionRequest
-    prompts: list[list[int]]
+    prompts: list[list[int]]        # one per choice: each prompt repeated n times (choice index = prompt * n + j)
     params: list[GenerationParams]
     rid: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
@@ -69,7 +69,16 @@ class Serving:
                 if not ids:
                     raise APIError(400, "prompt: the prompt encodes to no tokens", param="prompt")
                 prompts.append(ids)
-        params = [self._params(req, ids) for ids in prompts]
+        n = req.n
+        if len(prompts) * n > MAX_ROWS:
+            raise APIError(400, f"{len(prompts)} prompts x n={n} is more than {MAX_ROWS} choices in one request",
+                           param="n")
+        params = []
+        for ids in prompts:
+            p = self._params(req, ids)
+            # choice j of a seeded request uses seed + j: reproducible, and distinct when sampling
+            params += [p if j == 0 or p.seed is None else replace(p, seed=(p.seed + j) % (1 << 63)) for j in range(n)]
+        prompts = [ids for ids in prompts for _ in range(n)]
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         return Prepared(kind, req, prompts, params, rid=new_id(prefix))
 
@@ -77,13 +86,18 @@ class Serving:
         d = self.defaults
         limit = self.engine.max_sequence_length - len(ids)
         max_new = req.max_new_tokens
+        block = req.block_length or d.block_length
         if max_new is None:
             if limit < 1:
                 raise APIError(400, f"the prompt ({len(ids)} tokens) fills the model's context "
                                     f"({self.engine.max_sequence_length} tokens)", param="messages" if isinstance(
                                         req, ChatCompletionRequest) else "prompt")
+            # the default: as long as allowed and whole blocks that fit the context (a shorter single block when
+            # not even one full block fits), never a length the context cannot hold
             max_new = min(d.max_tokens, limit)
-        block = req.block_length or d.block_length
+            b = min(block, max_new)
+            if -(-max_new // b) * b > limit:
+                max_new = (limit // b) * b
         p = GenerationParams(
             gen_length=max_new, block_length=min(block, max_new), steps=req.steps,
             algorithm=req.generation_algorithm or d.algorithm,
@@ -207,7 +221,7 @@ class Run:
             return
         self.finished = True
         states = self.states
-        use = usage(sum(len(p) for p in prep.prompts), sum(len(s.token_ids) for s in states))
+        use = usage(sum(len(p) for p in prep.prompts[::prep.req.n]), sum(len(s.token_ids) for s in states))
         if stream:
             if req.include_usage:
                 self.emit("chunk", usage_chunk(kind, prep.rid, name, prep.created, use), True)
