@@ -1,7 +1,7 @@
 """The balancer: one OpenAI endpoint in front of N workers. Never imports torch.
 
-Routes: POST /v1/completions, /v1/chat/completions; GET /v1/models, /generation/algorithms (from a worker), /health,
-/stats, /worker-status, /metrics."""
+Routes: POST /v1/completions, /v1/chat/completions (batched); POST /tokenize, /detokenize and GET /v1/models,
+/tokenizer_info, /generation/algorithms (answered by a worker); GET /health, /stats, /worker-status, /metrics."""
 from __future__ import annotations
 
 import asyncio
@@ -27,7 +27,7 @@ from balancer.pool import HealthConfig, WorkerPool
 from balancer.stats import Window
 from common.http import EXIT_PORT_IN_USE, MAX_BODY_BYTES, json_response, middlewares, read_body, retry_headers
 from common.metrics import RequestMetrics
-from common.protocol import APIError, error_body, parse_request
+from common.protocol import APIError, error_body, guarded_by_api_key, loads, parse_request
 
 log = logging.getLogger("dllm.balancer")
 
@@ -224,6 +224,25 @@ async def chat_completions(request):
     return await _openai(request, "chat")
 
 
+async def to_a_worker(request: web.Request) -> web.Response:
+    """POST /tokenize, /detokenize: not batched; the body (read in the one JSON language) goes to the least-loaded
+    healthy worker, whose answer is returned as it is (another worker is tried if the connection fails)."""
+    state = request.app[STATE]
+    body = await read_body(request)
+    loads(body)
+    tried = []
+    for w in sorted(state.pool.healthy(), key=lambda w: (w.inflight_rows, w.index)):
+        try:
+            async with state.session.post(w.url + request.path, data=body,
+                                          headers={**state.pool.headers, "Content-Type": "application/json"},
+                                          timeout=aiohttp.ClientTimeout(total=60)) as r:
+                return web.Response(body=await r.read(), status=r.status, content_type="application/json")
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            tried.append(f"worker {w.index}: {type(e).__name__}")
+    raise APIError(503, "no healthy worker" + (f" answered ({'; '.join(tried)})" if tried else ""),
+                   type="service_unavailable")
+
+
 # ---------------------------------------------------------------- status endpoints
 async def from_a_worker(request: web.Request) -> web.Response:
     """A read-only worker endpoint the balancer answers for its workers (GET /v1/models, /generation/algorithms):
@@ -352,7 +371,7 @@ async def _lifecycle(app: web.Application):
 
 
 def make_app(cfg: BalancerConfig) -> web.Application:
-    app = web.Application(middlewares=middlewares(cfg.api_key, lambda path: path.startswith("/v1/")),
+    app = web.Application(middlewares=middlewares(cfg.api_key, guarded_by_api_key),
                           client_max_size=MAX_BODY_BYTES)
     app[STATE] = BalancerState(cfg)
     app.cleanup_ctx.append(_lifecycle)
@@ -360,6 +379,9 @@ def make_app(cfg: BalancerConfig) -> web.Application:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", from_a_worker)
     app.router.add_get("/generation/algorithms", from_a_worker)
+    app.router.add_get("/tokenizer_info", from_a_worker)
+    app.router.add_post("/tokenize", to_a_worker)
+    app.router.add_post("/detokenize", to_a_worker)
     app.router.add_get("/health", health)
     app.router.add_get("/stats", stats)
     app.router.add_get("/worker-status", worker_status)

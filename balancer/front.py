@@ -47,7 +47,7 @@ from aiohttp import web
 from balancer.app import answer_single, answer_stream, meaningful
 from balancer.batcher import Pending, push_event, until_event
 from common.http import MAX_BODY_BYTES, middlewares, read_body
-from common.protocol import APIError, error_body, parse_request
+from common.protocol import APIError, error_body, guarded_by_api_key, parse_request
 
 log = logging.getLogger("dllm.balancer.front")
 
@@ -436,7 +436,7 @@ async def proxy(request: web.Request) -> web.Response:
 
 async def serve_front(cfg: FrontConfig) -> int:
     front = FrontState(cfg)
-    app = web.Application(middlewares=middlewares(cfg.api_key, lambda path: path.startswith("/v1/")),
+    app = web.Application(middlewares=middlewares(cfg.api_key, guarded_by_api_key),
                           client_max_size=MAX_BODY_BYTES)
     app[FRONT] = front
     app.router.add_post("/v1/completions", completions)

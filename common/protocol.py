@@ -207,6 +207,51 @@ def _deeper_than(obj: dict | list, limit: int) -> bool:
     return False
 
 
+class TokenizeRequest(BaseModel):
+    """POST /tokenize, as vLLM serves it: a ``prompt`` text, or chat ``messages`` rendered by the chat template."""
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: str | None = Field(None, max_length=512)
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = Field(None, min_length=1)
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _one_input(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    model: str | None = Field(None, max_length=512)
+    tokens: list[int] = Field(max_length=1 << 20)
+
+
+# Routes that share the OpenAI endpoints' key (--api-key): /v1/* and the tokenizer endpoints.
+def guarded_by_api_key(path: str) -> bool:
+    return path.startswith("/v1/") or path in ("/tokenize", "/detokenize", "/tokenizer_info")
+
+
+def parse_body(cls: type[BaseModel], data: Any):
+    """Validate a body for ``cls`` (raw bytes through :func:`loads`); raises APIError(400) naming the field."""
+    if isinstance(data, (bytes, bytearray, memoryview, str)):
+        data = loads(data)
+    if not isinstance(data, dict):
+        raise APIError(400, "the request body must be a JSON object")
+    if None in data.values():
+        data = {k: v for k, v in data.items() if v is not None}
+    try:
+        return cls.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = ".".join(str(x) for x in err.get("loc", ()) if not str(x).startswith("list[")) or None
+        msg = err["msg"].removeprefix("Value error, ")
+        raise APIError(400, f"{param or 'body'}: {msg}", param=param)
+
+
 def parse_request(kind: Literal["chat", "completion"], data: Any) -> CompletionRequest | ChatCompletionRequest:
     """Validate a body (raw JSON bytes, read by :func:`loads`, or an object already read by it); raises
     APIError(400) naming the first offending field. The balancer, its fronts and the worker all validate here, so a

@@ -87,6 +87,16 @@ def test_streaming_and_models_through_the_balancer(cluster):
     assert "maximum sequence length" in str(e.value)
 
 
+def test_tokenizer_endpoints_through_the_balancer(cluster):
+    status, info = get_json(cluster.url + "/tokenizer_info")
+    assert status == 200 and info["eos_token"]
+    status, r = post_json(cluster.url + "/tokenize", {"prompt": "di vo", "add_special_tokens": False})
+    assert status == 200 and r["count"] == len(r["tokens"]) > 0
+    status, back = post_json(cluster.url + "/detokenize", {"tokens": r["tokens"]})
+    assert status == 200 and back["prompt"] == "di vo"
+    assert post_json(cluster.url + "/tokenize", b'{"prompt": NaN}')[0] == 400      # the one JSON language
+
+
 def test_busy_worker_is_never_marked_unhealthy(cluster):
     body = {"prompt": [5, 6, 7], "max_tokens": 1536, "block_length": 1536, "steps": 300, "ignore_eos": True}
     t = threading.Thread(target=post_json, args=(cluster.url + "/v1/completions", body, 300))

@@ -260,3 +260,25 @@ def test_queue_limit_disconnect_and_drain(tmp_path):
         assert "draining" in w.tail()
     finally:
         w.stop()
+
+
+def test_tokenizer_endpoints(worker):
+    """vLLM's /tokenize, /detokenize and /tokenizer_info, as lm-eval's remote tokenizer calls them."""
+    from worker.tokenizer import apply_chat_template, load_tokenizer
+    tok = load_tokenizer(TINY_LLADA)
+    status, info = get_json(worker.url + "/tokenizer_info")
+    assert status == 200 and info["eos_token"] == tok.eos_token and info["chat_template"] == tok.chat_template
+    assert info["model_max_length"] == 4096
+    status, r = post_json(worker.url + "/tokenize", {"prompt": "di vo refo", "add_special_tokens": False})
+    assert status == 200 and r["tokens"] == tok("di vo refo", add_special_tokens=False)["input_ids"]
+    assert r["count"] == len(r["tokens"]) and r["max_model_len"] == 4096 and r["token_strs"] is None
+    msgs = [{"role": "user", "content": "di vo"}]
+    status, r = post_json(worker.url + "/tokenize", {"messages": msgs, "return_token_strs": True})
+    assert r["tokens"] == apply_chat_template(tok, msgs)          # exactly what a chat request's prompt is
+    assert r["token_strs"] == tok.convert_ids_to_tokens(r["tokens"])
+    status, r = post_json(worker.url + "/detokenize", {"tokens": [59, 198, 40]})
+    assert status == 200 and r["prompt"] == tok.decode([59, 198, 40])
+    for path, body, param in (("/detokenize", {"tokens": [10 ** 6]}, "tokens"), ("/tokenize", {}, None),
+                              ("/tokenize", {"prompt": "x", "model": "other"}, "model")):
+        status, r = post_json(worker.url + path, body)
+        assert status in (400, 404) and r["error"]["param"] == param, r

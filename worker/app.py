@@ -1,7 +1,7 @@
 """The worker: one process, one device. aiohttp server over the engine with a local batching queue.
 
-Routes: POST /v1/completions, /v1/chat/completions, /worker/batch (the balancer's door), /worker/cancel;
-GET /health, /v1/models, /batch/stats, /generation/algorithms, /metrics."""
+Routes: POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize, /worker/batch (the balancer's door),
+/worker/cancel; GET /health, /v1/models, /tokenizer_info, /batch/stats, /generation/algorithms, /metrics."""
 from __future__ import annotations
 
 import asyncio
@@ -272,6 +272,24 @@ async def worker_batch(request: web.Request) -> web.StreamResponse:
         metrics.requests.observe("/worker/batch", 200)
 
 
+async def tokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    require_ready(state)
+    return json_response(state.serving.tokenize(await read_request(request)))
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    require_ready(state)
+    return json_response(state.serving.detokenize(await read_request(request)))
+
+
+async def tokenizer_info(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    require_ready(state)
+    return json_response(state.serving.tokenizer_info())
+
+
 async def worker_cancel(request: web.Request) -> web.Response:
     state = request.app[STATE]
     body = loads(await request.read())
@@ -416,6 +434,9 @@ def make_app(config: WorkerConfig) -> web.Application:
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/worker/batch", worker_batch)
     app.router.add_post("/worker/cancel", worker_cancel)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/tokenizer_info", tokenizer_info)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/batch/stats", batch_stats)

@@ -7,7 +7,7 @@ import logging
 import time
 from dataclasses import dataclass, field, replace
 
-from common.protocol import (MAX_ROWS, APIError, ChatCompletionRequest, CompletionRequest, chunk, completion_choice, new_id,
+from common.protocol import (MAX_ROWS, APIError, DetokenizeRequest, TokenizeRequest, parse_body, ChatCompletionRequest, CompletionRequest, chunk, completion_choice, new_id,
                              parse_request, response, usage, usage_chunk)
 from worker.batcher import Batcher, Job
 from worker.engine import Engine, GenerationParams, ParamError
@@ -113,6 +113,46 @@ class Serving:
                 param = "max_completion_tokens"
             raise APIError(400, e.message, param=param)
         return p
+
+    # ------------------------------------------------------------ tokenizer endpoints (vLLM's shapes)
+    def _check_model(self, name: str | None) -> None:
+        if name is not None and name not in self.names:
+            raise APIError(404, f"The model {name!r} does not exist; this server serves {self.model_name!r}",
+                           param="model", code="model_not_found")
+
+    def tokenize(self, body) -> dict:
+        req = parse_body(TokenizeRequest, body)
+        self._check_model(req.model)
+        text = req.prompt if req.prompt is not None else "".join(m.text() for m in req.messages)
+        if len(text) > self.max_prompt_chars:
+            raise APIError(400, f"the text ({len(text)} characters) is far longer than the model's maximum sequence "
+                                f"length ({self.engine.max_sequence_length} tokens)", param="prompt")
+        if req.prompt is not None:
+            ids = self.tok(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]
+        else:
+            msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
+            try:
+                ids = apply_chat_template(self.tok, msgs, req.add_generation_prompt)
+            except Exception as e:
+                raise APIError(400, f"messages: the chat template rejected them: {e}", param="messages")
+        return {"count": len(ids), "max_model_len": self.engine.max_sequence_length, "tokens": list(ids),
+                "token_strs": self.tok.convert_ids_to_tokens(ids) if req.return_token_strs else None}
+
+    def detokenize(self, body) -> dict:
+        req = parse_body(DetokenizeRequest, body)
+        self._check_model(req.model)
+        vocab = len(self.tok)
+        bad = next((t for t in req.tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"tokens: {bad} is not a token id of this model (0 to {vocab - 1})", param="tokens")
+        return {"prompt": self.tok.decode(req.tokens)}
+
+    def tokenizer_info(self) -> dict:
+        t = self.tok
+        return {"tokenizer_class": type(t).__name__, "eos_token": t.eos_token, "bos_token": t.bos_token,
+                "pad_token": t.pad_token, "unk_token": t.unk_token, "chat_template": t.chat_template,
+                "model_max_length": self.engine.max_sequence_length, "vocab_size": len(t),
+                "stop_token_ids": list(self.engine.stop_ids), "mask_token_id": self.engine.mask_id}
 
     # ------------------------------------------------------------ rows -> events
     def submit(self, prep: Prepared, emit=None, wait: bool = True) -> "Run":

@@ -59,8 +59,8 @@ def mask_token_id(tokenizer, config: dict) -> int:
     raise ValueError("the checkpoint names no mask token (config.json mask_token_id or the tokenizer's mask_token)")
 
 
-def apply_chat_template(tokenizer, messages: list[dict]) -> list[int]:
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
     if isinstance(out, dict) or hasattr(out, "input_ids"):
         out = out["input_ids"]
     return list(out)
