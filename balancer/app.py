@@ -261,6 +261,8 @@ async def from_a_worker(request: web.Request) -> web.Response:
                     data = await r.json(content_type=None)
                     state._from_workers[path] = (now, data)
                     return json_response(data)
+                if r.status == 404:             # the worker's own answer (e.g. an unknown model id)
+                    return web.Response(body=await r.read(), status=404, content_type="application/json")
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
             continue
     raise APIError(503, f"no worker could answer {path}")
@@ -378,6 +380,7 @@ def make_app(cfg: BalancerConfig) -> web.Application:
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_get("/v1/models", from_a_worker)
+    app.router.add_get("/v1/models/{model:.+}", from_a_worker)
     app.router.add_get("/generation/algorithms", from_a_worker)
     app.router.add_get("/tokenizer_info", from_a_worker)
     app.router.add_post("/tokenize", to_a_worker)

@@ -186,7 +186,9 @@ def _logging(level: str) -> None:
               help="max_tokens when a request gives none (capped by the context left; default: the checkpoint's "
                    "generation_config.json max_new_tokens, else 256).")
 @click.option("--default-block-length", type=click.IntRange(1), default=32, show_default=True)
-@click.option("--served-model-name", default=None, help="Model id in the API (default: the directory name).")
+@click.option("--served-model-name", "served_model_name", multiple=True,
+              help="Model id in the API (default: the directory name). Several names: repeat the option or separate "
+                   "them with commas; requests may use any, the first is reported.")
 @click.option("--api-key", default=None, envvar="DLLM_API_KEY", help="Require 'Authorization: Bearer KEY'.")
 @click.option("--request-timeout", type=click.FloatRange(0, min_open=True), default=1800.0, show_default=True,
               help="Seconds before a request is abandoned with 504.")
@@ -205,7 +207,8 @@ def worker(model_path, host, port, batch_size, max_wait_time, max_queue, device,
     cfg = WorkerConfig(model_path=model_path, host=host, port=port, batch_size=batch_size,
                        max_wait_time=max_wait_time, max_queue=max_queue, device=device, dtype=dtype,
                        compile=compile_, default_algorithm=default_algorithm, default_max_tokens=default_max_tokens,
-                       default_block_length=default_block_length, served_model_name=served_model_name,
+                       default_block_length=default_block_length,
+                       served_model_name=",".join(served_model_name) or None,
                        api_key=api_key, request_timeout=request_timeout, drain_timeout=drain_timeout,
                        simulate_device=_cost_model(simulate_device))
     sys.exit(run(cfg))
@@ -365,9 +368,10 @@ def _serve_options(f):
                           "max_new_tokens, else 256)."),
         click.option("--dtype", type=click.Choice(DTYPES), default="auto",
                      show_default=True, help="auto: bfloat16 on a GPU, float32 on the CPU."),
-        click.option("--served-model-name", default=None,
+        click.option("--served-model-name", "served_model_name", multiple=True,
                      help="Model id in the API (default: the checkpoint directory's name; with --dcp-path, the DCP "
-                          "directory's name)."),
+                          "directory's name). Several names: repeat the option or separate them with commas; the "
+                          "first is reported."),
         _compile_option,
         _http_processes_option,
         _front_timeout_option,
@@ -434,8 +438,7 @@ def serve(local, model_path, dcp_path, base_model, gpus, gpu_ids, workers, host,
                    *(["--default-algorithm", default_algorithm] if default_algorithm else []),
                    *(["--default-max-tokens", str(default_max_tokens)] if default_max_tokens else []),
                    "--dtype", dtype,
-                   "--served-model-name", served_model_name or (Path(dcp_path).resolve().name if dcp_path else
-                                                                Path(resolved).name),
+                   "--served-model-name", ",".join(served_model_name) or Path(dcp_path or resolved).resolve().name,
                    *(["--compile"] if compile_ else []),
                    "--request-timeout", str(request_timeout), "--drain-timeout", str(drain_timeout),
                    "--max-queue", str(max(1024, batch_size * 8)), "--log-level", log_level]

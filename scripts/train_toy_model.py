@@ -67,6 +67,7 @@ def write_tokenizer(out: Path) -> dict[str, int]:
 
 def llada_config(vocab: dict, d: int, layers: int, heads: int, mlp: int, max_len: int) -> dict:
     base = json.loads((ROOT / "tests" / "fixtures" / "tiny-llada" / "config.json").read_text())
+    base.pop("auto_map", None)     # no custom code ships with the model: clients must not be asked to run it
     base.update({"d_model": d, "n_layers": layers, "n_heads": heads, "n_kv_heads": heads, "mlp_hidden_size": mlp,
                  "vocab_size": len(vocab), "embedding_size": len(vocab), "max_sequence_length": max_len,
                  "mask_token_id": vocab["<|mdm_mask|>"], "eos_token_id": vocab["<|endoftext|>"],

@@ -98,6 +98,8 @@ def test_dcp_converts_once_and_generates_identically(tmp_path, layout, llada_gol
     assert r.exit_code == 0, r.output
     out = Path(r.stdout.strip().splitlines()[-1])
     assert "converting" in r.stderr
+    assert "auto_map" in json.loads((TINY_LLADA / "config.json").read_text())
+    assert "auto_map" not in json.loads((out / "config.json").read_text())     # its .py files are not shipped
     again = runner.invoke(cli, ["convert-dcp", "--dcp-path", str(tmp_path / "ckpt"), "--base-model", str(TINY_LLADA)])
     assert "reusing" in again.stderr and Path(again.stdout.strip().splitlines()[-1]) == out
     case = next(c for c in llada_golden["cases"] if c["algorithm"] == "basic")

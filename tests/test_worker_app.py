@@ -170,3 +170,22 @@ async def test_a_row_cancelled_before_scheduling_is_not_computed():
     assert engine.calls == [2] and b.dropped_before_start == 1
     assert got[1] == ("done", Result([], "cancelled", 0, [], 1))    # still ends, so its request can finish
     assert got[0][1].nfe == got[2][1].nfe == 1
+
+
+async def test_several_served_names_and_models_retrieve(aiohttp_client):
+    client, _ = await ready_client(aiohttp_client, served_model_name="tiny-llada,llada-8b-instruct")
+    listed = (await (await client.get("/v1/models")).json())["data"]
+    assert [m["id"] for m in listed] == ["tiny-llada"]                     # the first name is reported
+    card = await (await client.get("/v1/models/llada-8b-instruct")).json()
+    assert card["id"] == "llada-8b-instruct" and card["object"] == "model"
+    r = await client.post("/v1/completions", json={"model": "llada-8b-instruct", "prompt": [1, 2], "max_tokens": 2})
+    assert r.status == 200 and (await r.json())["model"] == "tiny-llada"
+    r = await client.get("/v1/models/gpt-4")
+    assert r.status == 404 and (await r.json())["error"]["code"] == "model_not_found"
+
+
+def test_the_demo_model_ships_no_custom_code_reference():
+    import json
+
+    from common.resolve import DEMO_MODEL
+    assert "auto_map" not in json.loads((DEMO_MODEL / "config.json").read_text())

@@ -84,9 +84,15 @@ class WorkerState:
     launch_id: str | None = field(default_factory=lambda: os.environ.get("DLLM_LAUNCH_ID") or None)
 
     @property
-    def model_name(self) -> str:
+    def model_names(self) -> list[str]:
+        """--served-model-name (comma-separated: several names, the first reported), else the directory name."""
         from pathlib import Path
-        return self.config.served_model_name or Path(self.config.model_path).name
+        names = [n.strip() for n in (self.config.served_model_name or "").split(",") if n.strip()]
+        return names or [Path(self.config.model_path).name]
+
+    @property
+    def model_name(self) -> str:
+        return self.model_names[0]
 
 
 STATE = web.AppKey("state", WorkerState)
@@ -327,14 +333,28 @@ async def health(request: web.Request) -> web.Response:
     return json_response(data, 200 if state.status in ("ready", "loading", "draining") else 503)
 
 
+def _model_card(state: WorkerState, name: str) -> dict:
+    e = state.engine
+    return {"id": name, "object": "model", "created": int(state.started), "owned_by": "dllm-serve",
+            "root": state.config.model_path, "parent": None, "max_model_len": e.max_sequence_length,
+            "family": e.family}
+
+
 async def models(request: web.Request) -> web.Response:
     state = request.app[STATE]
     require_ready(state)
-    e = state.engine
-    return json_response({"object": "list", "data": [{
-        "id": state.model_name, "object": "model", "created": int(state.started), "owned_by": "dllm-serve",
-        "root": state.config.model_path, "parent": None, "max_model_len": e.max_sequence_length,
-        "family": e.family}]})
+    return json_response({"object": "list", "data": [_model_card(state, state.model_name)]})
+
+
+async def model(request: web.Request) -> web.Response:
+    """GET /v1/models/{id} (the openai client's models.retrieve): the card under any of the served names."""
+    state = request.app[STATE]
+    require_ready(state)
+    name = request.match_info["model"]
+    if name not in state.serving.names:
+        raise APIError(404, f"The model {name!r} does not exist; this server serves {state.model_name!r}",
+                       param="model", code="model_not_found")
+    return json_response(_model_card(state, name))
 
 
 async def batch_stats(request: web.Request) -> web.Response:
@@ -405,7 +425,7 @@ async def _load(app: web.Application) -> None:
     batcher.on_batch = lambda n, secs: (state.metrics.batch_size.observe(n), state.metrics.batch_seconds.observe(secs))
     batcher.start()
     state.engine, state.batcher = engine, batcher
-    aliases = (c.model_path,)
+    aliases = (c.model_path, *state.model_names[1:])
     state.serving = Serving(engine, batcher, state.model_name,
                             Defaults(c.default_algorithm, c.default_max_tokens, c.default_block_length), aliases)
     gc.freeze()      # the model, tokenizer and libraries are permanent: keep them out of every GC pass
@@ -439,6 +459,7 @@ def make_app(config: WorkerConfig) -> web.Application:
     app.router.add_get("/tokenizer_info", tokenizer_info)
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{model:.+}", model)
     app.router.add_get("/batch/stats", batch_stats)
     app.router.add_get("/generation/algorithms", generation_algorithms)
     app.router.add_get("/metrics", metrics)

@@ -108,4 +108,7 @@ def convert(dcp_path: str | Path, base_model: str | Path, output: str | Path) ->
         src = (tok_dir / name) if tok_dir is not None and (tok_dir / name).is_file() else base / name
         if src.is_file():
             shutil.copy(src, output / name)
+    cfg = json.loads((output / "config.json").read_text())
+    if cfg.pop("auto_map", None) is not None:     # the .py files it names are not copied: clients would stop at
+        (output / "config.json").write_text(json.dumps(cfg, indent=2))   # "run custom code? [y/N]
     return output
