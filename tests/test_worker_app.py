@@ -189,3 +189,15 @@ def test_the_demo_model_ships_no_custom_code_reference():
 
     from common.resolve import DEMO_MODEL
     assert "auto_map" not in json.loads((DEMO_MODEL / "config.json").read_text())
+
+
+@pytest.mark.parametrize("stop, text, ids", [("8", "1 2 5 ", [1, 2, 3]), (" 8", "1 2 5", [1, 2, 3]),
+                                             ("2 5", "1 ", [1]), ("1", "", [])])
+def test_stop_strings_count_the_tokens_of_the_text_returned(stop, text, ids):
+    from types import SimpleNamespace
+
+    from worker.serving import _Choice
+    pieces = {1: "1", 2: " 2", 3: " 5", 4: " 8", 5: " 9"}
+    c = _Choice(lambda toks: "".join(pieces[t] for t in toks), [stop])
+    c.finish(SimpleNamespace(nfe=5, token_ids=[1, 2, 3, 4, 5], finish_reason="length"))
+    assert (c.text, c.token_ids, c.finish_reason) == (text, ids, "stop")

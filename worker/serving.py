@@ -295,14 +295,15 @@ class _Choice:
             self.text, self.token_ids = text, list(ids)
 
     def _ids_for(self, ids: list[int], nchars: int) -> list[int]:
-        """The shortest prefix of ids whose text covers the first nchars characters."""
+        """The longest prefix of ids whose text lies within the first nchars characters: the tokens of the text
+        returned, never the token that holds (part of) the stop string."""
         lo, hi = 0, len(ids)
         while lo < hi:
-            mid = (lo + hi) // 2
-            if len(self._decode(ids[:mid])) >= nchars:
-                hi = mid
+            mid = (lo + hi + 1) // 2
+            if len(self._decode(ids[:mid])) <= nchars:
+                lo = mid
             else:
-                lo = mid + 1
+                hi = mid - 1
         return ids[:lo]
 
     def _delta(self, upto: int) -> str:
