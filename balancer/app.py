@@ -1,6 +1,6 @@
 """The balancer: one OpenAI endpoint in front of N workers. Never imports torch.
 
-Routes: POST /v1/completions, /v1/chat/completions (batched); POST /tokenize, /detokenize and GET /v1/models,
+Routes: POST /v1/completions, /v1/chat/completions, /v1/responses (batched); POST /tokenize, /detokenize and GET /v1/models,
 /tokenizer_info, /generation/algorithms (answered by a worker); GET /health, /stats, /worker-status, /metrics."""
 from __future__ import annotations
 
@@ -131,6 +131,10 @@ def meaningful(chunk: dict) -> bool:
     worker fails before any text can still be re-dispatched)."""
     if chunk.get("usage"):
         return True
+    kind = chunk.get("type")               # a Responses stream event
+    if kind is not None:
+        return (kind == "response.output_text.delta" and bool(chunk.get("delta"))) or kind in (
+            "response.completed", "response.incomplete", "response.failed")
     for c in chunk.get("choices", ()):
         if c.get("finish_reason") or c.get("text") or (c.get("delta") or {}).get("content"):
             return True
@@ -148,7 +152,7 @@ async def _openai(request: web.Request, kind: str) -> web.StreamResponse:
         body = await read_body(request)
         req = parse_request(kind, body)      # the one JSON language (common/protocol.py); forwarded as it is
         p = state.admit(kind, body, req.stream, t0)
-        resp, status = await (answer_stream(request, p) if req.stream else answer_single(p))
+        resp, status = await (answer_stream(request, p, kind == "responses") if req.stream else answer_single(p))
         return resp
     except APIError as e:
         status = e.status
@@ -175,8 +179,15 @@ async def answer_single(p) -> tuple[web.Response, int]:
     return json_response(data, status, retry_headers(status)), status
 
 
-async def answer_stream(request: web.Request, p) -> tuple[web.StreamResponse, int]:
-    """An SSE answer from ``p``'s events; the stream opens at the first chunk worth sending."""
+def sse(data: dict, responses: bool) -> bytes:
+    """One SSE event; a Responses stream names its events (``event: TYPE``), as OpenAI's does."""
+    head = b"event: " + data["type"].encode() + b"\n" if responses and isinstance(data.get("type"), str) else b""
+    return head + b"data: " + orjson.dumps(data) + b"\n\n"
+
+
+async def answer_stream(request: web.Request, p, responses: bool = False) -> tuple[web.StreamResponse, int]:
+    """An SSE answer from ``p``'s events; the stream opens at the first chunk worth sending. A Responses stream
+    (``responses``) ends without ``data: [DONE]``, as OpenAI's."""
     resp = None
     held: list[tuple[int, dict]] = []
     status = 200
@@ -187,32 +198,33 @@ async def answer_stream(request: web.Request, p) -> tuple[web.StreamResponse, in
         if event == "error":
             if resp is None:
                 return json_response(data, st, retry_headers(st)), st
-            await resp.write(b"data: " + orjson.dumps(data) + b"\n\n")
+            await resp.write(sse(data, responses))
             status = st
         elif event == "chunk":
             if resp is None and not meaningful(data):
                 held.append((attempt, data))
             else:
                 if resp is None:
-                    resp = await _open_stream(request, p, held)
+                    resp = await _open_stream(request, p, held, responses)
                     held = []
-                await resp.write(b"data: " + orjson.dumps(data) + b"\n\n")
+                await resp.write(sse(data, responses))
         if end:
             break
     if resp is None:
-        resp = await _open_stream(request, p, held)
-    await resp.write(b"data: [DONE]\n\n")
+        resp = await _open_stream(request, p, held, responses)
+    if not responses:
+        await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp, status
 
 
-async def _open_stream(request: web.Request, p, held: list) -> web.StreamResponse:
+async def _open_stream(request: web.Request, p, held: list, responses: bool = False) -> web.StreamResponse:
     p.sent_bytes = True
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                        "X-Accel-Buffering": "no"})
     await resp.prepare(request)
     for _, h in held:
-        await resp.write(b"data: " + orjson.dumps(h) + b"\n\n")
+        await resp.write(sse(h, responses))
     return resp
 
 
@@ -222,6 +234,10 @@ async def completions(request):
 
 async def chat_completions(request):
     return await _openai(request, "chat")
+
+
+async def responses_(request):
+    return await _openai(request, "responses")
 
 
 async def to_a_worker(request: web.Request) -> web.Response:
@@ -379,6 +395,7 @@ def make_app(cfg: BalancerConfig) -> web.Application:
     app.cleanup_ctx.append(_lifecycle)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/responses", responses_)
     app.router.add_get("/v1/models", from_a_worker)
     app.router.add_get("/v1/models/{model:.+}", from_a_worker)
     app.router.add_get("/generation/algorithms", from_a_worker)

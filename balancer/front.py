@@ -52,7 +52,7 @@ from common.protocol import APIError, error_body, guarded_by_api_key, parse_requ
 log = logging.getLogger("dllm.balancer.front")
 
 _LENGTHS = struct.Struct("<II")
-PATHS = {"completion": "/v1/completions", "chat": "/v1/chat/completions"}
+PATHS = {"completion": "/v1/completions", "chat": "/v1/chat/completions", "responses": "/v1/responses"}
 
 
 def frame(header: dict, body: bytes = b"") -> bytes:
@@ -401,7 +401,8 @@ async def _openai(request: web.Request, kind: str) -> web.StreamResponse:
         n = next(front.ids)
         handle = front.live[n] = Handle()
         link.send({"t": "r", "n": n, "k": kind, "s": req.stream}, body)
-        resp, status = await (answer_stream(request, handle) if req.stream else answer_single(handle))
+        resp, status = await (answer_stream(request, handle, kind == "responses") if req.stream
+                              else answer_single(handle))
         return resp
     except APIError as e:
         status = e.status
@@ -418,6 +419,10 @@ async def completions(request):
 
 async def chat_completions(request):
     return await _openai(request, "chat")
+
+
+async def responses_(request):
+    return await _openai(request, "responses")
 
 
 async def proxy(request: web.Request) -> web.Response:
@@ -441,6 +446,7 @@ async def serve_front(cfg: FrontConfig) -> int:
     app[FRONT] = front
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/responses", responses_)
     app.router.add_route("*", "/{tail:.*}", proxy)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

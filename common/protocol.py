@@ -207,6 +207,83 @@ def _deeper_than(obj: dict | list, limit: int) -> bool:
     return False
 
 
+class ResponsesContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["input_text", "output_text", "text"]
+    text: str
+
+
+class ResponsesInputItem(BaseModel):
+    """A message of the Responses API ``input`` list (text only)."""
+    model_config = ConfigDict(extra="ignore", strict=True)
+    type: Literal["message"] = "message"
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[ResponsesContentPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+# Responses fields accepted only at their neutral value (text in, text out, nothing stored or chained)
+RESPONSES_NEUTRAL = {
+    "tools": (lambda v: not v, "none"),
+    "tool_choice": (lambda v: v in (None, "none", "auto"), "none"),
+    "previous_response_id": (lambda v: v is None, "null (no stored conversations)"),
+    "conversation": (lambda v: v is None, "null (no stored conversations)"),
+    "top_p": (lambda v: v is None or v == 1, "1"),
+    "top_logprobs": (lambda v: v is None or v == 0, "null or 0"),
+    "background": (lambda v: v is None or v is False, "false"),
+    "text": (lambda v: v is None or (isinstance(v, dict) and (v.get("format") or {"type": "text"}).get("type")
+                                     == "text"), '{"format": {"type": "text"}}'),
+    "reasoning": (lambda v: not v, "null"),
+}
+
+
+class ResponsesRequest(DiffusionFields):
+    """POST /v1/responses, text only: answered as a chat completion of ``instructions`` + ``input``."""
+    model: str | None = Field(None, max_length=512)
+    input: str | list[ResponsesInputItem]
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64)
+    stream: bool = False
+    user: str | None = Field(None, max_length=512)
+
+    @field_validator("input")
+    @classmethod
+    def _input_nonempty(cls, v):
+        if isinstance(v, list) and not v:
+            raise ValueError("input is an empty list")
+        return v
+
+    @model_validator(mode="before")
+    @classmethod
+    def _neutral_only(cls, data):
+        if isinstance(data, dict):
+            if None in data.values():
+                data = {k: v for k, v in data.items() if v is not None}
+            for name, (ok, accepted) in RESPONSES_NEUTRAL.items():
+                if name in data and not ok(data[name]):
+                    raise ValueError(f"{name} is not supported by this server (accepted: {accepted})")
+        return data
+
+    def chat_body(self) -> dict:
+        """The equivalent chat completion request (with usage in the stream, which response.completed needs)."""
+        msgs = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        if isinstance(self.input, str):
+            msgs.append({"role": "user", "content": self.input})
+        else:
+            msgs += [{"role": m.role, "content": m.text()} for m in self.input]
+        body = self.model_dump(include=set(DiffusionFields.model_fields), exclude_none=True)
+        body.update(messages=msgs, stream=self.stream, stream_options={"include_usage": True} if self.stream else None)
+        for ours, theirs in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("seed", "seed"),
+                             ("model", "model"), ("user", "user")):
+            if getattr(self, ours) is not None:
+                body[theirs] = getattr(self, ours)
+        return {k: v for k, v in body.items() if v is not None}
+
+
 class TokenizeRequest(BaseModel):
     """POST /tokenize, as vLLM serves it: a ``prompt`` text, or chat ``messages`` rendered by the chat template."""
     model_config = ConfigDict(extra="ignore", strict=True)
@@ -252,15 +329,24 @@ def parse_body(cls: type[BaseModel], data: Any):
         raise APIError(400, f"{param or 'body'}: {msg}", param=param)
 
 
-def parse_request(kind: Literal["chat", "completion"], data: Any) -> CompletionRequest | ChatCompletionRequest:
+def parse_request(kind: Literal["chat", "completion", "responses"], data: Any
+                  ) -> CompletionRequest | ChatCompletionRequest | ResponsesRequest:
     """Validate a body (raw JSON bytes, read by :func:`loads`, or an object already read by it); raises
     APIError(400) naming the first offending field. The balancer, its fronts and the worker all validate here, so a
-    body one of them accepts, every other accepts too."""
+    body one of them accepts, every other accepts too. A ``responses`` body is also checked as the chat request it
+    becomes (:meth:`ResponsesRequest.chat_body`)."""
     if isinstance(data, (bytes, bytearray, memoryview, str)):
         data = loads(data)
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
-    cls = ChatCompletionRequest if kind == "chat" else CompletionRequest
+    if kind == "responses":
+        r = _validate(ResponsesRequest, data, RESPONSES_NEUTRAL)
+        _validate(ChatCompletionRequest, r.chat_body(), NEUTRAL_ONLY)
+        return r
+    return _validate(ChatCompletionRequest if kind == "chat" else CompletionRequest, data, NEUTRAL_ONLY)
+
+
+def _validate(cls, data: dict, neutral: dict):
     try:
         return cls.model_validate(data)
     except ValidationError as e:
@@ -270,7 +356,7 @@ def parse_request(kind: Literal["chat", "completion"], data: Any) -> CompletionR
         param = ".".join(x for x in loc if x not in ("str", "int", "TextPart") and not x.startswith("list[")) or None
         if err.get("type") == "value_error" and not loc:
             msg = str(err.get("ctx", {}).get("error", err["msg"]))
-            name = next((n for n in NEUTRAL_ONLY if msg.startswith(n + " ")), None)
+            name = next((n for n in neutral if msg.startswith(n + " ")), None)
             raise APIError(400, msg, param=name)
         msg = err["msg"].removeprefix("Value error, ")
         raise APIError(400, f"{param or 'body'}: {msg}", param=param)

@@ -87,6 +87,26 @@ def test_streaming_and_models_through_the_balancer(cluster):
     assert "maximum sequence length" in str(e.value)
 
 
+def test_responses_api_through_the_balancer(cluster):
+    """POST /v1/responses with the openai client: plain, streamed (responses.stream) and a refused feature."""
+    client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="x", max_retries=0)
+    kw = dict(model="tiny-llada", max_output_tokens=16, extra_body={"block_length": 8, "ignore_eos": True})
+    chat = client.chat.completions.create(model="tiny-llada", max_tokens=16, messages=[
+        {"role": "system", "content": "vo"}, {"role": "user", "content": "di refo"}],
+        extra_body={"block_length": 8, "ignore_eos": True})
+    r = client.responses.create(instructions="vo", input="di refo", **kw)
+    assert r.object == "response" and r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.output_text == chat.choices[0].message.content                  # the same chat completion
+    assert r.usage.output_tokens == 16 and r.usage.input_tokens == chat.usage.prompt_tokens
+    with client.responses.stream(instructions="vo", input=[{"role": "user", "content": "di refo"}], **kw) as stream:
+        deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
+        final = stream.get_final_response()
+    assert "".join(deltas) == final.output_text == r.output_text and len(deltas) >= 2
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(input="x", tools=[{"type": "web_search"}], model="tiny-llada")
+    assert "tools" in str(e.value)
+
+
 def test_tokenizer_endpoints_through_the_balancer(cluster):
     status, info = get_json(cluster.url + "/tokenizer_info")
     assert status == 200 and info["eos_token"]

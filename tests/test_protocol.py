@@ -77,3 +77,28 @@ def test_request_metrics_exposition():
     assert 'x_request_latency_seconds_count{endpoint="/v1/completions"} 4.0' in text
     assert 'x_request_latency_seconds_sum{endpoint="/v1/completions"} 3.65' in text
     assert "x_tokens_total 7.0" in text
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"input": []}, "input"),
+    ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
+    ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
+    ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "text"),
+])
+def test_responses_errors(body, param):
+    with pytest.raises(APIError) as e:
+        parse_request("responses", body)
+    assert e.value.status == 400 and e.value.param == param
+
+
+def test_responses_become_chat_requests():
+    r = parse_request("responses", {"input": [{"type": "message", "role": "user", "content": [
+        {"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]}], "instructions": "sys",
+        "max_output_tokens": 7, "temperature": 0.5, "steps": 4, "stream": True, "store": True, "metadata": {"k": 1}})
+    body = r.chat_body()
+    assert body["messages"] == [{"role": "system", "content": "sys"}, {"role": "user", "content": "ab"}]
+    assert body["max_tokens"] == 7 and body["temperature"] == 0.5 and body["steps"] == 4
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+    assert parse_request("chat", body).max_new_tokens == 7

@@ -1,6 +1,6 @@
 """The worker: one process, one device. aiohttp server over the engine with a local batching queue.
 
-Routes: POST /v1/completions, /v1/chat/completions, /tokenize, /detokenize, /worker/batch (the balancer's door),
+Routes: POST /v1/completions, /v1/chat/completions, /v1/responses, /tokenize, /detokenize, /worker/batch (the balancer's door),
 /worker/cancel; GET /health, /v1/models, /tokenizer_info, /batch/stats, /generation/algorithms, /metrics."""
 from __future__ import annotations
 
@@ -145,7 +145,7 @@ async def _openai(request: web.Request, kind: str) -> web.StreamResponse:
     try:
         async with asyncio.timeout(state.config.request_timeout):
             if prep.req.stream:
-                return await _stream(request, run)
+                return await _stream(request, run, responses=prep.responses is not None)
             async for kind_, data in run.events():
                 if kind_ == "error":
                     status, body = data
@@ -162,12 +162,20 @@ async def _openai(request: web.Request, kind: str) -> web.StreamResponse:
         state.metrics.requests.observe(endpoint, status, time.monotonic() - t0)
 
 
+def _usage_tokens(data: dict) -> int | None:
+    """Completion tokens of a response or of a stream's usage event (chat/completions, or Responses' output)."""
+    u = data.get("usage") or (data.get("response") or {}).get("usage")
+    return u.get("completion_tokens", u.get("output_tokens")) if u else None
+
+
 def _count(state: WorkerState, response: dict) -> None:
-    state.metrics.tokens.inc(response["usage"]["completion_tokens"])
-    state.metrics.nfe.inc(sum(c.get("nfe", 0) for c in response["choices"]))
+    state.metrics.tokens.inc(_usage_tokens(response) or 0)
+    state.metrics.nfe.inc(sum(c.get("nfe", 0) for c in response.get("choices", ())))
 
 
-async def _stream(request: web.Request, run) -> web.StreamResponse:
+async def _stream(request: web.Request, run, responses: bool = False) -> web.StreamResponse:
+    """SSE: ``data:`` lines then ``data: [DONE]``; a Responses stream names each event (``event: TYPE``) and has no
+    [DONE], as OpenAI's."""
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                        "X-Accel-Buffering": "no"})
     await resp.prepare(request)
@@ -176,21 +184,28 @@ async def _stream(request: web.Request, run) -> web.StreamResponse:
             if kind == "error":
                 await sse_write(resp, data[1])
                 break
+            if responses:
+                await resp.write(b"event: " + data["type"].encode() + b"\n")
             await sse_write(resp, data)
-            if data.get("usage"):
-                request.app[STATE].metrics.tokens.inc(data["usage"]["completion_tokens"])
+            if _usage_tokens(data):
+                request.app[STATE].metrics.tokens.inc(_usage_tokens(data))
     except TimeoutError:
         raise
     except Exception as e:   # headers are sent: the error goes in the stream
         log.exception("stream failed")
         await sse_write(resp, error_body(f"internal error: {type(e).__name__}", "server_error"))
-    await resp.write(b"data: [DONE]\n\n")
+    if not responses:
+        await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
     return resp
 
 
 async def completions(request: web.Request):
     return await _openai(request, "completion")
+
+
+async def responses_(request: web.Request):
+    return await _openai(request, "responses")
 
 
 async def chat_completions(request: web.Request):
@@ -230,8 +245,8 @@ async def worker_batch(request: web.Request) -> web.StreamResponse:
                 line = {"id": rid, "event": kind, "data": data}
                 if kind == "response":
                     _count(state, data)
-                elif data.get("usage"):
-                    metrics.tokens.inc(data["usage"]["completion_tokens"])
+                elif _usage_tokens(data):
+                    metrics.tokens.inc(_usage_tokens(data))
             if last:
                 line["end"] = True
                 open_ -= 1
@@ -244,8 +259,8 @@ async def worker_batch(request: web.Request) -> web.StreamResponse:
         kind = item.get("kind")
         emit = emitter(rid)
         try:
-            if kind not in ("chat", "completion"):
-                raise APIError(400, "kind must be 'chat' or 'completion'", param="kind")
+            if kind not in ("chat", "completion", "responses"):
+                raise APIError(400, "kind must be 'chat', 'completion' or 'responses'", param="kind")
             prep = state.serving.prepare(kind, item.get("body"))
             runs[rid] = state.serving.submit(prep, emit, wait=False)   # the batch was formed upstream
         except APIError as e:                 # this row's own rejection: the other rows go on
@@ -452,6 +467,7 @@ def make_app(config: WorkerConfig) -> web.Application:
     app.cleanup_ctx.append(_lifecycle)
     app.router.add_post("/v1/completions", completions)
     app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/responses", responses_)
     app.router.add_post("/worker/batch", worker_batch)
     app.router.add_post("/worker/cancel", worker_cancel)
     app.router.add_post("/tokenize", tokenize)

@@ -7,10 +7,11 @@ import logging
 import time
 from dataclasses import dataclass, field, replace
 
-from common.protocol import (MAX_ROWS, APIError, DetokenizeRequest, TokenizeRequest, parse_body, ChatCompletionRequest, CompletionRequest, chunk, completion_choice, new_id,
+from common.protocol import (MAX_ROWS, APIError, DetokenizeRequest, ResponsesRequest, TokenizeRequest, parse_body, ChatCompletionRequest, CompletionRequest, chunk, completion_choice, new_id,
                              parse_request, response, usage, usage_chunk)
 from worker.batcher import Batcher, Job
 from worker.engine import Engine, GenerationParams, ParamError
+from worker.responses import ResponsesEvents
 from worker.tokenizer import apply_chat_template, max_token_chars, text_decoder
 
 log = logging.getLogger("dllm.worker.serving")
@@ -31,6 +32,7 @@ class Prepared:
     params: list[GenerationParams]
     rid: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
+    responses: ResponsesRequest | None = None     # a /v1/responses request, run as this chat request
 
 
 class Serving:
@@ -46,6 +48,11 @@ class Serving:
 
     # ------------------------------------------------------------ request -> rows
     def prepare(self, kind: str, body) -> Prepared:
+        if kind == "responses":
+            r = parse_request("responses", body)
+            prep = self.prepare("chat", r.chat_body())
+            prep.responses, prep.rid = r, new_id("resp")
+            return prep
         req = parse_request(kind, body)
         if req.model is not None and req.model not in self.names:
             raise APIError(404, f"The model {req.model!r} does not exist; this server serves {self.model_name!r}",
@@ -162,6 +169,8 @@ class Serving:
         ``emit(kind, data, last)`` receives the request's events on the event loop as they happen (see :class:`Run`);
         without it they are kept for :meth:`Run.events`."""
         run = Run(self, prep, emit)
+        if prep.responses is not None:
+            run.emit = ResponsesEvents(prep.responses, prep.rid, self.model_name, prep.created, run.emit)
         progress = prep.req.stream or bool(prep.req.stop)
         run.jobs = [Job(ids, p, sink=run.on_row, index=i, wants_progress=progress)
                     for i, (ids, p) in enumerate(zip(prep.prompts, prep.params))]
