@@ -1,7 +1,8 @@
 """The balancer: one OpenAI endpoint in front of N workers. Never imports torch.
 
-Routes: POST /v1/completions, /v1/chat/completions, /v1/responses (batched); POST /tokenize, /detokenize and GET /v1/models,
-/tokenizer_info, /generation/algorithms (answered by a worker); GET /health, /stats, /worker-status, /metrics."""
+Routes: POST /v1/completions, /v1/chat/completions, /v1/responses (batched); POST /tokenize, /detokenize and
+GET /v1/models, /tokenizer_info, /generation/algorithms (answered by a worker); GET /health, /stats, /worker-status,
+/metrics."""
 from __future__ import annotations
 
 import asyncio

@@ -1,7 +1,7 @@
 """The worker: one process, one device. aiohttp server over the engine with a local batching queue.
 
-Routes: POST /v1/completions, /v1/chat/completions, /v1/responses, /tokenize, /detokenize, /worker/batch (the balancer's door),
-/worker/cancel; GET /health, /v1/models, /tokenizer_info, /batch/stats, /generation/algorithms, /metrics."""
+Routes: POST /v1/completions, /v1/chat/completions, /v1/responses, /tokenize, /detokenize, /worker/batch (the
+balancer's door), /worker/cancel; GET /health, /v1/models, /tokenizer_info, /batch/stats, /generation/algorithms, /metrics."""
 from __future__ import annotations
 
 import asyncio

@@ -29,7 +29,7 @@ class Row:
     reported: int = 0             # length of the final prefix already reported to on_progress
     credit: object = None         # dinfer_credit: the block's credit matrix [block_length, vocab]
     min_block_steps: int = 1      # steps a block takes at least under threshold/factor rules (see cached.py)
-    softmax: object = None        # sampling.Softmax: the confidence arithmetic of the row's reference (its algorithm sets it)
+    softmax: object = None        # sampling.Softmax: the row's reference's confidence arithmetic (set by its algorithm)
 
     @property
     def params(self) -> GenerationParams:

@@ -98,7 +98,8 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
         regions = [candidate_region(r, gens[r.index], mask_id) for r in active]
         K = max(e - s for s, e in regions)
         ar = torch.arange(K)
-        gidx = torch.stack([canvas.gen_start(b) + s + torch.clamp(ar, max=e - s - 1) for b, (s, e) in enumerate(regions)])
+        gidx = torch.stack([canvas.gen_start(b) + s + torch.clamp(ar, max=e - s - 1)
+                            for b, (s, e) in enumerate(regions)])
         gidx = gidx.to(model.device)
 
         cfg = [b for b, r in enumerate(active) if r.params.cfg_scale > 0]

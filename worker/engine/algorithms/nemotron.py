@@ -71,7 +71,11 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
         p = pos[sl].gather(1, cols)
         kcol = col[None, :E]
         uniform = not any(offsets[b] for b in slots) and all(e == E for e in ends)
-        mask = None if uniform else ((kcol >= off[sl][:, None]) & (kcol < torch.tensor(ends, device=dev)[:, None]))[:, None, None, :]
+        if uniform:
+            mask = None
+        else:
+            end = torch.tensor(ends, device=dev)[:, None]
+            mask = ((kcol >= off[sl][:, None]) & (kcol < end))[:, None, None, :]
         bi, wi = valid.nonzero(as_tuple=True)
         view = _CacheView(cache, E)
         hidden = model(ids, p, mask, cache=view, slots=None if len(slots) == B0 and slots == list(range(B0))
