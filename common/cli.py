@@ -459,6 +459,41 @@ def serve(local, model_path, dcp_path, base_model, gpus, gpu_ids, workers, host,
     sys.exit(run(cfg))
 
 
+@main.command()
+@click.option("--model-path", default=None, help="Checkpoint directory or hub id (default: the built-in demo model).")
+@click.option("--prefix-ids", required=True, help="The context, as comma-separated token ids.")
+@click.option("--target-ids", required=True, help="The continuation to score, as comma-separated token ids.")
+@click.option("--mc-num", type=click.IntRange(1), default=128, show_default=True,
+              help="Monte Carlo samples (the LLaDA paper: 128; 1 suffices for single-token answers).")
+@click.option("--batch-size", type=click.IntRange(1), default=16, show_default=True,
+              help="Samples per forward pass (mc-num must be a multiple).")
+@click.option("--cfg-scale", type=click.FloatRange(0), default=0.0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--device", default="auto", show_default=True, help="cuda, cpu or auto.")
+@click.option("--dtype", type=click.Choice(DTYPES), default="auto", show_default=True)
+def score(model_path, prefix_ids, target_ids, mc_num, batch_size, cfg_scale, seed, device, dtype):
+    """Log-likelihood of a continuation by LLaDA's Monte Carlo estimator, and whether greedy decoding gives it
+    (docs/engine.md). Prints one JSON object."""
+    from common.resolve import ResolveError, resolve_model
+    from worker.engine import Engine
+    from worker.engine.likelihood import greedy_suffix, log_likelihood
+    from worker.models import CheckpointError
+    try:
+        engine = Engine.from_pretrained(str(resolve_model(model_path)), device=device, dtype=dtype)
+    except (ResolveError, CheckpointError, ValueError, OSError) as e:
+        raise click.ClickException(str(e))
+    if engine.family != "llada":
+        raise click.ClickException(f"likelihood scoring is implemented for LLaDA checkpoints, not {engine.family}")
+    prefix, target = _int_list(prefix_ids), _int_list(target_ids)
+    try:
+        ll = log_likelihood(engine.model, prefix, target, engine.mask_id, mc_num, batch_size, cfg_scale, seed)
+    except ValueError as e:
+        raise click.UsageError(str(e))
+    greedy = greedy_suffix(engine.model, prefix, target, engine.mask_id, cfg_scale)
+    click.echo(orjson.dumps({"log_likelihood": ll, "is_greedy": greedy, "mc_num": mc_num, "batch_size": batch_size,
+                             "cfg_scale": cfg_scale, "seed": seed}))
+
+
 @main.command("convert-dcp")
 @click.option("--dcp-path", required=True, help="torch.distributed.checkpoint directory (structured or legacy).")
 @click.option("--base-model", required=True, help="Checkpoint the DCP was trained from (config, tokenizer, names).")
