@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -36,10 +37,25 @@ def post_json(url: str, body, timeout: float = 60.0, headers: dict | None = None
         return e.code, json.loads(e.read() or b"{}")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(n: int = 1) -> int:
+    """A port p with p .. p+n-1 free (a supervisor's workers take consecutive ports), below the kernel's ephemeral
+    range (32768-60999 here), so that no outgoing connection of another test takes one of them in the meantime."""
+    rng = random.Random()
+    for _ in range(2000):
+        base = rng.randrange(20000, 32000 - n)
+        socks = []
+        try:
+            for port in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no {n} consecutive free ports")
 
 
 class Proc:

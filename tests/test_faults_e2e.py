@@ -54,7 +54,7 @@ def load(url: str, n: int, tally: Tally, timeout: float = 120.0, **extra) -> thr
 
 def launcher(tmp_path, port: int, workers: int = 2) -> subprocess.Popen:
     p = subprocess.Popen([*DLLM, "serve", "--local", "--model-path", str(TINY_LLADA), "--workers", str(workers),
-                          "--port", str(port), "--worker-base-port", str(free_port()), "--stagger", "0",
+                          "--port", str(port), "--worker-base-port", str(free_port(workers)), "--stagger", "0",
                           "--health-check-interval", "0.3", "--http-processes", "2", "--drain-timeout", "60",
                           "--log-dir", str(tmp_path / "logs")], cwd=ROOT,
                          stdout=open(tmp_path / "serve.log", "wb"), stderr=subprocess.STDOUT)

@@ -184,7 +184,7 @@ def _info(path: Path) -> dict:
 @pytest.mark.slow
 def test_serve_local_restarts_a_killed_worker_and_stops_cleanly(tmp_path):
     """Two CPU workers and a balancer with one front process (--http-processes 2): nothing left after SIGTERM."""
-    port, wport = free_port(), free_port()
+    port, wport = free_port(), free_port(2)
     info = tmp_path / "server.env"
     log = open(tmp_path / "serve.log", "wb")
     p = subprocess.Popen([*DLLM, "serve", "--local", "--workers", "2", "--port", str(port), "--worker-base-port",
