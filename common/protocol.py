@@ -64,6 +64,18 @@ MAX_N = 128                  # choices per prompt (n)
 MAX_ROWS = 1024              # prompts x n in one request
 
 
+def defaults_and_neutral(data, neutral: dict):
+    """A body before validation: null means the field's default (as in OpenAI's API), and the fields of ``neutral``
+    are refused unless at their neutral value."""
+    if isinstance(data, dict):
+        if None in data.values():
+            data = {k: v for k, v in data.items() if v is not None}
+        for name, (ok, accepted) in neutral.items():
+            if name in data and not ok(data[name]):
+                raise ValueError(f"{name} is not supported by this server (accepted: {accepted})")
+    return data
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool = False
@@ -110,13 +122,7 @@ class CommonFields(DiffusionFields):
     @model_validator(mode="before")
     @classmethod
     def _neutral_only(cls, data):
-        if isinstance(data, dict):
-            if None in data.values():          # null means "the default", as in OpenAI's API
-                data = {k: v for k, v in data.items() if v is not None}
-            for name, (ok, accepted) in NEUTRAL_ONLY.items():
-                if name in data and not ok(data[name]):
-                    raise ValueError(f"{name} is not supported by this server (accepted: {accepted})")
-        return data
+        return defaults_and_neutral(data, NEUTRAL_ONLY)
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -260,13 +266,7 @@ class ResponsesRequest(DiffusionFields):
     @model_validator(mode="before")
     @classmethod
     def _neutral_only(cls, data):
-        if isinstance(data, dict):
-            if None in data.values():
-                data = {k: v for k, v in data.items() if v is not None}
-            for name, (ok, accepted) in RESPONSES_NEUTRAL.items():
-                if name in data and not ok(data[name]):
-                    raise ValueError(f"{name} is not supported by this server (accepted: {accepted})")
-        return data
+        return defaults_and_neutral(data, RESPONSES_NEUTRAL)
 
     def chat_body(self) -> dict:
         """The equivalent chat completion request (with usage in the stream, which response.completed needs)."""
@@ -318,10 +318,8 @@ def parse_body(cls: type[BaseModel], data: Any):
         data = loads(data)
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
-    if None in data.values():
-        data = {k: v for k, v in data.items() if v is not None}
     try:
-        return cls.model_validate(data)
+        return cls.model_validate(defaults_and_neutral(data, {}))
     except ValidationError as e:
         err = e.errors()[0]
         param = ".".join(str(x) for x in err.get("loc", ()) if not str(x).startswith("list[")) or None
