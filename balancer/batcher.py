@@ -116,12 +116,14 @@ class CentralBatcher:
         self.failed_midstream = 0
         self.split_batches = 0         # batches a worker rejected as a whole, re-sent one request at a time
         self.on_batch = None           # callback(batch_size) for metrics
+        self._closing = False
         self._no_worker_since: float | None = None
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="central-batcher")
 
     async def close(self) -> None:
+        self._closing = True
         if self._task:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -208,12 +210,34 @@ class CentralBatcher:
                 # every queued request excludes every free worker (it failed there): wait for another to free up
                 await self._wait(0.05)
                 continue
-            worker.last_dispatch = time.monotonic()
-            worker.inflight_batches += 1          # counted now, before the task runs: capacity is exact
-            worker.inflight_rows += len(batch)
-            task = asyncio.create_task(self._dispatch(worker, batch))
-            worker.dispatches.add(task)
-            task.add_done_callback(worker.dispatches.discard)
+            self._start_dispatch(worker, batch)
+
+    def _start_dispatch(self, worker: Worker, batch: list[Pending]) -> asyncio.Task:
+        worker.last_dispatch = time.monotonic()
+        worker.inflight_batches += 1          # counted now, before the task runs: capacity is exact
+        worker.inflight_rows += len(batch)
+        started = [False]
+        task = asyncio.create_task(self._dispatch(worker, batch, started))
+        worker.dispatches.add(task)
+        task.add_done_callback(lambda t: self._dispatch_ended(worker, batch, t, started[0]))
+        return task
+
+    def _dispatch_ended(self, w: Worker, batch: list[Pending], task: asyncio.Task, started: bool) -> None:
+        """A dispatch cancelled before its first step (the pool aborted the worker at once: it died) never ran its
+        own accounting: undo the counts and put its requests back at the front of the queue, not lost."""
+        w.dispatches.discard(task)
+        if started:
+            return
+        w.inflight_batches -= 1
+        w.inflight_rows -= len(batch)
+        self.pool.notify()
+        if not self._closing:
+            back = [p for p in batch if not (p.cancelled or p.done)]
+            if back:
+                log.warning("batch for worker %d aborted before it was sent: %d requests back in the queue",
+                            w.index, len(back))
+                self.queue.extendleft(reversed(back))
+            self._wake.set()
 
     def _take(self, worker: Worker) -> list[Pending]:
         healthy = {w.index for w in self.pool.healthy()}
@@ -248,7 +272,8 @@ class CentralBatcher:
                     p.fail(503, f"no healthy worker for {self.cfg.no_worker_grace:g} s", "service_unavailable")
             self.queue.clear()
 
-    async def _dispatch(self, w: Worker, batch: list[Pending]) -> None:
+    async def _dispatch(self, w: Worker, batch: list[Pending], started: list) -> None:
+        started[0] = True
         attempts = {}
         for p in batch:
             p.attempt += 1
@@ -290,10 +315,10 @@ class CentralBatcher:
                     if open_:
                         failure = "the worker closed the batch stream early"
         except asyncio.CancelledError as e:
-            msg = str(e.args[0]) if e.args else ""
-            if not msg.startswith("abort:"):
+            if self._closing:
                 raise
-            failure = f"worker {msg[6:]}"
+            msg = str(e.args[0]) if e.args else ""      # the pool's abort says why ("abort:stalled")
+            failure = f"worker {msg[6:]}" if msg.startswith("abort:") else "dispatch cancelled"
         except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, ValueError) as e:
             failure = f"{type(e).__name__}: {e}"
             w.errors += 1

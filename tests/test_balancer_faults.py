@@ -139,3 +139,27 @@ async def test_a_malformed_batch_stream_fails_over_instead_of_hanging(aiohttp_cl
         assert [m for m, _ in seen] == ["garbage", "ok"]
         stats = await (await client.get("/stats")).json()
         assert stats["redispatched_requests"] == 1 and stats["workers"][0]["errors"] == 1
+
+
+async def test_a_dispatch_aborted_before_it_starts_loses_nothing(aiohttp_client):
+    """The pool aborts a worker (connection refused) in the moment between a batch's dispatch task being created and
+    its first step: the task never runs, so its requests go back to the queue and its counts are undone (they were
+    lost, and the worker looked busy for ever, before)."""
+    from balancer.app import STATE
+    from balancer.batcher import Pending
+    log = []
+    async with workers(fake_worker("ok", log)) as urls:
+        app = make_app(BalancerConfig(worker_urls=urls, health=HealthConfig(interval=0.05, timeout=1)))
+        client = await aiohttp_client(app)
+        while (await (await client.get("/health")).json())["healthy_workers"] != 1:
+            await asyncio.sleep(0.02)
+        state = app[STATE]
+        w = state.pool.workers[0]
+        p = Pending(id="early", kind="completion", body=b'{"prompt": "a"}', stream=False)
+        state.batcher._start_dispatch(w, [p])
+        state.pool.abort(w, "test")                 # cancels the task before its first step
+        _, event, status, data, end = await asyncio.wait_for(p.next(), 10)
+        assert (event, status, end) == ("response", 200, True) and data["choices"][0]["text"] == "ok-completion"
+        assert log == [("ok", "early")]             # sent once, by the second dispatch
+        await asyncio.sleep(0.05)
+        assert w.inflight_batches == 0 and w.inflight_rows == 0
