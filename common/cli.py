@@ -166,6 +166,28 @@ def _logging(level: str) -> None:
     logging.basicConfig(level=getattr(logging, level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
+_SCORE_OPTIONS = [
+    click.option("--score-mc-num", type=click.IntRange(1), default=128, show_default=True,
+                 help="Likelihood scoring (echo + logprobs): Monte Carlo samples per estimate when a request gives "
+                      "no mc_num (the reference eval_llada.py's default)."),
+    click.option("--score-batch-size", type=click.IntRange(1), default=32, show_default=True,
+                 help="Likelihood scoring: copies per mini-batch (the reference's batch_size; mc_num must be a "
+                      "multiple of it) when a request gives no mc_batch_size."),
+    click.option("--score-cfg-scale", type=click.FloatRange(0), default=0.0, show_default=True,
+                 help="Likelihood scoring: classifier-free guidance scale when a request gives no cfg_scale."),
+    click.option("--score-window", type=click.IntRange(1), default=32, show_default=True,
+                 help="Likelihood scoring without context_length: estimate every split in the prompt's last N "
+                      "tokens, so lm-eval's sum over any continuation up to N tokens is that continuation's estimate "
+                      "(cost: up to N estimates per request; docs/api.md)."),
+]
+
+
+def _score_options(f):
+    for o in reversed(_SCORE_OPTIONS):
+        f = o(f)
+    return f
+
+
 @main.command()
 @click.option("--model-path", required=True, help="Checkpoint directory.")
 @click.option("--host", default="127.0.0.1", show_default=True)
@@ -186,6 +208,7 @@ def _logging(level: str) -> None:
               help="max_tokens when a request gives none (capped by the context left; default: the checkpoint's "
                    "generation_config.json max_new_tokens, else 256).")
 @click.option("--default-block-length", type=click.IntRange(1), default=32, show_default=True)
+@_score_options
 @click.option("--served-model-name", "served_model_name", multiple=True,
               help="Model id in the API (default: the directory name). Several names: repeat the option or separate "
                    "them with commas; requests may use any, the first is reported.")
@@ -199,7 +222,8 @@ def _logging(level: str) -> None:
                    "(load and scaling tests). The model path still provides the tokenizer.")
 @click.option("--log-level", default="info", show_default=True)
 def worker(model_path, host, port, batch_size, max_wait_time, max_queue, device, dtype, compile_, default_algorithm,
-           default_max_tokens, default_block_length, served_model_name, api_key, request_timeout, drain_timeout,
+           default_max_tokens, default_block_length, score_mc_num, score_batch_size, score_cfg_scale, score_window,
+           served_model_name, api_key, request_timeout, drain_timeout,
            simulate_device, log_level):
     """Serve one model on one device (OpenAI API + the balancer's /worker/batch)."""
     from worker.app import WorkerConfig, run
@@ -207,7 +231,8 @@ def worker(model_path, host, port, batch_size, max_wait_time, max_queue, device,
     cfg = WorkerConfig(model_path=model_path, host=host, port=port, batch_size=batch_size,
                        max_wait_time=max_wait_time, max_queue=max_queue, device=device, dtype=dtype,
                        compile=compile_, default_algorithm=default_algorithm, default_max_tokens=default_max_tokens,
-                       default_block_length=default_block_length,
+                       default_block_length=default_block_length, score_mc_num=score_mc_num,
+                       score_batch_size=score_batch_size, score_cfg_scale=score_cfg_scale, score_window=score_window,
                        served_model_name=",".join(served_model_name) or None,
                        api_key=api_key, request_timeout=request_timeout, drain_timeout=drain_timeout,
                        simulate_device=_cost_model(simulate_device))
@@ -368,6 +393,7 @@ def _serve_options(f):
                           "max_new_tokens, else 256)."),
         click.option("--dtype", type=click.Choice(DTYPES), default="auto",
                      show_default=True, help="auto: bfloat16 on a GPU, float32 on the CPU."),
+        *_SCORE_OPTIONS,
         click.option("--served-model-name", "served_model_name", multiple=True,
                      help="Model id in the API (default: the checkpoint directory's name; with --dcp-path, the DCP "
                           "directory's name). Several names: repeat the option or separate them with commas; the "
@@ -407,7 +433,8 @@ def _serve_options(f):
 @main.command()
 @_serve_options
 def serve(local, model_path, dcp_path, base_model, gpus, gpu_ids, workers, host, port, worker_host,
-          worker_base_port, batch_size, max_wait_time, default_algorithm, default_max_tokens, dtype, served_model_name,
+          worker_base_port, batch_size, max_wait_time, default_algorithm, default_max_tokens, dtype, score_mc_num,
+          score_batch_size, score_cfg_scale, score_window, served_model_name,
           compile_,
           http_processes, front_timeout, api_key,
           worker_api_key, log_dir, server_info_file, stagger, min_workers, startup_timeout, request_timeout,
@@ -437,7 +464,8 @@ def serve(local, model_path, dcp_path, base_model, gpus, gpu_ids, workers, host,
     worker_args = ["--batch-size", str(batch_size * 2), "--max-wait-time", "0",
                    *(["--default-algorithm", default_algorithm] if default_algorithm else []),
                    *(["--default-max-tokens", str(default_max_tokens)] if default_max_tokens else []),
-                   "--dtype", dtype,
+                   "--dtype", dtype, "--score-mc-num", str(score_mc_num), "--score-batch-size", str(score_batch_size),
+                   "--score-cfg-scale", str(score_cfg_scale), "--score-window", str(score_window),
                    "--served-model-name", ",".join(served_model_name) or Path(dcp_path or resolved).resolve().name,
                    *(["--compile"] if compile_ else []),
                    "--request-timeout", str(request_timeout), "--drain-timeout", str(drain_timeout),

@@ -8,7 +8,8 @@ Field policy (documented in docs/api.md):
 - accepted only at their neutral value, else a 400 naming the field: top_p (1), frequency_penalty (0),
   presence_penalty (0), logprobs (null/false), top_logprobs (null/0), echo (false), best_of (1), logit_bias (empty),
   suffix (null), tools/functions (none), response_format ({"type": "text"});
-- any other field is ignored (clients such as lm-eval and vllm bench send extras).
+- any other field is ignored (clients such as lm-eval and vllm bench send extras);
+- /v1/completions with echo + logprobs (+ max_tokens 0 or 1) is a likelihood scoring request (ScoreFields).
 """
 from __future__ import annotations
 
@@ -60,6 +61,10 @@ NEUTRAL_ONLY = {
 }
 
 
+# /v1/completions also takes echo + logprobs for likelihood scoring (ScoreFields), so those two are neutral-only
+# there only when the request is not a scoring request (checked in CompletionRequest).
+COMPLETION_NEUTRAL = {k: v for k, v in NEUTRAL_ONLY.items() if k not in ("logprobs", "echo")}
+
 MAX_N = 128                  # choices per prompt (n)
 MAX_ROWS = 1024              # prompts x n in one request
 
@@ -99,7 +104,7 @@ class DiffusionFields(BaseModel):
 
 class CommonFields(DiffusionFields):
     model: str | None = Field(None, max_length=512)
-    max_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=0)        # 0 only for scoring (echo + logprobs)
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
     stop: str | list[str] | None = Field(None, validate_default=True)
@@ -136,8 +141,52 @@ class CommonFields(DiffusionFields):
 TokenIds = list[int]
 
 
-class CompletionRequest(CommonFields):
+class ScoreFields(BaseModel):
+    """Likelihood scoring (``echo`` + ``logprobs`` + ``max_tokens`` 0 or 1 on /v1/completions, as lm-eval sends
+    loglikelihood requests): LLaDA's Monte Carlo estimator; null fields take the server's defaults."""
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=20)
+    mc_num: int | None = Field(None, ge=1, le=1 << 16)
+    mc_batch_size: int | None = Field(None, ge=1, le=1 << 12)
+    context_length: int | None = Field(None, ge=1)    # the prefix (context) in tokens: one split, the cheapest
+    score_window: int | None = Field(None, ge=1, le=1 << 16)   # else: every split in the prompt's last N tokens
+    check_greedy: bool = True
+
+
+class CompletionRequest(ScoreFields, CommonFields):
     prompt: Union[str, list[str], TokenIds, list[TokenIds]]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _neutral_only(cls, data):
+        if isinstance(data, dict) and data.get("logprobs") is False:
+            data = {k: v for k, v in data.items() if k != "logprobs"}
+        return defaults_and_neutral(data, COMPLETION_NEUTRAL)
+
+    @model_validator(mode="after")
+    def _scoring(self):
+        if self.echo and self.logprobs is not None:
+            if self.max_new_tokens is not None and self.max_new_tokens > 1:
+                raise ValueError("max_tokens: a scoring request (echo with logprobs) generates at most 1 token "
+                                 "(0 or 1)")
+            if self.stream:
+                raise ValueError("stream: scoring requests (echo with logprobs) are not streamed")
+            if self.n != 1:
+                raise ValueError("n: scoring requests (echo with logprobs) take n = 1")
+        elif self.echo:
+            raise ValueError("echo is supported only with logprobs, for likelihood scoring (docs/api.md)")
+        elif self.logprobs is not None:
+            raise ValueError("logprobs is supported only with echo=true and max_tokens 0 or 1, for likelihood scoring "
+                             "(docs/api.md)")
+        elif self.max_tokens == 0:
+            raise ValueError("max_tokens: 0 is only for scoring requests (echo with logprobs); otherwise at least 1")
+        return self
+
+    @property
+    def scoring(self) -> bool:
+        return self.echo and self.logprobs is not None
 
     @field_validator("prompt")
     @classmethod
@@ -182,6 +231,12 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(CommonFields):
     messages: list[ChatMessage] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _some_tokens(self):
+        if self.max_tokens == 0:
+            raise ValueError("max_tokens: must be at least 1")
+        return self
 
 
 MAX_DEPTH = 64      # nesting levels a request body may use (an OpenAI request needs about 6)
@@ -341,7 +396,9 @@ def parse_request(kind: Literal["chat", "completion", "responses"], data: Any
         r = _validate(ResponsesRequest, data, RESPONSES_NEUTRAL)
         _validate(ChatCompletionRequest, r.chat_body(), NEUTRAL_ONLY)
         return r
-    return _validate(ChatCompletionRequest if kind == "chat" else CompletionRequest, data, NEUTRAL_ONLY)
+    if kind == "chat":
+        return _validate(ChatCompletionRequest, data, NEUTRAL_ONLY)
+    return _validate(CompletionRequest, data, COMPLETION_NEUTRAL)
 
 
 def _validate(cls, data: dict, neutral: dict):
@@ -354,7 +411,8 @@ def _validate(cls, data: dict, neutral: dict):
         param = ".".join(x for x in loc if x not in ("str", "int", "TextPart") and not x.startswith("list[")) or None
         if err.get("type") == "value_error" and not loc:
             msg = str(err.get("ctx", {}).get("error", err["msg"]))
-            name = next((n for n in neutral if msg.startswith(n + " ")), None)
+            first = msg.split(" ", 1)[0].rstrip(":")
+            name = next((n for n in neutral if msg.startswith(n + " ")), first if first in cls.model_fields else None)
             raise APIError(400, msg, param=name)
         msg = err["msg"].removeprefix("Value error, ")
         raise APIError(400, f"{param or 'body'}: {msg}", param=param)

@@ -262,3 +262,26 @@ def test_sigstop_is_stalled_then_readmitted(tmp_path):
             time.sleep(0.1)
     finally:
         c.stop()
+
+
+def test_likelihood_scoring_through_the_balancer_beside_generation(cluster):
+    """lm-eval-shaped loglikelihood requests through the balancer, concurrent with generation requests (they share
+    the balancer's and the workers' batches): every score equals the reference golden, every generation answers."""
+    from tests.test_scoring_api import CASES, lm_eval_body, lm_eval_parse
+
+    async def go():
+        client = aclient(cluster.url)
+        scores = [client.completions.create(**{k: v for k, v in lm_eval_body(c).items() if k in (
+            "model", "prompt", "temperature", "max_tokens", "logprobs", "seed", "echo")},
+            extra_body={"mc_num": c["mc_num"], "mc_batch_size": c["batch_size"], "cfg_scale": c["cfg_scale"]})
+            for c in CASES]
+        gens = [client.completions.create(model="tiny-llada", prompt=f"p {i}", max_tokens=8) for i in range(8)]
+        out = await asyncio.gather(*scores, *gens)
+        await client.close()
+        return out[:len(CASES)], out[len(CASES):]
+
+    scored, generated = asyncio.run(go())
+    for c, r in zip(CASES, scored):
+        ll, _ = lm_eval_parse(r.choices[0].model_dump(), len(c["prefix"]))
+        assert ll == pytest.approx(c["log_likelihood"], rel=1e-5, abs=1e-4)
+    assert all(g.choices[0].finish_reason for g in generated)

@@ -1,6 +1,6 @@
 """LLaDA's Monte Carlo log-likelihood estimator and greedy check against goldens from the reference code
 (ML-GSAI/LLaDA get_log_likelihood.py / eval_llada.py on tests/fixtures/tiny-llada; settings in
-tests/fixtures/README.md): equal to the last bit, with and without classifier-free guidance."""
+tests/fixtures/README.md): equal to float tolerance, with and without classifier-free guidance."""
 import json
 
 import orjson

@@ -42,6 +42,10 @@ class WorkerConfig:
     default_algorithm: str | None = None     # None: the model family's default
     default_max_tokens: int | None = None    # None: the checkpoint's generation_config.json max_new_tokens, else 256
     default_block_length: int = 32
+    score_mc_num: int = 128                  # likelihood scoring defaults (requests may override each)
+    score_batch_size: int = 32
+    score_cfg_scale: float = 0.0
+    score_window: int = 32
     served_model_name: str | None = None
     api_key: str | None = None
     request_timeout: float = 1800.0
@@ -442,7 +446,8 @@ async def _load(app: web.Application) -> None:
     state.engine, state.batcher = engine, batcher
     aliases = (c.model_path, *state.model_names[1:])
     state.serving = Serving(engine, batcher, state.model_name,
-                            Defaults(c.default_algorithm, c.default_max_tokens, c.default_block_length), aliases)
+                            Defaults(c.default_algorithm, c.default_max_tokens, c.default_block_length,
+                                     c.score_mc_num, c.score_batch_size, c.score_cfg_scale, c.score_window), aliases)
     gc.freeze()      # the model, tokenizer and libraries are permanent: keep them out of every GC pass
     state.status = "ready"
     log.info("ready: %s (%s) on %s", state.model_name, engine.family, engine.device)

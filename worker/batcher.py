@@ -36,6 +36,8 @@ class Job:
     queued: bool = False              # waiting in the batcher (not yet in a batch)
     enqueued_at: float = field(default_factory=time.monotonic)
     start_by: float = 0.0             # the scheduler waits for more rows until then (at most)
+    score: object = None              # a likelihood.ScoreRequest: a scoring row (params unused); "done" gives a
+                                      # ScoreResult
 
 
 class Batcher:
@@ -80,7 +82,7 @@ class Batcher:
         if not force and self.queue_depth >= self.max_queue:
             raise QueueFull(f"the worker queue is full ({self.max_queue} requests waiting)")
         p = job.params
-        if p.seed is None and (p.temperature > 0 or p.remasking == "random"):
+        if p is not None and p.seed is None and (p.temperature > 0 or p.remasking == "random"):
             # A fixed seed per row makes a retried batch (after CUDA OOM) give the same tokens it already streamed.
             job.params = replace(p, seed=random.getrandbits(63))
         job.enqueued_at = time.monotonic()
@@ -177,6 +179,12 @@ class Batcher:
         returned ((job, "done", Result) or (job, "error", (status, message)))."""
         import torch
 
+        scoring = [j for j in jobs if j.score is not None]
+        if scoring:
+            jobs = [j for j in jobs if j.score is None]
+            out = self._score(scoring)
+            return out + (self._run(jobs) if jobs else [])
+
         def progress(i, ids):
             if jobs[i].wants_progress:
                 self._emit(jobs[i], "progress", ids)
@@ -196,3 +204,20 @@ class Batcher:
             log.exception("engine failure on a batch of %d", len(jobs))
             return [(j, "error", (500, f"internal error during generation: {type(e).__name__}: {e}")) for j in jobs]
         return [(j, "done", r) for j, r in zip(jobs, results)]
+
+    def _score(self, jobs: list[Job]) -> list[tuple[Job, str, object]]:
+        """Device thread: the scoring rows of a batch, their forwards shared (worker.engine.likelihood)."""
+        import torch
+        try:
+            results = self.engine.score([j.score for j in jobs], cancelled=lambda i: jobs[i].cancelled)
+        except torch.cuda.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            if len(jobs) == 1:
+                return [(jobs[0], "error", (503, "the GPU ran out of memory scoring this prompt alone"))]
+            half = len(jobs) // 2
+            return self._score(jobs[:half]) + self._score(jobs[half:])
+        except Exception as e:
+            log.exception("scoring failure on %d rows", len(jobs))
+            return [(j, "error", (500, f"internal error during scoring: {type(e).__name__}: {e}")) for j in jobs]
+        return [(j, "done", r if r is not None else Result([], "cancelled", 0, [], len(j.prompt_ids)))
+                for j, r in zip(jobs, results)]

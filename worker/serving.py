@@ -22,6 +22,13 @@ class Defaults:
     algorithm: str = "basic"
     max_tokens: int = 256
     block_length: int = 32
+    # likelihood scoring (docs/api.md "Likelihood scoring"); mc_num, batch size and cfg as the reference's
+    # eval_llada.py defaults, seed as lm-eval's
+    score_mc_num: int = 128
+    score_batch_size: int = 32
+    score_cfg_scale: float = 0.0
+    score_window: int = 32
+    score_seed: int = 1234
 
 
 @dataclass
@@ -33,6 +40,7 @@ class Prepared:
     rid: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     responses: ResponsesRequest | None = None     # a /v1/responses request, run as this chat request
+    scores: list | None = None      # likelihood.ScoreRequest per prompt: a scoring request (no generation)
 
 
 class Serving:
@@ -76,6 +84,8 @@ class Serving:
                 if not ids:
                     raise APIError(400, "prompt: the prompt encodes to no tokens", param="prompt")
                 prompts.append(ids)
+        if kind == "completion" and req.scoring:
+            return self._prepare_scoring(req, prompts)
         n = req.n
         if len(prompts) * n > MAX_ROWS:
             raise APIError(400, f"{len(prompts)} prompts x n={n} is more than {MAX_ROWS} choices in one request",
@@ -88,6 +98,47 @@ class Serving:
         prompts = [ids for ids in prompts for _ in range(n)]
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         return Prepared(kind, req, prompts, params, rid=new_id(prefix))
+
+    def _prepare_scoring(self, req: CompletionRequest, prompts: list[list[int]]) -> Prepared:
+        from worker.engine.likelihood import ScoreRequest, check
+        why = self.engine.scoring
+        if why:
+            raise APIError(400, why, param="logprobs")
+        d = self.defaults
+        limit = self.engine.max_sequence_length
+        vocab = len(self.tok)
+        nxt = req.max_new_tokens == 1
+        mc_num = req.mc_num or d.score_mc_num
+        bs = req.mc_batch_size or min(d.score_batch_size, mc_num)
+        scores = []
+        for ids in prompts:
+            n = len(ids)
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise APIError(400, f"prompt: {bad} is not a token id of this model (0 to {vocab - 1})",
+                               param="prompt")
+            if n < 2:
+                raise APIError(400, "prompt: a scoring prompt needs at least 2 tokens (a context and a continuation)",
+                               param="prompt")
+            if n + nxt > limit:
+                raise APIError(400, f"prompt: {n} tokens{' + 1 generated' if nxt else ''} exceed the model's maximum "
+                                    f"sequence length ({limit} tokens)", param="prompt")
+            if req.context_length is not None:
+                if req.context_length >= n:
+                    raise APIError(400, f"context_length ({req.context_length}) must be less than the prompt's "
+                                        f"{n} tokens (the continuation needs at least one)", param="context_length")
+                splits = [req.context_length]
+            else:
+                splits = list(range(max(1, n - (req.score_window or d.score_window)), n))
+            seed = d.score_seed if req.seed is None else req.seed % (1 << 63)
+            sr = ScoreRequest(ids, splits, mc_num, bs, d.score_cfg_scale if req.cfg_scale is None else req.cfg_scale,
+                              seed, req.check_greedy, nxt)
+            try:
+                check(sr)
+            except ValueError as e:
+                raise APIError(400, f"mc_num: {e} (mc_num {mc_num}, mc_batch_size {bs})", param="mc_num")
+            scores.append(sr)
+        return Prepared("completion", req, prompts, [None] * len(prompts), rid=new_id("cmpl"), scores=scores)
 
     def _params(self, req, ids: list[int]) -> GenerationParams:
         d = self.defaults
@@ -172,7 +223,8 @@ class Serving:
         if prep.responses is not None:
             run.emit = ResponsesEvents(prep.responses, prep.rid, self.model_name, prep.created, run.emit)
         progress = prep.req.stream or bool(prep.req.stop)
-        run.jobs = [Job(ids, p, sink=run.on_row, index=i, wants_progress=progress)
+        run.jobs = [Job(ids, p, sink=run.on_row, index=i, wants_progress=progress,
+                        score=prep.scores[i] if prep.scores else None)
                     for i, (ids, p) in enumerate(zip(prep.prompts, prep.params))]
         if self.batcher.queue_depth + len(run.jobs) > self.batcher.max_queue:
             raise APIError(429, f"the worker queue is full ({self.batcher.max_queue} rows waiting)",
@@ -245,6 +297,9 @@ class Run:
         if what == "error":
             self._finish_error(*payload)
             return
+        if prep.scores is not None:
+            self._on_score(i, payload)
+            return
         if what == "progress":
             if st.stopped:
                 return
@@ -278,6 +333,63 @@ class Run:
         choices = [completion_choice(kind, i, s.text, s.finish_reason, s.nfe,
                                      s.token_ids if req.return_token_ids else None) for i, s in enumerate(states)]
         self.emit("response", response(kind, prep.rid, name, choices, use, prep.created), True)
+
+
+    def _on_score(self, i: int, result) -> None:
+        from worker.engine.likelihood import ScoreResult
+        if not isinstance(result, ScoreResult):       # cancelled before or while scoring
+            self._finish_error(499, "the request was cancelled")
+            return
+        self.states[i] = result
+        self.remaining -= 1
+        if self.remaining:
+            return
+        self.finished = True
+        prep, serving = self.prep, self.serving
+        choices = [score_choice(serving, i, prep.req, prep.scores[i], r) for i, r in enumerate(self.states)]
+        use = usage(sum(len(p) for p in prep.prompts), sum(1 for s in prep.scores if s.next_token))
+        self.emit("response", response("completion", prep.rid, serving.model_name, choices, use, prep.created), True)
+
+
+def score_choice(serving: Serving, index: int, req: CompletionRequest, sr, res) -> dict:
+    """One choice of a scoring response, in the OpenAI completions ``logprobs`` shape (docs/api.md):
+    ``token_logprobs`` hold the estimate spread over the positions so that the sum from any estimated split to the
+    end of the prompt equals that split's estimate; ``top_logprobs`` hold one entry per position, the prompt's token,
+    whose value is null where the reference's greedy check fails (lm-eval's is_greedy test reads exactly that)."""
+    tok, ids = serving.tok, sr.ids
+    n = len(ids)
+    strs = tok.batch_decode([[t] for t in ids])
+    values: list = [None] * n
+    greedy: list = [None] * n
+    bounds = sorted(sr.splits) + [n]
+    est = dict(zip(sr.splits, res.log_likelihoods))
+    est[n] = 0.0
+    for a, b in zip(bounds, bounds[1:]):
+        v = (est[a] - est[b]) / (b - a)
+        g = bool(res.greedy[sr.splits.index(a)])      # unchecked: False, as the reference's is_check_greedy=False
+        for p in range(a, b):
+            values[p] = v
+            greedy[p] = g if p == a else True
+    top = [None if values[p] is None else {strs[p]: values[p] if greedy[p] else None} for p in range(n)]
+    text = req.prompt if isinstance(req.prompt, str) else tok.decode(ids)
+    tokens, token_logprobs = list(strs), values
+    if sr.next_token:
+        t = tok.decode([res.next_token])
+        tokens.append(t)
+        token_logprobs = values + [res.next_logprob]
+        top.append({t: res.next_logprob})
+        text += t
+    offsets, at = [], 0
+    for t in tokens:
+        offsets.append(at)
+        at += len(t)
+    return {"index": index, "text": text, "finish_reason": "length",
+            "logprobs": {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top,
+                         "text_offset": offsets},
+            "score": {"splits": sr.splits, "log_likelihoods": res.log_likelihoods,
+                      "is_greedy": [None if g is None else bool(g) for g in res.greedy], "mc_num": sr.mc_num,
+                      "mc_batch_size": sr.batch_size, "cfg_scale": sr.cfg_scale, "seed": sr.seed,
+                      "forward_rows": res.forward_rows}}
 
 
 class _Choice:

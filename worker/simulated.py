@@ -29,6 +29,8 @@ class SimulatedEngine:
         self.base, self.per_row = base, per_row
         self.last_step_time = time.monotonic()
 
+    scoring = "the simulated device (a test double) has no model to score with"
+
     def plan(self, prompt_ids: list[int], params: GenerationParams) -> Plan:
         algorithms.get(params.algorithm, "llada")
         return plan(params, len(prompt_ids), self.max_sequence_length)

@@ -86,6 +86,27 @@ class Engine:
         g.manual_seed(seed if seed is not None else random.getrandbits(63))
         return g
 
+    @property
+    def scoring(self) -> str | None:
+        """Why likelihood scoring is unavailable for this family, or None when it is available."""
+        if self.family == "llada":
+            return None
+        return (f"likelihood scoring (echo with logprobs) uses LLaDA's Monte Carlo estimator, which is defined for "
+                f"bidirectional masked diffusion models predicting each masked position in place; the {self.family} "
+                f"family's reference code has no likelihood estimator, so this server does not invent one")
+
+    def score(self, requests: list, cancelled=lambda i: False) -> list:
+        """Likelihood estimates (worker.engine.likelihood.score) for many prompts and splits in shared forwards."""
+        from .likelihood import score
+        self.last_step_time = time.monotonic()
+        out = score(self.model, self.mask_id, requests, cancelled=lambda i: self._tick() or cancelled(i))
+        self.last_step_time = time.monotonic()
+        return out
+
+    def _tick(self) -> bool:
+        self.last_step_time = time.monotonic()
+        return False
+
     @torch.inference_mode()
     def generate(self, requests: list[Request], *, early_exit: bool = True,
                  hooks: StepHooks | None = None) -> list[Result]:

@@ -7,68 +7,264 @@ target positions chosen by a random permutation; the loss is the cross entropy o
 their mask ratio ``x_i / n``, summed over the mini-batch and divided by ``batch_size``. The estimate is minus the mean
 loss. The random draws come from one generator seeded with ``seed``, in the reference's order (``randint`` then one
 ``randperm`` per copy), so a seed gives the reference's value (the reference calls ``torch.manual_seed(seed)``).
-With ``cfg_scale`` > 0 each copy is also run with the prefix masked and the logits mixed as the reference does."""
+With ``cfg_scale`` > 0 each copy is also run with the prefix masked and the logits mixed as the reference does.
+
+:func:`score` runs many estimates at once: several prompts, and for each several splits of the prompt into prefix and
+target (each split draws its own masks from a generator seeded with the prompt's seed, so each equals the reference run
+alone). Identical noisy copies are forwarded once (a one-token target masks the same position in every copy), the
+forwards of all prompts share batches of at most ``max_rows`` rows (shorter rows right-padded, padding masked out of
+attention), and only the masked positions' logits are computed. The greedy check (the reference's
+``suffix_greedy_prediction``: fill the target one position per step, the most confident first) runs for every split
+in lockstep, and stops a split at its first wrong token (a committed token is never changed, so the answer is known)."""
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 
-def _logits(model, batch: torch.Tensor, prefix_len: int, cfg_scale: float, mask_id: int) -> torch.Tensor:
-    if cfg_scale > 0:
-        un = batch.clone()
-        un[:, :prefix_len] = mask_id
-        batch = torch.cat([batch, un])
-    pos = torch.arange(batch.shape[1], device=batch.device).expand(batch.shape[0], -1)
-    logits = model.logits(model(batch, pos))
-    if cfg_scale > 0:
-        logits, un_logits = torch.chunk(logits, 2, dim=0)
-        logits = un_logits + (cfg_scale + 1) * (logits - un_logits)
-    return logits
+@dataclass
+class ScoreRequest:
+    ids: list[int]                  # prefix + target, for every split
+    splits: list[int]               # prefix lengths to estimate, each in [1, len(ids) - 1]
+    mc_num: int = 128
+    batch_size: int = 32
+    cfg_scale: float = 0.0
+    seed: int = 0
+    check_greedy: bool = True
+    next_token: bool = False        # also predict one token after ids (one masked position, argmax)
 
 
-@torch.no_grad()
-def log_likelihood(model, prefix: list[int], target: list[int], mask_id: int, mc_num: int = 128,
-                   batch_size: int = 16, cfg_scale: float = 0.0, seed: int = 0) -> float:
-    n, p = len(target), len(prefix)
-    if n < 1 or p < 1:
+@dataclass
+class ScoreResult:
+    log_likelihoods: list[float]            # one per split
+    greedy: list[bool | None]               # one per split (None: not checked)
+    next_token: int | None = None
+    next_logprob: float | None = None
+    forward_rows: int = 0                   # rows forwarded (after merging identical copies)
+
+
+class Cancelled(Exception):
+    pass
+
+
+def check(req: ScoreRequest) -> None:
+    n = len(req.ids)
+    if not req.splits or any(not 1 <= s < n for s in req.splits):
         raise ValueError("the prefix and the target need at least one token each")
-    if mc_num < batch_size or mc_num % batch_size:
+    if req.batch_size < 1 or req.mc_num < req.batch_size or req.mc_num % req.batch_size:
         raise ValueError("mc_num must be a positive multiple of batch_size")
-    dev = model.device
-    g = torch.Generator().manual_seed(seed)
-    seq = torch.tensor(prefix + target, device=dev)[None, :].repeat(batch_size, 1)
-    losses = []
-    for _ in range(mc_num // batch_size):
+
+
+@dataclass
+class _Estimate:
+    """One (prompt, split): its mini-batches' copies as indices into the prompt's distinct noisy rows."""
+    req: int
+    prefix: int
+    batches: list[tuple[list[int], torch.Tensor]] = field(default_factory=list)   # (row per copy, ratio per copy)
+
+
+def _draw(req: ScoreRequest, split: int, mask_id: int, seq: torch.Tensor, rows: dict, est: _Estimate) -> None:
+    """The reference's random draws for one split, in its order; each copy's noisy row is numbered in ``rows``
+    ((prefix length, row bytes) -> (index, prefix length, row)), identical rows once."""
+    p, n, bs = split, len(req.ids) - split, req.batch_size
+    g = torch.Generator().manual_seed(req.seed)
+    for _ in range(req.mc_num // bs):
         k = torch.randint(1, n + 1, (), generator=g)
-        x = torch.round(torch.linspace(float(k), k + (batch_size - 1) * (n / batch_size), steps=batch_size)).long()
+        x = torch.round(torch.linspace(float(k), k + (bs - 1) * (n / bs), steps=bs)).long()
         x = ((x - 1) % n) + 1
-        is_mask = torch.arange(n).repeat(batch_size, 1) < x.unsqueeze(1)
-        for i in range(batch_size):
+        is_mask = torch.arange(n).repeat(bs, 1) < x.unsqueeze(1)
+        for i in range(bs):
             is_mask[i] = is_mask[i][torch.randperm(n, generator=g)]
-        is_mask = torch.cat((torch.zeros(batch_size, p, dtype=torch.bool), is_mask), dim=1).to(dev)
+        is_mask = torch.cat((torch.zeros(bs, p, dtype=torch.bool), is_mask), dim=1)
         noisy = torch.where(is_mask, mask_id, seq)
-        p_mask = (x / n).unsqueeze(1).repeat(1, p + n).to(dev)
-        where = noisy == mask_id
-        logits = _logits(model, noisy, p, cfg_scale, mask_id)
-        loss = F.cross_entropy(logits[where], seq[where], reduction="none") / p_mask[where]
-        losses.append((loss.sum() / batch_size).item())
-    return -sum(losses) / len(losses)
+        which = []
+        for i in range(bs):
+            key = (p, noisy[i].numpy().tobytes())
+            if key not in rows:
+                rows[key] = (len(rows), p, noisy[i])
+            which.append(rows[key][0])
+        est.batches.append((which, x))
+
+
+MAX_FORWARD_TOKENS = 32768     # canvas tokens per scoring forward (bounds activation memory on long prompts)
+
+
+def _forward_rows(model, mask_id: int, cfg_scale: float, items: list, max_rows: int, cancelled,
+                  max_tokens: int = MAX_FORWARD_TOKENS) -> list:
+    """items: (prefix_len, noisy row [L] long, needed positions [m] long). Returns, per item, the logits at its
+    needed positions (with classifier-free guidance mixed in when cfg_scale > 0), in batches of at most
+    ``max_rows`` forward rows and ``max_tokens`` tokens, right-padded to the longest row of the batch."""
+    out: list = [None] * len(items)
+    per = 2 if cfg_scale > 0 else 1
+    order = sorted(range(len(items)), key=lambda i: -len(items[i][1]))
+    dev = model.device
+    b = 0
+    while b < len(order):
+        if cancelled():
+            raise Cancelled()
+        width = len(items[order[b]][1])
+        step = max(1, min(max_rows, max_tokens // width) // per)
+        chunk = order[b:b + step]
+        b += step
+        ids = torch.full((len(chunk) * per, width), mask_id, dtype=torch.long)
+        keys = torch.zeros(len(chunk) * per, width, dtype=torch.bool)
+        for j, i in enumerate(chunk):
+            p, row, _ = items[i]
+            ids[j, :len(row)] = row
+            keys[j, :len(row)] = True
+            if per == 2:
+                un = row.clone()
+                un[:p] = mask_id
+                ids[len(chunk) + j, :len(row)] = un
+                keys[len(chunk) + j, :len(row)] = True
+        padded = not bool(keys.all())
+        ids, keys = ids.to(dev), keys.to(dev)
+        pos = torch.arange(width, device=dev).expand(ids.shape[0], -1)
+        h = model(ids, pos, keys[:, None, None, :] if padded else None)
+        for j, i in enumerate(chunk):
+            need = items[i][2].to(dev)
+            logits = model.logits(h[j, need])
+            if per == 2:
+                un_logits = model.logits(h[len(chunk) + j, need])
+                logits = un_logits + (cfg_scale + 1) * (logits - un_logits)
+            out[i] = logits
+    return out
 
 
 @torch.no_grad()
+def score(model, mask_id: int, requests: list[ScoreRequest], *, max_rows: int = 64,
+          cancelled=lambda i: False) -> list[ScoreResult | None]:
+    """Estimates for every request and split (see the module's docstring). ``cancelled(i)`` is asked between
+    forwards; a cancelled request's result is None."""
+    for r in requests:
+        check(r)
+    results: list[ScoreResult | None] = [ScoreResult([0.0] * len(r.splits), [None] * len(r.splits))
+                                         for r in requests]
+    live = lambda i: results[i] is not None and not cancelled(i)
+
+    # --- Monte Carlo estimates: distinct noisy rows per request, forwarded together (one cfg scale per forward)
+    for cfg in sorted({r.cfg_scale for r in requests}):
+        group = [i for i, r in enumerate(requests) if r.cfg_scale == cfg]
+        items, owners, ests = [], [], []
+        for i in group:
+            r = requests[i]
+            seq = torch.tensor(r.ids)[None, :].repeat(r.batch_size, 1)
+            rows: dict = {}
+            mine = []
+            for s in r.splits:
+                e = _Estimate(i, s)
+                _draw(r, s, mask_id, seq, rows, e)
+                mine.append(e)
+            base = len(items)
+            for _, p, row in rows.values():
+                items.append((p, row, (row == mask_id).nonzero().squeeze(1)))
+                owners.append(i)
+            for e in mine:
+                e.batches = [([base + w for w in which], x) for which, x in e.batches]
+            ests += mine
+        try:
+            logits = _forward_rows(model, mask_id, cfg, items, max_rows,
+                                   lambda: not any(live(i) for i in group))
+        except Cancelled:
+            for i in group:
+                results[i] = None
+            continue
+        for i in group:
+            if cancelled(i):
+                results[i] = None
+            elif results[i] is not None:
+                results[i].forward_rows += sum(1 for o in owners if o == i) * (2 if cfg > 0 else 1)
+        # the reference's arithmetic per mini-batch: cross entropy of every masked position of every copy (row-major,
+        # as logits[mask_index] orders them) divided by the copy's ratio, summed, divided by batch_size
+        ce_cache: dict[int, torch.Tensor] = {}
+        for e in ests:
+            res = results[e.req]
+            if res is None:
+                continue
+            r = requests[e.req]
+            n = len(r.ids) - e.prefix
+            target = torch.tensor(r.ids, device=model.device)
+            losses = []
+            for which, x in e.batches:
+                parts = []
+                for w, xi in zip(which, x.tolist()):
+                    if w not in ce_cache:
+                        need = items[w][2].to(model.device)
+                        ce_cache[w] = F.cross_entropy(logits[w], target[need], reduction="none")
+                    p_mask = torch.full((len(items[w][2]),), xi / n, dtype=torch.float32, device=model.device)
+                    parts.append(ce_cache[w] / p_mask)
+                loss = torch.cat(parts)
+                losses.append((loss.sum() / r.batch_size).item())
+            res.log_likelihoods[r.splits.index(e.prefix)] = -sum(losses) / len(losses)
+        del logits, ce_cache
+
+    # --- greedy checks, all splits in lockstep: [request, split index, canvas, steps left]
+    states = []
+    for i, r in enumerate(requests):
+        if results[i] is None or not r.check_greedy:
+            continue
+        for k, s in enumerate(r.splits):
+            canvas = torch.tensor(r.ids)
+            canvas[s:] = mask_id
+            states.append([i, k, canvas, len(r.ids) - s])
+    for cfg in sorted({requests[st[0]].cfg_scale for st in states}):
+        active = [st for st in states if requests[st[0]].cfg_scale == cfg]
+        while active:
+            active = [st for st in active if live(st[0])]
+            if not active:
+                break
+            items = [(requests[i].splits[k], canvas, (canvas == mask_id).nonzero().squeeze(1))
+                     for i, k, canvas, _ in active]
+            logits = _forward_rows(model, mask_id, cfg, items, max_rows, lambda: False)
+            going = []
+            for st, item, lg in zip(active, items, logits):
+                i, k, canvas, left = st
+                r, s = requests[i], requests[i].splits[k]
+                results[i].forward_rows += 2 if cfg > 0 else 1
+                x0 = torch.argmax(lg, dim=-1).cpu()
+                conf = torch.gather(torch.softmax(lg.to(torch.float32), dim=-1), -1, x0[:, None].to(lg.device))
+                _, order = torch.sort(conf.squeeze(-1), descending=True)
+                pos = int(item[2][order[0]])
+                canvas[pos] = x0[order[0]]
+                st[3] = left = left - 1
+                if pos >= s and int(canvas[pos]) != r.ids[pos]:
+                    results[i].greedy[k] = False        # committed tokens never change: the check has failed
+                elif left == 0:
+                    results[i].greedy[k] = canvas[s:].tolist() == r.ids[s:]
+                else:
+                    going.append(st)
+            active = going
+
+    # --- the token after the prompt (max_tokens 1): one masked position, argmax, its log-probability
+    nxt = [i for i, r in enumerate(requests) if r.next_token and live(i)]
+    for cfg in sorted({requests[i].cfg_scale for i in nxt}):
+        group = [i for i in nxt if requests[i].cfg_scale == cfg]
+        items = [(len(requests[i].ids), torch.tensor(requests[i].ids + [mask_id]),
+                  torch.tensor([len(requests[i].ids)])) for i in group]
+        logits = _forward_rows(model, mask_id, cfg, items, max_rows, lambda: False)
+        for i, lg in zip(group, logits):
+            lp = torch.log_softmax(lg[0].to(torch.float32), dim=-1)
+            t = int(torch.argmax(lg[0]))
+            results[i].next_token, results[i].next_logprob = t, float(lp[t])
+            results[i].forward_rows += 2 if cfg > 0 else 1
+    for i in range(len(requests)):
+        if results[i] is not None and cancelled(i):
+            results[i] = None
+    return results
+
+
+def log_likelihood(model, prefix: list[int], target: list[int], mask_id: int, mc_num: int = 128,
+                   batch_size: int = 16, cfg_scale: float = 0.0, seed: int = 0, max_rows: int = 64) -> float:
+    """The reference's ``get_log_likelihood`` for one prefix and target."""
+    req = ScoreRequest(list(prefix) + list(target), [len(prefix)], mc_num, batch_size, cfg_scale, seed,
+                       check_greedy=False)
+    return score(model, mask_id, [req], max_rows=max_rows)[0].log_likelihoods[0]
+
+
 def greedy_suffix(model, prefix: list[int], target: list[int], mask_id: int, cfg_scale: float = 0.0) -> bool:
-    """Whether decoding the target's positions one at a time, most confident first (float32 softmax, as the
-    reference's ``suffix_greedy_prediction``), reproduces the target."""
-    p, n = len(prefix), len(target)
-    seq = torch.full((1, p + n), mask_id, device=model.device)
-    seq[0, :p] = torch.tensor(prefix, device=model.device)
-    for _ in range(n):
-        where = seq == mask_id
-        logits = _logits(model, seq, p, cfg_scale, mask_id)[where]
-        x0 = torch.argmax(logits, dim=-1)
-        conf = torch.gather(torch.softmax(logits.to(torch.float32), dim=-1), -1, x0[:, None]).squeeze(-1)
-        _, order = torch.sort(conf, descending=True)
-        x0[order[1:]] = mask_id
-        seq[where] = x0.clone()
-    return bool(torch.all(seq[0, p:] == torch.tensor(target, device=model.device)))
+    """The reference's ``suffix_greedy_prediction``: whether decoding the target's positions one at a time, most
+    confident first (float32 softmax), reproduces the target."""
+    req = ScoreRequest(list(prefix) + list(target), [len(prefix)], 1, 1, cfg_scale, 0)
+    return bool(score(model, mask_id, [req])[0].greedy[0])
