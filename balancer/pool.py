@@ -3,13 +3,18 @@
 Statuses: ``starting`` (never ready yet, or loading), ``idle`` / ``busy`` (healthy, by the balancer's own in-flight
 work), ``stalled`` (holds work but has made no denoising progress for ``stall_timeout``), ``unhealthy`` (refused a
 connection, or ``unhealthy_threshold`` probes failed in a row while it held no work), ``draining`` (says so).
-A down or stalled worker is re-admitted after ``healthy_threshold`` good probes in a row."""
+A down or stalled worker is re-admitted after ``healthy_threshold`` good probes in a row.
+
+The pool owns every worker's state: the batcher reports its dispatches (``batch_*`` methods) and the pool counts the
+load and decides health. When the pool gives up on a worker that holds work (its connection is refused, it stalled),
+:meth:`WorkerPool.abort` calls ``on_abort(worker, why)``, which the batcher registers to break those dispatches."""
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import aiohttp
 
@@ -43,7 +48,6 @@ class Worker:
     last_activity: float | None = None                               # last event received from it
     last_health: dict = field(default_factory=dict)
     last_dispatch: float = 0.0
-    dispatches: set = field(default_factory=set)                     # in-flight dispatch tasks
     launch_id: str | None = None     # when set, only a worker whose /health shows it is ours (the supervisor's)
     instance_id: str | None = None   # the worker process last seen on /health
 
@@ -89,6 +93,7 @@ class WorkerPool:
         self._tasks: list[asyncio.Task] = []
         self.changed = asyncio.Event()        # set whenever capacity or health may have changed
         self.model_card: dict | None = None   # /v1/models of the first ready worker
+        self.on_abort: Callable[[Worker, str], None] | None = None   # the batcher's: break the worker's dispatches
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._probe_loop(w), name=f"health-{w.index}") for w in self.workers]
@@ -194,6 +199,37 @@ class WorkerPool:
             self.abort(w, "stalled")
 
     def abort(self, w: Worker, why: str) -> None:
-        """Break every in-flight dispatch to ``w``; their unsent requests go back to the queue."""
-        for task in list(w.dispatches):
-            task.cancel(msg=f"abort:{why}")
+        """Break every in-flight dispatch to ``w`` (``why``: "stalled", "connection refused"); their unsent requests
+        go back to the queue."""
+        if self.on_abort is not None:
+            self.on_abort(w, why)
+
+    # ------------------------------------------------------------ what the batcher reports
+    def batch_started(self, w: Worker, rows: int) -> None:
+        w.last_dispatch = time.monotonic()
+        w.inflight_batches += 1
+        w.inflight_rows += rows
+
+    def batch_ended(self, w: Worker, rows: int) -> None:
+        """A batch counted by :meth:`batch_started` is over, however it went (or never went)."""
+        w.inflight_batches -= 1
+        w.inflight_rows -= rows
+        self.notify()
+
+    @staticmethod
+    def batch_progress(w: Worker) -> None:
+        w.last_activity = w.last_progress = time.monotonic()
+
+    @staticmethod
+    def row_served(w: Worker) -> None:
+        w.requests_served += 1
+
+    def batch_failed(self, w: Worker, why: str, connection: bool = False, refused: bool = False) -> None:
+        """A batch failed by ``w``'s fault: an error status, a malformed stream, or (``connection``) a broken
+        connection, which counts toward its consecutive errors; one ``refused`` marks a worker once ready down."""
+        w.errors += 1
+        if connection:
+            w.consecutive_errors += 1
+        if refused and w.ever_ready and not w.down:
+            w.down = True
+            log.warning("worker %d (%s) is down: %s", w.index, w.url, why)
