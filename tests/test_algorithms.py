@@ -93,18 +93,29 @@ def test_caches_save_forwards_and_dinfer_commits_in_parallel(llada_engine, llada
 
 def test_vicinity_refresh_and_warmup_change_the_work_done(llada_engine, llada_golden):
     c = golden_cases(llada_golden, ("dual_cache",))[1]
+    forwarded = []      # tokens per forward pass
+    hook = llada_engine.model.register_forward_pre_hook(lambda m, args: forwarded.append(args[0].numel()))
 
     def run(**extra):
-        return llada_engine.generate([Request(c["prompt"], GenerationParams(
+        forwarded.clear()
+        r = llada_engine.generate([Request(c["prompt"], GenerationParams(
             gen_length=32, block_length=8, algorithm="dinfer_blockwise", threshold=0.99, extra=extra))],
             early_exit=False)[0]
-    plain, vicinity = run(), run(prefix_look=4, after_look=4, warmup_steps=8)
-    assert plain.canvas != vicinity.canvas or plain.nfe != vicinity.nfe
-    # warm-up for the whole block = full forwards every step = the dual cache never used: the no-cache result
-    no_cache = llada_engine.generate([Request(c["prompt"], GenerationParams(
-        gen_length=32, block_length=8, algorithm="dinfer_blockwise", threshold=0.99,
-        extra={"warmup_steps": 1000}))], early_exit=False)[0]
-    assert no_cache.nfe >= plain.nfe
+        return r, list(forwarded)
+    try:
+        (plain, plain_fw), (look, look_fw) = run(), run(prefix_look=4, after_look=4)
+        (warm, warm_fw), (no_cache, no_cache_fw) = run(warmup_steps=8), run(warmup_steps=1000)
+    finally:
+        hook.remove()
+    full = len(c["prompt"]) + 32
+    # plain dual cache: one full forward per block, then block-only windows (8 tokens)
+    assert sorted(set(plain_fw)) == [8, full] and plain_fw.count(full) == 4
+    # the vicinity refresh widens every cached window by 4 + 4 (clipped at the canvas end for the last block)
+    assert look_fw.count(full) == 4 and set(look_fw) - {full} <= {16, 12} and 16 in look_fw
+    assert sum(look_fw) > sum(plain_fw)
+    # warm-up for the whole block (8 steps of 8 tokens) = full forwards every step = the cache never used
+    assert set(warm_fw) == {full} and set(no_cache_fw) == {full}
+    assert (warm.canvas, warm.nfe) == (no_cache.canvas, no_cache.nfe) and warm.nfe == len(warm_fw)
 
 
 @pytest.mark.parametrize("params, param", [

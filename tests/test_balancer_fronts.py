@@ -172,7 +172,7 @@ async def test_a_dead_or_wedged_front_is_restarted(sig):
             await asyncio.sleep(0.05)
         assert procs[1]["restarts"] == 1 and procs[1]["status"] == "ready", procs
         state = f"/proc/{front['pid']}/stat"
-        assert not os.path.exists(state) or open(state).read().split()[2] in "ZX"       # gone
+        assert not os.path.exists(state) or open(state).read().split()[2] in ("Z", "X")       # gone
         results = await asyncio.gather(*(post(base, "/v1/completions", {"prompt": f"p{i}"}) for i in range(16)))
         assert all(s == 200 for s, _ in results)
         procs = (await get(base + "/stats"))[1]["http_processes"]

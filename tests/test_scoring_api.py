@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from tests.conftest import TINY_NEMOTRON, fixture_path
-from tests.test_worker_app import ready_client
+from tests.test_worker_app import ready_client, wait_ready
 from worker.app import WorkerConfig, make_app
 
 GOLDEN = json.loads(fixture_path("tiny-llada-likelihood-golden.json").read_text())
@@ -133,11 +133,7 @@ async def test_scoring_refusals(aiohttp_client):
 
 async def test_nemotron_refuses_scoring_with_the_reason(aiohttp_client):
     client = await aiohttp_client(make_app(WorkerConfig(model_path=str(TINY_NEMOTRON), device="cpu")))
-    import asyncio
-    for _ in range(600):
-        if (await (await client.get("/health")).json())["status"] == "ready":
-            break
-        await asyncio.sleep(0.05)
+    await wait_ready(client)
     r = await client.post("/v1/completions", json={"prompt": [5, 6, 7], "echo": True, "logprobs": 1, "max_tokens": 1})
     assert r.status == 400
     assert "no likelihood estimator" in (await r.json())["error"]["message"]

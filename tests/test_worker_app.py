@@ -14,17 +14,31 @@ from worker.engine import GenerationParams, Result
 async def ready_client(aiohttp_client, **kw):
     client = await aiohttp_client(make_app(WorkerConfig(model_path=str(TINY_LLADA), device="cpu", **kw)))
     first = await (await client.get("/health")).json()
+    await wait_ready(client)
+    return client, first
+
+
+async def wait_ready(client) -> None:
     for _ in range(600):
         h = await (await client.get("/health")).json()
         if h["status"] == "ready":
-            return client, first
+            return
         await asyncio.sleep(0.05)
     raise TimeoutError(h)
 
 
-async def test_health_loading_then_ready_and_status_endpoints(aiohttp_client):
-    client, first = await ready_client(aiohttp_client)
-    assert first["status"] in ("loading", "ready")
+async def test_health_loading_then_ready_and_status_endpoints(aiohttp_client, monkeypatch):
+    import threading
+    from worker.engine import Engine
+    gate, load = threading.Event(), Engine.from_pretrained
+    monkeypatch.setattr(Engine, "from_pretrained", lambda *a, **k: (gate.wait(30), load(*a, **k))[1])
+    client = await aiohttp_client(make_app(WorkerConfig(model_path=str(TINY_LLADA), device="cpu")))
+    loading = await client.get("/health")     # the model is held back: /health answers at once, "loading"
+    assert loading.status == 200 and (await loading.json())["status"] == "loading"
+    r = await client.post("/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 4})
+    assert r.status == 503
+    gate.set()
+    await wait_ready(client)
     h = await (await client.get("/health")).json()
     assert h["model"] == "tiny-llada" and h["family"] == "llada" and h["device"] == "cpu"
     assert {"busy", "running_batch_size", "queue_depth", "seconds_since_last_step"} <= set(h)

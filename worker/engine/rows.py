@@ -27,30 +27,16 @@ class Row:
     tokens: list[int] = field(default_factory=list)   # final answer: ids up to the first stop token
     canvas: list[int] = field(default_factory=list)   # the whole generated canvas when the row ended
     reported: int = 0             # length of the final prefix already reported to on_progress
-    credit: object = None         # dinfer_credit: the block's credit matrix [block_length, vocab]
-    min_block_steps: int = 1      # steps a block takes at least under threshold/factor rules (see cached.py)
-    softmax: object = None        # sampling.Softmax: the row's reference's confidence arithmetic (set by its algorithm)
+    min_block_steps: int = 1      # steps a block takes at least under a rule without a fixed schedule (cached.py)
+    rule: object = None           # sampling.Rule: how this row's steps commit tokens (set by its algorithm)
 
     @property
     def params(self) -> GenerationParams:
         return self.plan.params
 
     @property
-    def rule(self) -> str:
-        """How a step picks the tokens to commit: ``fixed`` (LLaDA's schedule), ``threshold`` / ``factor``
-        (Fast-dLLM), or a dInfer rule (``dinfer_threshold``, ``dinfer_hierarchy``, ``dinfer_credit``)."""
-        alg = self.params.algorithm
-        if alg == "dinfer_blockwise":
-            return "dinfer_threshold"
-        if alg in ("dinfer_hierarchy", "dinfer_credit"):
-            return alg
-        if self.params.threshold is not None:
-            return "threshold"
-        return "fixed" if self.params.factor is None else "factor"
-
-    @property
     def fixed_steps(self) -> bool:
-        return self.rule == "fixed"
+        return self.rule.fixed_schedule
 
     def block_range(self, block: int | None = None) -> tuple[int, int]:
         """[start, end) of a block, in generation coordinates (0 = first generated token)."""
@@ -178,3 +164,12 @@ class Canvas:
             x[i, s: s + self.rows[b].plan.prompt_length] = self.mask_id
         mask = None if self.mask is None else self.mask[which]
         return x, self.pos[which], mask
+
+
+def window_index(spans: list[tuple[int, int]], device) -> tuple[torch.Tensor, torch.Tensor]:
+    """For window forwards: ``cols`` [B, W] the canvas columns of each row's window [start, end) (padded with its last
+    column) and ``valid`` [B, W] which of them are real (W = the widest window)."""
+    W = max(e - s for s, e in spans)
+    cols = torch.tensor([[min(s + j, e - 1) for j in range(W)] for s, e in spans], device=device)
+    valid = torch.tensor([[j < e - s for j in range(W)] for s, e in spans], device=device)
+    return cols, valid

@@ -151,95 +151,102 @@ def select_factor(conf: torch.Tensor, layout: Layout, masked: torch.Tensor, fact
     return ranked(conf, layout, top)[1]
 
 
-def select_dinfer_threshold(conf: torch.Tensor, x0: torch.Tensor, masked: torch.Tensor, threshold: float,
-                            mask_id: int) -> torch.Tensor:
-    """dInfer's ``get_transfer_index_threshold`` for one row (float32 confidences): positions whose proposal is the
-    mask token are left out; every other masked one with confidence >= (best - 1e-5) clamped to [-1000, threshold]
-    is committed, so a step commits at least its most confident token. Bool over the candidates."""
-    eligible = masked & (x0 != mask_id)
-    c = torch.where(eligible, conf, torch.full_like(conf, NEG_INF))
-    return (c >= (c.max() - 1e-5).clamp(-1000, threshold)) & masked
+class Rule:
+    """A transfer rule: how one row's denoising step picks the masked candidates to commit. An algorithm gives each of
+    its rows a Rule instance (``row.rule``), which may hold per-row state (reset by :meth:`start_block`). Subclasses
+    are dataclasses with a ``softmax`` field.
+
+    ``softmax``: the reference's confidence arithmetic; ``fixed_schedule``: the block takes LLaDA's scheduled number
+    of steps (else it runs until it has no mask); :meth:`transform`: the logits the decision is made on (None: the
+    model's, with the confidences of all such rows computed together); :meth:`select`: the chosen candidates."""
+
+    fixed_schedule = False
+    transforms_logits = False
+
+    def start_block(self) -> None:
+        pass
+
+    def transform(self, logits: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+        return logits
+
+    def select(self, conf: torch.Tensor, x0: torch.Tensor, masked: torch.Tensor, layout: Layout | None, row,
+               mask_id: int) -> torch.Tensor:
+        """Bool over the row's candidates (``conf``, ``x0``, ``masked`` are its ``w`` candidates)."""
+        raise NotImplementedError
 
 
-def select_hierarchy(conf: torch.Tensor, masked: torch.Tensor, threshold: float | None,
-                     low: float | None) -> torch.Tensor:
-    """dInfer's ``HierarchyDecoder`` for one row: non-masked positions get the dtype's lowest value; in each
-    contiguous run of masked candidates every position equal to the run's best, if > ``low``; plus every position
-    > ``threshold``; plus the first most confident position; then only masked ones. Bool over the candidates."""
-    lowest = torch.finfo(conf.dtype).min
-    c = torch.where(masked, conf, torch.full_like(conf, lowest))
-    prev = torch.cat([masked.new_zeros(1), masked[:-1]])
-    seg = torch.cumsum((masked & ~prev).long(), 0) - 1
-    seg = torch.where(masked, seg, torch.zeros_like(seg))
-    seg_max = torch.full_like(c, lowest).scatter_reduce(0, seg, c, reduce="amax", include_self=True)
-    pick = c == seg_max.gather(0, seg)
-    if low is not None:
-        pick &= torch.gt(c, low)
-    if threshold is not None:
-        pick |= torch.gt(c, threshold)
-    pick[torch.argmax(c)] = True
-    return pick & masked
+def _as_bool(idx: torch.Tensor, w: int, device) -> torch.Tensor:
+    # topk never reaches past the candidates (there are always at least k of them with a finite confidence); a
+    # non-masked candidate's x0 is its own token in the reference, so committing it would change nothing.
+    out = torch.zeros(w, dtype=torch.bool, device=device)
+    out[idx[(idx >= 0) & (idx < w)]] = True
+    return out
 
 
-def fuse_credit(logits: torch.Tensor, masked: torch.Tensor, row) -> torch.Tensor:
-    """dInfer's credit fusion (``CreditThresholdParallelDecoder``) for one row's candidates ``logits`` [w, V]: a
-    float32 credit matrix for the block, decayed by ``decay_beta`` from its second step on, gains
-    ``p_top1 ** boost_gamma`` at each masked position's top-1 token (float32 softmax); returns the float32 logits
-    ``logits + credit_alpha * log(credit + 1)`` the decision is made on."""
-    e = row.params.extra
-    if row.credit is None or row.credit.shape != logits.shape:
-        row.credit = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
-    else:
-        row.credit.mul_(e["decay_beta"])
-    top_p, top_i = F.softmax(logits.to(torch.float32), dim=-1).max(-1)
-    gain = top_p.pow(e["boost_gamma"]).to(torch.float32) * masked.to(torch.float32)
-    row.credit.scatter_add_(1, top_i[:, None], gain[:, None])
-    return logits + e["credit_alpha"] * torch.log(row.credit + 1)
+@dataclass
+class FixedRule(Rule):
+    """LLaDA's linear schedule: the row's scheduled count of the most confident candidates."""
+    softmax: Softmax = Softmax.MODEL
+    fixed_schedule = True
+
+    def select(self, conf, x0, masked, layout, row, mask_id):
+        return _as_bool(select_fixed(conf, layout, row.scheduled_transfers()), conf.shape[0], conf.device)
 
 
-TOPK_RULES = ("fixed", "threshold", "factor")
+@dataclass
+class ThresholdRule(Rule):
+    """Fast-dLLM's confidence threshold (and Nemotron's)."""
+    softmax: Softmax
+    threshold: float
+
+    def select(self, conf, x0, masked, layout, row, mask_id):
+        idx = select_threshold(conf, layout, int(masked.sum()), self.threshold)
+        return _as_bool(idx, conf.shape[0], conf.device)
+
+
+@dataclass
+class FactorRule(Rule):
+    """Fast-dLLM's dynamic (factor) rule."""
+    softmax: Softmax
+    factor: float
+
+    def select(self, conf, x0, masked, layout, row, mask_id):
+        return _as_bool(select_factor(conf, layout, masked, self.factor), conf.shape[0], conf.device)
+
+
+def fast_dllm_rule(params, fixed: Softmax, parallel: Softmax) -> Rule:
+    """LLaDA's schedule, or Fast-dLLM's threshold / factor rule when the request sets one; ``fixed`` / ``parallel``:
+    the confidence arithmetic of the calling algorithm's reference for each."""
+    if params.threshold is not None:
+        return ThresholdRule(parallel, params.threshold)
+    if params.factor is not None:
+        return FactorRule(parallel, params.factor)
+    return FixedRule(fixed)
 
 
 def denoise(logits: torch.Tensor, tokens: torch.Tensor, widths: list[int], rows, mask_id: int,
             layouts: list[Layout | None]) -> tuple[torch.Tensor, torch.Tensor]:
     """One step's decision for a batch of rows: (x0 [B, K], transfer [B, K] bool). ``tokens``: the candidates'
-    current ids; ``layouts[b]``: row b's topk vector (rows with a topk rule). Each row's confidence arithmetic is
-    ``row.softmax`` (set by its algorithm), its rule ``row.rule``."""
+    current ids; ``layouts[b]``: row b's topk vector (rows with a topk rule). Each row decides by its ``row.rule``."""
     B, K = tokens.shape
     valid = torch.arange(K, device=tokens.device)[None, :] < torch.tensor(widths, device=tokens.device)[:, None]
     masked = (tokens == mask_id) & valid
     x0 = propose(logits, rows, widths)
     chosen = torch.zeros_like(masked)
-    credit = [b for b, r in enumerate(rows) if r.rule == "dinfer_credit"]
-    plain = [b for b, r in enumerate(rows) if r.rule != "dinfer_credit"]
+    plain = [b for b, r in enumerate(rows) if not r.rule.transforms_logits]
     conf: list[torch.Tensor | None] = [None] * B
     if plain:
         sub = confidences(logits[plain], x0[plain], masked[plain], [rows[b] for b in plain],
-                          [widths[b] for b in plain], [rows[b].softmax for b in plain])
+                          [widths[b] for b in plain], [rows[b].rule.softmax for b in plain])
         for b, c in zip(plain, sub):
             conf[b] = c
-    for b in credit:   # the decision is made on the fused (float32) logits
-        w = widths[b]
-        fused = fuse_credit(logits[b, :w], masked[b, :w], rows[b])
-        x0[b, :w] = propose(fused[None], [rows[b]], [w])[0]
-        conf[b] = confidences(fused[None], x0[b:b + 1, :w], masked[b:b + 1, :w], [rows[b]], [w],
-                              [Softmax.FLOAT32])[0]
     for b, r in enumerate(rows):
-        w, rule, m = widths[b], r.rule, masked[b, : widths[b]]
-        if rule == "fixed":
-            idx = select_fixed(conf[b], layouts[b], r.scheduled_transfers())
-        elif rule == "threshold":
-            idx = select_threshold(conf[b], layouts[b], int(m.sum()), r.params.threshold)
-        elif rule == "factor":
-            idx = select_factor(conf[b], layouts[b], m, r.params.factor)
-        elif rule == "dinfer_hierarchy":
-            chosen[b, :w] = select_hierarchy(conf[b], m, r.params.threshold, r.params.extra["low_threshold"])
-            continue
-        else:   # dinfer_threshold, dinfer_credit
-            chosen[b, :w] = select_dinfer_threshold(conf[b], x0[b, :w], m, r.params.threshold, mask_id)
-            continue
-        # topk never reaches past the candidates (there are always at least k of them with a finite confidence);
-        # a non-masked candidate's x0 is its own token in the reference, so committing it would change nothing.
-        idx = idx[(idx >= 0) & (idx < w)]
-        chosen[b, idx] = True
+        if r.rule.transforms_logits:   # the decision is made on the rule's logits
+            w = widths[b]
+            lg = r.rule.transform(logits[b, :w], masked[b, :w])
+            x0[b, :w] = propose(lg[None], [r], [w])[0]
+            conf[b] = confidences(lg[None], x0[b:b + 1, :w], masked[b:b + 1, :w], [r], [w], [r.rule.softmax])[0]
+    for b, r in enumerate(rows):
+        w = widths[b]
+        chosen[b, :w] = r.rule.select(conf[b], x0[b, :w], masked[b, :w], layouts[b], r, mask_id)
     return x0, chosen & masked

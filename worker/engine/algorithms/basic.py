@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..rows import Canvas, Finisher, Row
-from ..sampling import Layout, Softmax, denoise
+from ..sampling import Layout, Softmax, denoise, fast_dllm_rule
 from . import Algorithm, register
 
 
@@ -24,7 +24,7 @@ def candidate_region(row: Row, gen: list[int], mask_id: int) -> tuple[int, int]:
 def start_block(row: Row, gen: list[int], mask_id: int) -> None:
     s, e = row.block_range()
     row.step = 0
-    row.credit = None
+    row.rule.start_block()
     row.block_masks = sum(1 for t in gen[s:e] if t == mask_id)
 
 
@@ -84,9 +84,9 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
     canvas = Canvas(rows, mask_id, engine.pad_id, model.device)
     gens = canvas.read_gens()
     for r in rows:
-        start_block(r, gens[r.index], mask_id)
         # LLaDA generate.py takes the softmax in the logits' dtype; Fast-dLLM's generate (threshold/factor) in float64
-        r.softmax = Softmax.MODEL if r.rule == "fixed" else Softmax.FLOAT64
+        r.rule = fast_dllm_rule(r.params, Softmax.MODEL, Softmax.FLOAT64)
+        start_block(r, gens[r.index], mask_id)
     while canvas.rows:
         keep = [b for b, r in enumerate(canvas.rows) if not fin.cancelled(r)]
         if len(keep) < len(canvas.rows):

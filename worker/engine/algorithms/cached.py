@@ -16,12 +16,9 @@ import torch
 
 from ..rows import Canvas, Finisher, Row
 from . import Algorithm, register
-from ..sampling import Layout, Softmax
+from ..rows import window_index
+from ..sampling import Layout, Softmax, fast_dllm_rule
 from .basic import candidate_region, commit, start_block, step_done, whole_sequence
-
-# dInfer's decoders and their confidence arithmetic; every other rule is Fast-dLLM's (float64 softmax)
-DINFER_SOFTMAX = {"dinfer_threshold": Softmax.FLOAT32, "dinfer_credit": Softmax.FLOAT32,
-                  "dinfer_hierarchy": Softmax.EXP_LOG_SOFTMAX}
 
 
 def _gather_logits(model, hidden: torch.Tensor, idx: list[list[int]]) -> torch.Tensor:
@@ -36,24 +33,27 @@ def _full_step(row: Row) -> bool:
     return row.step < max(1, row.params.extra.get("warmup_steps", 0))
 
 
-def _region(row: Row, gen: list[int], mask_id: int) -> tuple[int, int]:
-    if row.params.algorithm.startswith("dinfer_"):   # dInfer decodes the block's positions only
-        return row.block_range()
-    return candidate_region(row, gen, mask_id)
+def fast_dllm(params):
+    """Fast-dLLM's cached loops: its schedule or threshold/factor rule, confidences by a float64 softmax."""
+    return fast_dllm_rule(params, Softmax.FLOAT64, Softmax.FLOAT64)
 
 
-def run_cached(engine, rows: list[Row], fin: Finisher, dual: bool) -> None:
+def run_cached(engine, rows: list[Row], fin: Finisher, dual: bool, make_rule=fast_dllm, block_only: bool = False,
+               extra_cached_step: bool = True) -> None:
+    """``make_rule(params)``: each row's transfer rule; ``block_only``: a step's candidates are the block's positions
+    only (dInfer), else the block extended back to any earlier masked position (Fast-dLLM); ``extra_cached_step``:
+    the reference runs at least one cached step per block (Fast-dLLM, below)."""
     model, mask_id = engine.model, engine.mask_id
     canvas = Canvas(rows, mask_id, engine.pad_id, model.device)
     cache = model.new_cache(len(rows), canvas.x.shape[1])
     gens = canvas.read_gens()
     for r in rows:
+        r.rule = make_rule(r.params)
         start_block(r, gens[r.index], mask_id)
-        r.softmax = DINFER_SOFTMAX.get(r.rule, Softmax.FLOAT64)
         # Fast-dLLM's loops run at least one cached step per block, even when the block-start step committed the
         # whole block (that step commits nothing but counts in nfe). Replicated for the reference's nfe without early
         # exit; with early exit a finished block moves on at once (the tokens are the same).
-        r.min_block_steps = 1 if fin.early_exit or r.rule in DINFER_SOFTMAX else 2
+        r.min_block_steps = 2 if extra_cached_step and not fin.early_exit else 1
     while canvas.rows:
         keep = [b for b, r in enumerate(canvas.rows) if not fin.cancelled(r)]
         if len(keep) < len(canvas.rows):
@@ -73,7 +73,8 @@ def run_cached(engine, rows: list[Row], fin: Finisher, dual: bool) -> None:
             hidden = model(canvas.x[sel], canvas.pos[sel], mask, cache=cache, slots=slots)
             idx = []
             for b in full:
-                s, e = _region(active[b], gens[active[b].index], mask_id)
+                r = active[b]
+                s, e = r.block_range() if block_only else candidate_region(r, gens[r.index], mask_id)
                 regions[b] = (s, e)
                 layouts[b] = whole_sequence(active[b], (s, e))   # Fast-dLLM ranks the whole sequence here
                 idx.append([canvas.gen_start(b) + j for j in range(s, e)])
@@ -97,9 +98,7 @@ def run_cached(engine, rows: list[Row], fin: Finisher, dual: bool) -> None:
                 regions[b] = (s, e)
                 # Fast-dLLM ranks what it forwarded: the block (dual), the block and everything after it (prefix)
                 layouts[b] = Layout(e - s if dual else r.plan.canvas_length - s, 0)
-            W = max(e - s for s, e in wins)
-            cols = torch.tensor([[min(s + j, e - 1) for j in range(W)] for s, e in wins], device=model.device)
-            valid = torch.tensor([[j < e - s for j in range(W)] for s, e in wins], device=model.device)
+            cols, valid = window_index(wins, model.device)
             slots = None if len(part) == B else torch.tensor(part, device=model.device)
             sel = slice(None) if slots is None else slots
             ids = canvas.x[sel].gather(1, cols)

@@ -9,8 +9,100 @@ Every row also stops as soon as its answer is final (a stop token with no mask b
 exit, which covers dInfer's early stop at end-of-sequence inside a block."""
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from ..sampling import NEG_INF, Rule, Softmax
 from . import Algorithm, ParamInfo, register
 from .cached import run_cached
+
+
+def select_dinfer_threshold(conf: torch.Tensor, x0: torch.Tensor, masked: torch.Tensor, threshold: float,
+                            mask_id: int) -> torch.Tensor:
+    """dInfer's ``get_transfer_index_threshold`` for one row (float32 confidences): positions whose proposal is the
+    mask token are left out; every other masked one with confidence >= (best - 1e-5) clamped to [-1000, threshold]
+    is committed, so a step commits at least its most confident token. Bool over the candidates."""
+    eligible = masked & (x0 != mask_id)
+    c = torch.where(eligible, conf, torch.full_like(conf, NEG_INF))
+    return (c >= (c.max() - 1e-5).clamp(-1000, threshold)) & masked
+
+
+def select_hierarchy(conf: torch.Tensor, masked: torch.Tensor, threshold: float | None,
+                     low: float | None) -> torch.Tensor:
+    """dInfer's ``HierarchyDecoder`` for one row: non-masked positions get the dtype's lowest value; in each
+    contiguous run of masked candidates every position equal to the run's best, if > ``low``; plus every position
+    > ``threshold``; plus the first most confident position; then only masked ones. Bool over the candidates."""
+    lowest = torch.finfo(conf.dtype).min
+    c = torch.where(masked, conf, torch.full_like(conf, lowest))
+    prev = torch.cat([masked.new_zeros(1), masked[:-1]])
+    seg = torch.cumsum((masked & ~prev).long(), 0) - 1
+    seg = torch.where(masked, seg, torch.zeros_like(seg))
+    seg_max = torch.full_like(c, lowest).scatter_reduce(0, seg, c, reduce="amax", include_self=True)
+    pick = c == seg_max.gather(0, seg)
+    if low is not None:
+        pick &= torch.gt(c, low)
+    if threshold is not None:
+        pick |= torch.gt(c, threshold)
+    pick[torch.argmax(c)] = True
+    return pick & masked
+
+
+def fuse_credit(logits: torch.Tensor, masked: torch.Tensor, row) -> torch.Tensor:  # row: a Credit rule
+    """dInfer's credit fusion (``CreditThresholdParallelDecoder``) for one row's candidates ``logits`` [w, V]: a
+    float32 credit matrix for the block, decayed by ``decay_beta`` from its second step on, gains
+    ``p_top1 ** boost_gamma`` at each masked position's top-1 token (float32 softmax); returns the float32 logits
+    ``logits + credit_alpha * log(credit + 1)`` the decision is made on."""
+    e = row.extra
+    if row.credit is None or row.credit.shape != logits.shape:
+        row.credit = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+    else:
+        row.credit.mul_(e["decay_beta"])
+    top_p, top_i = F.softmax(logits.to(torch.float32), dim=-1).max(-1)
+    gain = top_p.pow(e["boost_gamma"]).to(torch.float32) * masked.to(torch.float32)
+    row.credit.scatter_add_(1, top_i[:, None], gain[:, None])
+    return logits + e["credit_alpha"] * torch.log(row.credit + 1)
+
+
+@dataclass
+class DInferThreshold(Rule):
+    """dInfer's threshold decoder (float32 confidences)."""
+    threshold: float
+    softmax: Softmax = Softmax.FLOAT32
+
+    def select(self, conf, x0, masked, layout, row, mask_id):
+        return select_dinfer_threshold(conf, x0, masked, self.threshold, mask_id)
+
+
+@dataclass
+class Hierarchy(Rule):
+    """dInfer's HierarchyDecoder (confidence = exp(log_softmax))."""
+    threshold: float | None
+    low: float | None
+    softmax: Softmax = Softmax.EXP_LOG_SOFTMAX
+
+    def select(self, conf, x0, masked, layout, row, mask_id):
+        return select_hierarchy(conf, masked, self.threshold, self.low)
+
+
+@dataclass
+class Credit(DInferThreshold):
+    """dInfer's credit decoder: the threshold rule on logits fused with a per-block credit matrix (this row's)."""
+    extra: dict = field(default_factory=dict)
+    credit: torch.Tensor | None = None
+    transforms_logits = True
+
+    def start_block(self) -> None:
+        self.credit = None
+
+    def transform(self, logits, masked):
+        return fuse_credit(logits, masked, self)
+
+
+def _run(make_rule):
+    return lambda engine, rows, fin: run_cached(engine, rows, fin, dual=True, make_rule=make_rule, block_only=True,
+                                                extra_cached_step=False)
 
 VICINITY = (
     ParamInfo("prefix_look", 0, "positions before the block recomputed at every cached step"),
@@ -19,21 +111,19 @@ VICINITY = (
 )
 
 
-def _run(engine, rows, fin):
-    run_cached(engine, rows, fin, dual=True)
-
-
 register(Algorithm(
     name="dinfer_blockwise",
     description="dInfer block-wise threshold decoding on the dual cache: commit every masked token with confidence "
                 ">= min(threshold, best confidence), so each step commits at least one",
-    exact=False, run=_run, cfg=False, defaults={"threshold": 0.9}, extra_params=VICINITY,
+    exact=False, run=_run(lambda p: DInferThreshold(p.threshold)), cfg=False, defaults={"threshold": 0.9},
+    extra_params=VICINITY,
 ))
 register(Algorithm(
     name="dinfer_hierarchy",
     description="dInfer hierarchical decoding on the dual cache: in each contiguous masked segment the most "
                 "confident token above low_threshold, plus every token above threshold, plus the best one",
-    exact=False, run=_run, cfg=False, defaults={"threshold": 0.9},
+    exact=False, run=_run(lambda p: Hierarchy(p.threshold, p.extra["low_threshold"])), cfg=False,
+    defaults={"threshold": 0.9},
     extra_params=(ParamInfo("low_threshold", 0.4, "a segment's best token is committed above this"),) + VICINITY,
 ))
 register(Algorithm(
@@ -41,7 +131,7 @@ register(Algorithm(
     description="dInfer credit decoding on the dual cache: credit accumulated across a block's steps for each "
                 "position's top-1 token is fused into the logits (logits + credit_alpha * log(1 + credit)) before "
                 "the threshold rule",
-    exact=False, run=_run, cfg=False, defaults={"threshold": 0.9},
+    exact=False, run=_run(lambda p: Credit(p.threshold, extra=p.extra)), cfg=False, defaults={"threshold": 0.9},
     extra_params=(ParamInfo("credit_alpha", 0.7, "weight of log(1 + credit) added to the logits"),
                   ParamInfo("boost_gamma", 0.2, "a step adds p_top1 ** boost_gamma to its top-1 token's credit"),
                   ParamInfo("decay_beta", 0.8, "credit decay per step")) + VICINITY,

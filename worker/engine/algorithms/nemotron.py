@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from ..rows import Finisher, Row
-from ..sampling import Layout, Softmax, denoise
+from ..rows import Finisher, Row, window_index
+from ..sampling import Layout, Softmax, denoise, fast_dllm_rule
 from . import Algorithm, ParamInfo, register
 
 
@@ -52,7 +52,8 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
     commit = {r.index: False for r in rows}
     for r in rows:
         r.block, r.step, r.block_masks = 0, 0, r.plan.block_length
-        r.softmax = Softmax.MODEL     # the reference's softmax in the logits' dtype, topk over the block
+        # the reference's softmax in the logits' dtype, topk over the block
+        r.rule = fast_dllm_rule(r.params, Softmax.MODEL, Softmax.MODEL)
 
     active = list(rows)
     while active:
@@ -62,10 +63,8 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
         slots = [slot[r.index] for r in active]
         starts = [P + r.block * r.plan.block_length for r in active]
         ends = [s + r.plan.block_length for s, r in zip(starts, active)]
-        K = max(e - s for s, e in zip(starts, ends))
         E = max(ends)
-        cols = torch.tensor([[min(s + j, e - 1) for j in range(K)] for s, e in zip(starts, ends)], device=dev)
-        valid = torch.tensor([[j < e - s for j in range(K)] for s, e in zip(starts, ends)], device=dev)
+        cols, valid = window_index(list(zip(starts, ends)), dev)
         sl = torch.tensor(slots, device=dev)
         ids = x[sl].gather(1, cols)
         p = pos[sl].gather(1, cols)
