@@ -103,10 +103,6 @@ STATE = web.AppKey("state", WorkerState)
 LOAD_FAILED = web.AppKey("load_failed", asyncio.Event)
 
 
-def error_response(e: APIError) -> web.Response:
-    return json_response(e.body(), e.status, e.headers)
-
-
 OPEN_PATHS = ("/health", "/metrics")
 
 
@@ -401,8 +397,7 @@ async def generation_algorithms(request: web.Request) -> web.Response:
         "defaults": {"max_tokens": c.default_max_tokens, "block_length": c.default_block_length,
                      "steps": "max_tokens (one step per token)", "temperature": 0.0, "remasking": "low_confidence",
                      "cfg_scale": 0.0, "threshold": None, "factor": None},
-        "algorithms": [a.describe() for a in ALGORITHMS.values()
-                       if family is None or family in a.families or family == "simulated"],
+        "algorithms": [a.describe() for a in ALGORITHMS.values() if state.engine is None or state.engine.supports(a)],
     })
 
 

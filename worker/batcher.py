@@ -19,10 +19,6 @@ from worker.engine import Engine, GenerationParams, Request, Result, StepHooks
 log = logging.getLogger(__name__)
 
 
-class QueueFull(Exception):
-    pass
-
-
 @dataclass
 class Job:
     """One row: a prompt with its parameters. Events go to ``sink(index, kind, payload)`` on the event loop:
@@ -75,12 +71,10 @@ class Batcher:
                 pass
         self._executor.shutdown(wait=True, cancel_futures=True)
 
-    def submit(self, job: Job, force: bool = False, wait: bool = True) -> None:
-        """Queue a row; raises QueueFull beyond ``max_queue`` waiting rows unless ``force`` (the caller checked
-        room for all rows of a request at once). ``wait=False``: the row arrived as part of a batch formed upstream
-        (the balancer's), so waiting ``max_wait_time`` for company would only add latency."""
-        if not force and self.queue_depth >= self.max_queue:
-            raise QueueFull(f"the worker queue is full ({self.max_queue} requests waiting)")
+    def submit(self, job: Job, wait: bool = True) -> None:
+        """Queue a row (the caller checked that the request's rows fit ``max_queue``: Serving.submit answers 429
+        otherwise). ``wait=False``: the row arrived as part of a batch formed upstream (the balancer's), so waiting
+        ``max_wait_time`` for company would only add latency."""
         p = job.params
         if p is not None and p.seed is None and (p.temperature > 0 or p.remasking == "random"):
             # A fixed seed per row makes a retried batch (after CUDA OOM) give the same tokens it already streamed.

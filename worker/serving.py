@@ -231,7 +231,7 @@ class Serving:
                            headers={"Retry-After": "1"})
         run.start()
         for j in run.jobs:
-            self.batcher.submit(j, force=True, wait=wait)
+            self.batcher.submit(j, wait=wait)
         return run
 
 

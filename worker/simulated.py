@@ -31,6 +31,9 @@ class SimulatedEngine:
 
     scoring = "the simulated device (a test double) has no model to score with"
 
+    def supports(self, algorithm) -> bool:
+        return "llada" in algorithm.families      # requests are validated as for a LLaDA model
+
     def plan(self, prompt_ids: list[int], params: GenerationParams) -> Plan:
         algorithms.get(params.algorithm, "llada")
         return plan(params, len(prompt_ids), self.max_sequence_length)

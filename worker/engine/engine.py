@@ -86,10 +86,15 @@ class Engine:
         g.manual_seed(seed if seed is not None else random.getrandbits(63))
         return g
 
+    def supports(self, algorithm) -> bool:
+        """Whether an algorithm (worker.engine.algorithms.Algorithm) decodes this engine's family."""
+        return self.family in algorithm.families
+
     @property
     def scoring(self) -> str | None:
         """Why likelihood scoring is unavailable for this family, or None when it is available."""
-        if self.family == "llada":
+        from ..models import FAMILIES
+        if FAMILIES[self.family].scoring:
             return None
         return (f"likelihood scoring (echo with logprobs) uses LLaDA's Monte Carlo estimator, which is defined for "
                 f"bidirectional masked diffusion models predicting each masked position in place; the {self.family} "

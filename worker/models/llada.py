@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .checkpoint import CheckpointError, check_shapes, load_state_dict, read_config
+from .family import Family
 from .layers import KVCache, LayerKV, RMSNorm, apply_rope, attention, compile_dense, dense_tail, rope_tables
 
 PREFIX = "model.transformer."
@@ -175,3 +176,7 @@ def load(path: str | Path, device: torch.device, dtype: torch.dtype) -> LLaDAMod
     model.load_state_dict(sd, strict=True, assign=True)
     model.init_rope()
     return model.eval().requires_grad_(False)
+
+
+FAMILY = Family(name="llada", title="LLaDA (LLaDAModelLM)", architectures=("LLaDAModelLM",), model_types=("llada",),
+                tensors=("model.transformer.wte.weight",), load=load, default_algorithm="basic", scoring=True)

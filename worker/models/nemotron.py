@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .checkpoint import CheckpointError, check_shapes, load_state_dict, read_config
+from .family import Family
 from .layers import KVCache, LayerKV, RMSNorm, apply_rope, attention, compile_dense, dense_tail, rope_tables
 
 
@@ -184,3 +185,8 @@ def load(path: str | Path, device: torch.device, dtype: torch.dtype) -> Nemotron
     model.load_state_dict(sd, strict=True, assign=True)
     model.init_rope()
     return model.eval().requires_grad_(False)
+
+
+FAMILY = Family(name="nemotron", title="Nemotron-Diffusion (DiffEncoderModel)", architectures=("DiffEncoderModel",),
+                model_types=("nvrdiff",), tensors=("diffusion_head.weight", "encoder.embed_tokens.weight"), load=load,
+                default_algorithm="nemotron")
