@@ -23,6 +23,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from common.http import (EXIT_PORT_IN_USE, MAX_BATCH_BYTES, MAX_BODY_BYTES, json_response, middlewares,
                          read_body)
 from common.metrics import RequestMetrics
+from common.openai_http import add_routes
 from common.protocol import MAX_DEPTH, APIError, error_body, loads
 
 log = logging.getLogger("dllm.worker")
@@ -100,6 +101,7 @@ class WorkerState:
 
 
 STATE = web.AppKey("state", WorkerState)
+DOOR = web.AppKey("door", object)
 LOAD_FAILED = web.AppKey("load_failed", asyncio.Event)
 
 
@@ -122,94 +124,30 @@ def require_ready(state: WorkerState) -> None:
         raise APIError(503, msg, headers={"Retry-After": "5" if state.status == "loading" else "30"})
 
 
-async def sse_write(resp: web.StreamResponse, data) -> None:
-    await resp.write(b"data: " + (data if isinstance(data, bytes) else orjson.dumps(data)) + b"\n\n")
+# ---------------------------------------------------------------- OpenAI endpoints (common/openai_http.py)
+class WorkerDoor:
+    """The worker's way in for /v1/completions, /v1/chat/completions, /v1/responses: tokenise and queue the rows
+    (Serving), answer from the Run's events, within --request-timeout."""
 
+    def __init__(self, state: "WorkerState"):
+        self.state = state
 
-# ---------------------------------------------------------------- OpenAI endpoints
-async def _openai(request: web.Request, kind: str) -> web.StreamResponse:
-    state = request.app[STATE]
-    endpoint = request.path
-    t0 = time.monotonic()
-    status = 200
-    try:
+    @property
+    def timeout(self) -> float:
+        return self.state.config.request_timeout
+
+    async def open(self, request: web.Request, kind: str, body: bytes, req):
+        state = self.state
         require_ready(state)
-        body = await read_request(request)
-        prep = state.serving.prepare(kind, body)
-        run = state.serving.submit(prep)
-    except APIError as e:
-        status = e.status
-        state.metrics.requests.observe(endpoint, status)
-        raise
-    state.active += 1
-    try:
-        async with asyncio.timeout(state.config.request_timeout):
-            if prep.req.stream:
-                return await _stream(request, run, responses=prep.responses is not None)
-            async for kind_, data in run.events():
-                if kind_ == "error":
-                    status, body = data
-                    return json_response(body, status)
-                _count(state, data)
-                return json_response(data)
-    except TimeoutError:
-        status = 504
-        return json_response(error_body(f"the request took longer than --request-timeout "
-                                        f"({state.config.request_timeout:g} s)", "timeout"), 504)
-    finally:
-        run.cancel()
-        state.active -= 1
-        state.metrics.requests.observe(endpoint, status, time.monotonic() - t0)
+        run = state.serving.submit(state.serving.prepare(kind, body, req))
+        state.active += 1
+        return run
 
-
-def _usage_tokens(data: dict) -> int | None:
-    """Completion tokens of a response or of a stream's usage event (chat/completions, or Responses' output)."""
-    u = data.get("usage") or (data.get("response") or {}).get("usage")
-    return u.get("completion_tokens", u.get("output_tokens")) if u else None
-
-
-def _count(state: WorkerState, response: dict) -> None:
-    state.metrics.tokens.inc(_usage_tokens(response) or 0)
-    state.metrics.nfe.inc(sum(c.get("nfe", 0) for c in response.get("choices", ())))
-
-
-async def _stream(request: web.Request, run, responses: bool = False) -> web.StreamResponse:
-    """SSE: ``data:`` lines then ``data: [DONE]``; a Responses stream names each event (``event: TYPE``) and has no
-    [DONE], as OpenAI's."""
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                       "X-Accel-Buffering": "no"})
-    await resp.prepare(request)
-    try:
-        async for kind, data in run.events():
-            if kind == "error":
-                await sse_write(resp, data[1])
-                break
-            if responses:
-                await resp.write(b"event: " + data["type"].encode() + b"\n")
-            await sse_write(resp, data)
-            if _usage_tokens(data):
-                request.app[STATE].metrics.tokens.inc(_usage_tokens(data))
-    except TimeoutError:
-        raise
-    except Exception as e:   # headers are sent: the error goes in the stream
-        log.exception("stream failed")
-        await sse_write(resp, error_body(f"internal error: {type(e).__name__}", "server_error"))
-    if not responses:
-        await resp.write(b"data: [DONE]\n\n")
-    await resp.write_eof()
-    return resp
-
-
-async def completions(request: web.Request):
-    return await _openai(request, "completion")
-
-
-async def responses_(request: web.Request):
-    return await _openai(request, "responses")
-
-
-async def chat_completions(request: web.Request):
-    return await _openai(request, "chat")
+    def close(self, request: web.Request, run, status: int, seconds: float) -> None:
+        if run is not None:
+            run.cancel()
+            self.state.active -= 1
+        self.state.metrics.requests.observe(request.path, status, seconds)
 
 
 # ---------------------------------------------------------------- the balancer's door
@@ -243,10 +181,6 @@ async def worker_batch(request: web.Request) -> web.StreamResponse:
                 line = {"id": rid, "event": "error", "status": data[0], "data": data[1]}
             else:
                 line = {"id": rid, "event": kind, "data": data}
-                if kind == "response":
-                    _count(state, data)
-                elif _usage_tokens(data):
-                    metrics.tokens.inc(_usage_tokens(data))
             if last:
                 line["end"] = True
                 open_ -= 1
@@ -440,9 +374,11 @@ async def _load(app: web.Application) -> None:
     batcher.start()
     state.engine, state.batcher = engine, batcher
     aliases = (c.model_path, *state.model_names[1:])
-    state.serving = Serving(engine, batcher, state.model_name,
-                            Defaults(c.default_algorithm, c.default_max_tokens, c.default_block_length,
-                                     c.score_mc_num, c.score_batch_size, c.score_cfg_scale, c.score_window), aliases)
+    serving = Serving(engine, batcher, state.model_name,
+                      Defaults(c.default_algorithm, c.default_max_tokens, c.default_block_length,
+                               c.score_mc_num, c.score_batch_size, c.score_cfg_scale, c.score_window), aliases)
+    serving.on_tokens = lambda tokens, nfe: (state.metrics.tokens.inc(tokens), state.metrics.nfe.inc(nfe))
+    state.serving = serving
     gc.freeze()      # the model, tokenizer and libraries are permanent: keep them out of every GC pass
     state.status = "ready"
     log.info("ready: %s (%s) on %s", state.model_name, engine.family, engine.device)
@@ -465,9 +401,8 @@ def make_app(config: WorkerConfig) -> web.Application:
     app[STATE] = state
     app[LOAD_FAILED] = asyncio.Event()
     app.cleanup_ctx.append(_lifecycle)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/v1/responses", responses_)
+    app[DOOR] = WorkerDoor(app[STATE])
+    add_routes(app, DOOR)
     app.router.add_post("/worker/batch", worker_batch)
     app.router.add_post("/worker/cancel", worker_cancel)
     app.router.add_post("/tokenize", tokenize)

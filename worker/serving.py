@@ -2,13 +2,13 @@
 (stream chunks or one response). Used by the worker's /v1 endpoints and by /worker/batch alike."""
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 from dataclasses import dataclass, field, replace
 
 from common.protocol import (MAX_ROWS, APIError, DetokenizeRequest, ResponsesRequest, TokenizeRequest, parse_body, ChatCompletionRequest, CompletionRequest, chunk, completion_choice, new_id,
                              parse_request, response, usage, usage_chunk)
+from common.openai_http import EventBox, until_end
 from worker.batcher import Batcher, Job
 from worker.engine import Engine, GenerationParams, ParamError
 from worker.responses import ResponsesEvents
@@ -55,13 +55,14 @@ class Serving:
         self.max_prompt_chars = 4 * max_token_chars(self.tok) * engine.max_sequence_length
 
     # ------------------------------------------------------------ request -> rows
-    def prepare(self, kind: str, body) -> Prepared:
+    def prepare(self, kind: str, body, req=None) -> Prepared:
+        """``req``: the body already validated by parse_request(kind, body), when the caller has it."""
         if kind == "responses":
-            r = parse_request("responses", body)
+            r = req or parse_request("responses", body)
             prep = self.prepare("chat", r.chat_body())
             prep.responses, prep.rid = r, new_id("resp")
             return prep
-        req = parse_request(kind, body)
+        req = req or parse_request(kind, body)
         if req.model is not None and req.model not in self.names:
             raise APIError(404, f"The model {req.model!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
@@ -213,13 +214,27 @@ class Serving:
                 "stop_token_ids": list(self.engine.stop_ids), "mask_token_id": self.engine.mask_id}
 
     # ------------------------------------------------------------ rows -> events
+    on_tokens = None        # optional callback(completion tokens, nfe) per answered request (metrics)
+
+    def _counted(self, emit):
+        """``emit`` that also reports each answer's tokens (a response, or a stream's usage event) to on_tokens."""
+        def counted(kind: str, data, last: bool) -> None:
+            if self.on_tokens is not None and kind != "error":
+                u = data.get("usage") or (data.get("response") or {}).get("usage")
+                if u:
+                    self.on_tokens(u.get("completion_tokens", u.get("output_tokens")) or 0,
+                                   sum(c.get("nfe", 0) for c in data.get("choices", ())))
+            emit(kind, data, last)
+        return counted
+
     def submit(self, prep: Prepared, emit=None, wait: bool = True) -> "Run":
         """Queue the request's rows; raises APIError(429) when the queue is full (nothing is queued then).
         ``wait=False``: part of a batch formed upstream, start without waiting for more rows (Batcher.submit).
 
         ``emit(kind, data, last)`` receives the request's events on the event loop as they happen (see :class:`Run`);
-        without it they are kept for :meth:`Run.events`."""
+        without it, iterate the Run (common/openai_http.py events)."""
         run = Run(self, prep, emit)
+        run.emit = self._counted(run.emit)
         if prep.responses is not None:
             run.emit = ResponsesEvents(prep.responses, prep.rid, self.model_name, prep.created, run.emit)
         progress = prep.req.stream or bool(prep.req.stop)
@@ -239,32 +254,31 @@ class Run:
     """A submitted request: turns its rows' events into OpenAI events, synchronously, on the event loop (no task
     per request). Events are ``emit(kind, data, last)`` calls: ("chunk", dict) ... when streaming, else one
     ("response", dict), or ("error", (status, body)); ``last`` is True on the request's final event.
-    Without an ``emit``, iterate :meth:`events`. :meth:`cancel` drops the rows that are still queued or running."""
+    Without an ``emit``, iterate the Run. :meth:`cancel` drops the rows that are still queued or running."""
 
     def __init__(self, serving: Serving, prep: Prepared, emit=None):
         self.serving, self.prep = serving, prep
         self.jobs: list[Job] = []
         self.finished = False
-        self._q: asyncio.Queue | None = None
+        self.sent_bytes = False
+        self._box = EventBox()
         if emit is None:
-            self._q = asyncio.Queue()
-            emit = lambda kind, data, last: self._q.put_nowait((kind, data, last))
+            emit = self._push
         self.emit = emit
+
+    def _push(self, kind: str, data, last: bool) -> None:
+        if kind == "error":
+            self._box.push((None, "error", data[0], data[1], last))
+        else:
+            self._box.push((None, kind, 200, data, last))
+
+    def __aiter__(self):
+        """The events of a Run made without ``emit``, as common/openai_http.py reads them."""
+        return until_end(self._box.next)
 
     def cancel(self) -> None:
         for j in self.jobs:
             self.serving.batcher.cancel(j)
-
-    async def events(self):
-        """The events of a Run made without ``emit``: (kind, data) pairs, until the last one."""
-        try:
-            while True:
-                kind, data, last = await self._q.get()
-                yield kind, data
-                if last:
-                    return
-        finally:
-            self.cancel()
 
     def start(self) -> None:
         prep = self.prep

@@ -1,0 +1,204 @@
+"""The OpenAI endpoints, described once and answered by one handler in the balancer, its front processes and the
+worker (aiohttp; never imports torch).
+
+A request's life, the same in all three servers: :func:`handle` reads the body (the one JSON language,
+common/protocol.py), validates it for its ``kind``, asks the server's :class:`Door` to ``open`` it (the balancer
+queues it for a batch, a front hands it to the balancer process, the worker tokenises it and queues its rows), and
+answers from the events that come back: one JSON response, or server-sent events. The door's ``close`` runs once the
+answer is over or the client has gone (cancellation, metrics).
+
+Events are tuples ``(attempt, event, status, data, end)``: ``event`` is "chunk" (a stream chunk), "response" (the
+whole answer) or "error" (``status`` and an OpenAI error body); ``attempt`` numbers the balancer's dispatches of the
+request (None elsewhere); the request's last event has ``end`` True. A source of events is an async iterator of
+them (:class:`EventBox`, or anything whose ``__aiter__`` is ``until_end(next)``)."""
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from typing import AsyncIterator, Awaitable, Callable, Protocol
+
+import orjson
+from aiohttp import web
+
+from common.http import json_response, read_body, retry_headers
+from common.protocol import APIError, error_body, parse_request
+
+# kind -> path: the endpoints this handler serves (request models and response builders: common/protocol.py)
+ENDPOINTS = {"completion": "/v1/completions", "chat": "/v1/chat/completions", "responses": "/v1/responses"}
+
+Event = tuple  # (attempt, event, status, data, end)
+
+
+async def until_end(next_event: Callable[[], Awaitable[Event]]) -> AsyncIterator[Event]:
+    """The events from ``next_event()`` up to and including the one with ``end``."""
+    while True:
+        ev = await next_event()
+        yield ev
+        if ev[4]:
+            return
+
+
+class EventBox:
+    """A request's events in order, pushed by whoever produces them and read as an async iterator; one waiter
+    future at a time (no task or queue per request)."""
+    __slots__ = ("events", "sent_bytes", "_waiter")
+
+    def __init__(self):
+        self.events: collections.deque = collections.deque()
+        self.sent_bytes = False         # set when the client's stream has opened
+        self._waiter: asyncio.Future | None = None
+
+    def push(self, ev: Event) -> None:
+        self.events.append(ev)
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    async def next(self) -> Event:
+        while not self.events:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+        return self.events.popleft()
+
+    def __aiter__(self):
+        return until_end(self.next)
+
+
+class Door(Protocol):
+    """How one server takes an OpenAI request in (see the module's docstring)."""
+
+    timeout: float | None       # seconds before an unfinished answer becomes a 504 (None: the source times out)
+
+    async def open(self, request: web.Request, kind: str, body: bytes, req) -> AsyncIterator[Event]: ...
+
+    def close(self, request: web.Request, source, status: int, seconds: float) -> None: ...
+
+
+async def handle(request: web.Request, kind: str, door: Door) -> web.StreamResponse:
+    t0 = time.monotonic()
+    status = 499          # the client went away before an answer (nginx's convention), unless set below
+    source = None
+    try:
+        body = await read_body(request)
+        req = parse_request(kind, body)      # the one JSON language; the body is passed on as it is
+        source = await door.open(request, kind, body, req)
+        opened: dict = {}
+        answer = (answer_stream(request, source, kind == "responses", opened) if req.stream
+                  else answer_single(source))
+        if door.timeout is None:
+            resp, status = await answer
+        else:
+            try:
+                async with asyncio.timeout(door.timeout):
+                    resp, status = await answer
+            except TimeoutError:
+                status = 504
+                resp = await _timed_out(opened.get("stream"), door.timeout, kind == "responses")
+        return resp
+    except APIError as e:
+        status = e.status
+        raise
+    finally:
+        door.close(request, source, status, time.monotonic() - t0)
+
+
+async def _timed_out(resp, limit: float, responses: bool) -> web.StreamResponse:
+    """The 504 of a request past its timeout: a JSON error, or an error event ending a stream already open."""
+    body = error_body(f"the request took longer than --request-timeout ({limit:g} s)", "timeout")
+    if resp is None:
+        return json_response(body, 504)
+    await resp.write(sse(body, responses))
+    if not responses:
+        await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp
+
+
+def meaningful(chunk: dict) -> bool:
+    """A chunk worth opening the client's stream for (the chat role-only chunk is held back, so a request whose
+    worker fails before any text can still be re-dispatched by the balancer)."""
+    if chunk.get("usage"):
+        return True
+    kind = chunk.get("type")               # a Responses stream event
+    if kind is not None:
+        return (kind == "response.output_text.delta" and bool(chunk.get("delta"))) or kind in (
+            "response.completed", "response.incomplete", "response.failed")
+    for c in chunk.get("choices", ()):
+        if c.get("finish_reason") or c.get("text") or (c.get("delta") or {}).get("content"):
+            return True
+    return False
+
+
+async def answer_single(source) -> tuple[web.Response, int]:
+    """A non-streaming answer: the source's "response" (or "error") event."""
+    result = None
+    async for _, event, status, data, _end in source:
+        if event in ("response", "error"):
+            result = (data, status)
+    if result is None:
+        return json_response(error_body("the worker ended the request without an answer", "server_error"), 502), 502
+    data, status = result
+    return json_response(data, status, retry_headers(status)), status
+
+
+def sse(data: dict, responses: bool) -> bytes:
+    """One SSE event; a Responses stream names its events (``event: TYPE``), as OpenAI's does."""
+    head = b"event: " + data["type"].encode() + b"\n" if responses and isinstance(data.get("type"), str) else b""
+    return head + b"data: " + orjson.dumps(data) + b"\n\n"
+
+
+async def answer_stream(request: web.Request, source, responses: bool = False,
+                        opened: dict | None = None) -> tuple[web.StreamResponse, int]:
+    """An SSE answer; the stream opens at the first chunk worth sending (before it an error is a plain JSON error,
+    and the balancer may still re-dispatch). A Responses stream (``responses``) ends without ``data: [DONE]``, as
+    OpenAI's. ``opened["stream"]`` is set to the response once it has started."""
+    resp = None
+    held: list[tuple[int, dict]] = []
+    status = 200
+    async for attempt, event, st, data, _end in source:
+        if held and attempt is not None and held[0][0] != attempt:
+            held = []       # a re-dispatch: what the failed attempt held back is void
+        if event == "error":
+            if resp is None:
+                return json_response(data, st, retry_headers(st)), st
+            await resp.write(sse(data, responses))
+            status = st
+        elif event == "chunk":
+            if resp is None and not meaningful(data):
+                held.append((attempt, data))
+            else:
+                if resp is None:
+                    resp = await _open_stream(request, source, held, responses, opened)
+                    held = []
+                await resp.write(sse(data, responses))
+    if resp is None:
+        resp = await _open_stream(request, source, held, responses, opened)
+    if not responses:
+        await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp, status
+
+
+async def _open_stream(request: web.Request, source, held: list, responses: bool = False,
+                       opened: dict | None = None) -> web.StreamResponse:
+    source.sent_bytes = True
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                       "X-Accel-Buffering": "no"})
+    await resp.prepare(request)
+    if opened is not None:
+        opened["stream"] = resp
+    for _, h in held:
+        await resp.write(sse(h, responses))
+    return resp
+
+
+def add_routes(app: web.Application, door_key: web.AppKey) -> None:
+    """The OpenAI POST routes, each answered by :func:`handle` with the door stored at ``app[door_key]``."""
+    for kind, path in ENDPOINTS.items():
+        async def route(request: web.Request, kind=kind) -> web.StreamResponse:
+            return await handle(request, kind, request.app[door_key])
+        app.router.add_post(path, route)
