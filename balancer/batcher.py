@@ -1,6 +1,8 @@
 """Centralized batching: OpenAI requests accumulate into batches (the wait timer starts with a batch's first
-request); each whole batch goes in one call to the least-loaded healthy worker's ``POST /worker/batch`` whenever a
-worker has free capacity. While every worker is busy, requests keep accumulating, so batches grow under load.
+request); each whole batch goes in one call to ``POST /worker/batch`` of a healthy worker with free capacity, the one
+the routing policy prefers (balancer/policy.py; by default the least loaded). While every worker is busy, requests
+keep accumulating, so batches grow under load. Worker state (load, errors, health) is the pool's: the batcher
+reports to it.
 
 Failover: when a worker dies, stalls or its connection breaks mid-batch, every request of that batch that has not
 yet sent bytes to its client goes back to the front of the queue (bounded retries, the failed worker excluded while
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 import aiohttp
 import orjson
 
+from balancer.policy import DEFAULT as DEFAULT_POLICY, make_policy
 from balancer.pool import Worker, WorkerPool
 from common.http import MAX_BATCH_BYTES
 from common.protocol import error_body
@@ -98,12 +101,25 @@ class BatchConfig:
     connect_timeout: float = 5.0
     no_worker_grace: float = 30.0        # queued requests fail with 503 after this long with no healthy worker
     max_batch_bytes: int = MAX_BATCH_BYTES // 2   # request bodies per batch, well under the worker's body limit
+    routing_policy: str = DEFAULT_POLICY          # balancer/policy.py: which free worker gets the next batch
+
+
+@dataclass(slots=True, eq=False)
+class Dispatch:
+    """One batch sent (or about to be sent) to a worker by its own task."""
+    worker: Worker
+    batch: list[Pending]
+    task: asyncio.Task | None = None
+    started: bool = False          # the task ran its first step (it does its own accounting from there)
+    aborted: str | None = None     # why the pool aborted the worker ("stalled", ...); None: not aborted
 
 
 class CentralBatcher:
     def __init__(self, pool: WorkerPool, session_factory, cfg: BatchConfig, headers: dict | None = None):
         self.pool = pool
         self.cfg = cfg
+        self.policy = make_policy(cfg.routing_policy)
+        pool.on_abort = self._abort
         self.headers = headers or {}
         self._session_factory = session_factory
         self.queue: collections.deque[Pending] = collections.deque()
@@ -118,6 +134,7 @@ class CentralBatcher:
         self.on_batch = None           # callback(batch_size) for metrics
         self._closing = False
         self._no_worker_since: float | None = None
+        self._dispatches: set[Dispatch] = set()      # in flight, on every worker
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="central-batcher")
@@ -127,7 +144,7 @@ class CentralBatcher:
         if self._task:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
-        tasks = [t for w in self.pool.workers for t in w.dispatches]
+        tasks = [d.task for d in self._dispatches]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -202,7 +219,7 @@ class CentralBatcher:
                 await self._wait(deadline - now)
                 continue
             batch = None
-            for worker in sorted(free, key=lambda w: (w.inflight_rows, w.inflight_batches, w.last_dispatch)):
+            for worker in self.policy.rank(free):
                 batch = self._take(worker)
                 if batch:
                     break
@@ -213,29 +230,32 @@ class CentralBatcher:
             self._start_dispatch(worker, batch)
 
     def _start_dispatch(self, worker: Worker, batch: list[Pending]) -> asyncio.Task:
-        worker.last_dispatch = time.monotonic()
-        worker.inflight_batches += 1          # counted now, before the task runs: capacity is exact
-        worker.inflight_rows += len(batch)
-        started = [False]
-        task = asyncio.create_task(self._dispatch(worker, batch, started))
-        worker.dispatches.add(task)
-        task.add_done_callback(lambda t: self._dispatch_ended(worker, batch, t, started[0]))
-        return task
+        self.pool.batch_started(worker, len(batch))     # counted now, before the task runs: capacity is exact
+        d = Dispatch(worker, batch)
+        d.task = asyncio.create_task(self._dispatch(d))
+        self._dispatches.add(d)
+        d.task.add_done_callback(lambda _: self._dispatch_ended(d))
+        return d.task
 
-    def _dispatch_ended(self, w: Worker, batch: list[Pending], task: asyncio.Task, started: bool) -> None:
+    def _abort(self, w: Worker, why: str) -> None:
+        """The pool's ``on_abort``: it gave up on ``w`` (``why``); break every dispatch to it, which fails over."""
+        for d in list(self._dispatches):
+            if d.worker is w:
+                d.aborted = why
+                d.task.cancel()
+
+    def _dispatch_ended(self, d: Dispatch) -> None:
         """A dispatch cancelled before its first step (the pool aborted the worker at once: it died) never ran its
         own accounting: undo the counts and put its requests back at the front of the queue, not lost."""
-        w.dispatches.discard(task)
-        if started:
+        self._dispatches.discard(d)
+        if d.started:
             return
-        w.inflight_batches -= 1
-        w.inflight_rows -= len(batch)
-        self.pool.notify()
+        self.pool.batch_ended(d.worker, len(d.batch))
         if not self._closing:
-            back = [p for p in batch if not (p.cancelled or p.done)]
+            back = [p for p in d.batch if not (p.cancelled or p.done)]
             if back:
                 log.warning("batch for worker %d aborted before it was sent: %d requests back in the queue",
-                            w.index, len(back))
+                            d.worker.index, len(back))
                 self.queue.extendleft(reversed(back))
             self._wake.set()
 
@@ -272,8 +292,9 @@ class CentralBatcher:
                     p.fail(503, f"no healthy worker for {self.cfg.no_worker_grace:g} s", "service_unavailable")
             self.queue.clear()
 
-    async def _dispatch(self, w: Worker, batch: list[Pending], started: list) -> None:
-        started[0] = True
+    async def _dispatch(self, d: Dispatch) -> None:
+        d.started = True
+        w, batch = d.worker, d.batch
         attempts = {}
         for p in batch:
             p.attempt += 1
@@ -302,44 +323,36 @@ class CentralBatcher:
                     text = (await r.read())[:300].decode(errors="replace")
                     failure = f"worker answered {r.status}: {text}"
                     if r.status not in (429, 503):
-                        w.errors += 1
+                        self.pool.batch_failed(w, failure)
                 else:
                     buf = b""
                     async for data in r.content.iter_any():
                         buf += data
                         if b"\n" in data:
                             *lines, buf = buf.split(b"\n")
-                            w.last_activity = w.last_progress = time.monotonic()
+                            self.pool.batch_progress(w)
                             self._lines(w, lines, open_, attempts)
                     self._lines(w, [buf], open_, attempts)        # a last line without its newline
                     if open_:
                         failure = "the worker closed the batch stream early"
-        except asyncio.CancelledError as e:
+        except asyncio.CancelledError:
             if self._closing:
                 raise
-            msg = str(e.args[0]) if e.args else ""      # the pool's abort says why ("abort:stalled")
-            failure = f"worker {msg[6:]}" if msg.startswith("abort:") else "dispatch cancelled"
+            failure = f"worker {d.aborted}" if d.aborted else "dispatch cancelled"
         except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, ValueError) as e:
             failure = f"{type(e).__name__}: {e}"
-            w.errors += 1
-            w.consecutive_errors += 1
-            if isinstance(e, aiohttp.ClientConnectorError) and w.ever_ready and not w.down:
-                w.down = True
-                log.warning("worker %d (%s) is down: %s", w.index, w.url, e)
+            self.pool.batch_failed(w, failure, consecutive=True, refused=isinstance(e, aiohttp.ClientConnectorError))
         except Exception as e:           # a malformed stream (or a bug) must fail over, not leave rows hanging
             log.exception("batch on worker %d: unexpected error", w.index)
             failure = f"bad batch stream: {type(e).__name__}: {e}"
-            w.errors += 1
+            self.pool.batch_failed(w, failure)
         finally:
-            w.inflight_batches -= 1
-            w.inflight_rows -= len(batch)
-            self.pool.notify()
+            self.pool.batch_ended(w, len(batch))
         if failure and open_:
             self._failover(w, list(open_.values()), attempts, failure)
         self._wake.set()
 
-    @staticmethod
-    def _lines(w: Worker, lines: list[bytes], open_: dict, attempts: dict) -> None:
+    def _lines(self, w: Worker, lines: list[bytes], open_: dict, attempts: dict) -> None:
         for line in lines:
             if not line or line.isspace():
                 continue
@@ -351,7 +364,7 @@ class CentralBatcher:
             end = ev.get("end", False) or kind == "end"
             if end:
                 del open_[p.id]
-                w.requests_served += 1
+                self.pool.row_served(w)
                 p.done = True
                 p.worker = None
             p.deliver(attempts[p.id], kind, ev.get("status", 200), ev.get("data"), end)

@@ -224,11 +224,12 @@ class WorkerPool:
     def row_served(w: Worker) -> None:
         w.requests_served += 1
 
-    def batch_failed(self, w: Worker, why: str, connection: bool = False, refused: bool = False) -> None:
-        """A batch failed by ``w``'s fault: an error status, a malformed stream, or (``connection``) a broken
-        connection, which counts toward its consecutive errors; one ``refused`` marks a worker once ready down."""
+    def batch_failed(self, w: Worker, why: str, consecutive: bool = False, refused: bool = False) -> None:
+        """A batch failed by ``w``'s fault (an error status, a broken connection, a malformed stream).
+        ``consecutive``: it counts, with failed probes in a row, toward ``unhealthy_threshold`` (a good probe resets
+        the count); ``refused``: the connection was refused, so a worker once ready is down at once."""
         w.errors += 1
-        if connection:
+        if consecutive:
             w.consecutive_errors += 1
         if refused and w.ever_ready and not w.down:
             w.down = True

@@ -7,6 +7,8 @@ import sys
 import click
 import orjson
 
+from balancer.policy import DEFAULT as DEFAULT_POLICY, POLICIES   # the standard library only
+
 DTYPES = ["auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"]   # checked before anything starts
 
 
@@ -275,6 +277,9 @@ _front_timeout_option = click.option(
               help="Seconds a forming batch waits for more requests, from its first request.")
 @click.option("--max-inflight-per-worker", type=click.IntRange(1), default=2, show_default=True,
               help="Batches in flight per worker (2: the next batch is queued on the worker while one runs).")
+@click.option("--routing-policy", type=click.Choice(sorted(POLICIES)), default=DEFAULT_POLICY, show_default=True,
+              help="Which free worker gets the next batch. least_loaded: the fewest requests in flight, then the "
+                   "fewest batches, then the longest since its last batch.")
 @click.option("--max-queue", type=click.IntRange(1), default=4096, show_default=True,
               help="Queued requests beyond which new ones get 429.")
 @click.option("--request-timeout", type=click.FloatRange(0, min_open=True), default=1800.0, show_default=True,
@@ -301,8 +306,8 @@ _front_timeout_option = click.option(
 @click.option("--worker-api-key", default=None, envvar="DLLM_WORKER_API_KEY",
               help="Bearer key the balancer sends to workers.")
 @click.option("--log-level", default="info", show_default=True)
-def balancer(worker_urls, host, port, batch_size, batch_wait_time, max_inflight_per_worker, max_queue,
-             request_timeout, max_retries, health_check_interval, health_timeout, unhealthy_threshold,
+def balancer(worker_urls, host, port, batch_size, batch_wait_time, max_inflight_per_worker, routing_policy,
+             max_queue, request_timeout, max_retries, health_check_interval, health_timeout, unhealthy_threshold,
              healthy_threshold, stall_timeout, connect_timeout, no_worker_grace, drain_timeout, http_processes,
              front_timeout, api_key, worker_api_key, log_level):
     """Centralized batching in front of N workers (never imports torch)."""
@@ -319,7 +324,8 @@ def balancer(worker_urls, host, port, batch_size, batch_wait_time, max_inflight_
         worker_api_key=worker_api_key,
         batch=BatchConfig(batch_size=batch_size, wait_time=batch_wait_time,
                           max_inflight_per_worker=max_inflight_per_worker, max_queue=max_queue,
-                          max_retries=max_retries, connect_timeout=connect_timeout, no_worker_grace=no_worker_grace),
+                          max_retries=max_retries, connect_timeout=connect_timeout, no_worker_grace=no_worker_grace,
+                          routing_policy=routing_policy),
         health=HealthConfig(interval=health_check_interval, timeout=health_timeout,
                             unhealthy_threshold=unhealthy_threshold, healthy_threshold=healthy_threshold,
                             stall_timeout=stall_timeout))

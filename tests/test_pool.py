@@ -1,0 +1,188 @@
+"""The worker pool's state machine (balancer/pool.py), one probe at a time against an in-process /health server (a
+test double whose answer the test sets), and what the batcher reports to it. No probe loop runs: each test calls
+``pool.probe`` itself, so every transition is deterministic."""
+import contextlib
+import time
+
+import aiohttp
+from aiohttp import web
+from aiohttp.test_utils import TestServer
+
+from balancer.pool import HealthConfig, WorkerPool
+from tests.helpers import free_port
+
+READY = {"status": "ready", "busy": False, "seconds_since_last_step": 0.0}
+
+
+@contextlib.asynccontextmanager
+async def pool_with(answer: dict, urls: list[str] | None = None, **health):
+    """A pool of one worker whose /health answers ``answer["body"]`` (a dict as JSON, a str as text), plus ``urls``;
+    and the list of ``on_abort`` calls."""
+    async def handler(request):
+        body = answer["body"]
+        return web.json_response(body) if isinstance(body, dict) else web.Response(text=body)
+    app = web.Application()
+    app.router.add_get("/health", handler)
+    server = TestServer(app)
+    await server.start_server()
+    try:
+        async with aiohttp.ClientSession() as session:
+            pool = WorkerPool([str(server.make_url("")), *(urls or [])], lambda: session,
+                              HealthConfig(**{"unhealthy_threshold": 3, "healthy_threshold": 2, **health}))
+            aborts = []
+            pool.on_abort = lambda w, why: aborts.append((w.index, why))
+            pool.probe_once = lambda w=pool.workers[0]: pool.probe(w, session)
+            yield pool, aborts
+    finally:
+        await server.close()
+
+
+async def test_a_worker_is_starting_until_its_first_ready_probe():
+    answer = {"body": {"status": "loading"}}
+    async with pool_with(answer) as (pool, _):
+        w = pool.workers[0]
+        await pool.probe_once()
+        assert w.status == "starting" and not w.healthy and not pool.any_healthy() and pool.any_may_recover()
+        answer["body"] = READY
+        pool.changed.clear()
+        await pool.probe_once()
+        assert w.status == "idle" and w.ever_ready and pool.healthy() == [w]
+        assert pool.changed.is_set()                 # the batcher's loop is woken after every probe
+
+
+async def test_an_idle_worker_is_unhealthy_after_the_threshold_of_failed_probes_and_readmitted_after_good_ones():
+    answer = {"body": READY}
+    async with pool_with(answer) as (pool, aborts):
+        w = pool.workers[0]
+        await pool.probe_once()
+        answer["body"] = "not json"
+        for _ in range(2):
+            await pool.probe_once()
+            assert w.status == "idle"               # 1 and 2 failures: below unhealthy_threshold=3
+        await pool.probe_once()
+        assert w.status == "unhealthy" and w.down and w.consecutive_errors == 3 and not pool.any_healthy()
+        assert aborts == []                          # it held no work
+        answer["body"] = READY
+        await pool.probe_once()
+        assert w.status == "unhealthy"              # one good probe: below healthy_threshold=2
+        answer["body"] = "not json"
+        await pool.probe_once()                      # a failure in between starts the count again
+        answer["body"] = READY
+        await pool.probe_once()
+        assert w.status == "unhealthy"
+        await pool.probe_once()
+        assert w.status == "idle" and not w.down and w.consecutive_errors == 0
+
+
+async def test_failed_probes_do_not_mark_a_worker_holding_work_down():
+    answer = {"body": READY}
+    async with pool_with(answer) as (pool, aborts):
+        w = pool.workers[0]
+        await pool.probe_once()
+        pool.batch_started(w, 3)
+        answer["body"] = "not json"
+        for _ in range(5):
+            await pool.probe_once()
+        assert w.status == "busy" and w.consecutive_errors == 5 and aborts == []
+        pool.batch_ended(w, 3)
+        await pool.probe_once()
+        assert w.status == "unhealthy"
+
+
+async def test_a_refused_connection_marks_a_ready_worker_down_at_once_and_aborts_its_work():
+    dead = f"http://127.0.0.1:{free_port()}"
+    async with pool_with({"body": READY}, [dead]) as (pool, aborts):
+        w = pool.workers[1]
+        await pool.probe_once(w)
+        assert w.status == "starting" and not w.down and aborts == []    # never ready: nothing to abort
+        w.ever_ready = True                          # as if it had answered before (the pool's own path is above)
+        await pool.probe_once(w)
+        assert w.status == "unhealthy" and aborts == [(1, "connection refused")]
+        await pool.probe_once(w)
+        assert aborts == [(1, "connection refused")]                   # once, not on every refused probe
+
+
+async def test_another_server_on_the_port_counts_as_refused():
+    answer = {"body": {**READY, "launch_id": "ours"}}
+    async with pool_with(answer) as (pool, aborts):
+        w = pool.workers[0]
+        w.launch_id = "ours"
+        await pool.probe_once()
+        assert w.status == "idle"
+        answer["body"] = {**READY, "launch_id": "someone else"}
+        await pool.probe_once()
+        assert w.status == "unhealthy" and aborts == [(0, "connection refused")]
+
+
+async def test_a_worker_without_progress_while_holding_work_stalls_and_its_work_is_aborted():
+    answer = {"body": READY}
+    async with pool_with(answer, stall_timeout=5.0) as (pool, aborts):
+        w = pool.workers[0]
+        await pool.probe_once()
+        pool.batch_started(w, 2)
+        answer["body"] = {"status": "ready", "busy": True, "seconds_since_last_step": 1.0}
+        await pool.probe_once()
+        assert w.status == "busy" and aborts == []  # its last step was 1 s ago: progressing
+        answer["body"] = {"status": "ready", "busy": True, "seconds_since_last_step": 30.0}
+        w.last_progress = time.monotonic() - 30.0   # the last step the balancer knows of is as old
+        await pool.probe_once()
+        assert w.status == "stalled" and aborts == [(0, "stalled")] and not pool.any_healthy()
+        pool.batch_ended(w, 2)                       # the batcher failed the batch over
+        answer["body"] = READY                       # idle and answering: progress again
+        await pool.probe_once()
+        assert w.status == "stalled"
+        await pool.probe_once()
+        assert w.status == "idle" and not w.stalled
+
+
+async def test_without_a_listener_abort_does_nothing():
+    async with pool_with({"body": READY}) as (pool, _):
+        pool.on_abort = None
+        pool.abort(pool.workers[0], "stalled")
+
+
+async def test_load_the_batcher_reports():
+    async with pool_with({"body": READY}) as (pool, _):
+        w = pool.workers[0]
+        await pool.probe_once()
+        before = time.monotonic()
+        pool.batch_started(w, 3)
+        pool.batch_started(w, 2)
+        assert (w.inflight_batches, w.inflight_rows, w.status) == (2, 5, "busy") and w.last_dispatch >= before
+        pool.changed.clear()
+        pool.batch_ended(w, 3)
+        assert (w.inflight_batches, w.inflight_rows) == (1, 2) and pool.changed.is_set()
+        w.last_progress = 0.0
+        pool.batch_progress(w)
+        assert w.last_progress >= before and w.last_activity == w.last_progress
+        pool.row_served(w)
+        pool.batch_ended(w, 2)
+        snap = w.snapshot()
+        assert (snap["status"], snap["in_flight"], snap["requests_served"]) == ("idle", 0, 1)
+
+
+async def test_batch_failures_count_against_the_worker_and_a_refused_one_marks_it_down():
+    answer = {"body": READY}
+    async with pool_with(answer) as (pool, aborts):
+        w = pool.workers[0]
+        pool.batch_failed(w, "ClientConnectorError: refused", consecutive=True, refused=True)
+        assert not w.down and w.status == "starting"    # never ready: not "down"
+        await pool.probe_once()
+        assert (w.errors, w.consecutive_errors, w.status) == (1, 0, "idle")   # a good probe resets the run
+        pool.batch_failed(w, "worker answered 500: boom")
+        assert (w.errors, w.consecutive_errors, w.status) == (2, 0, "idle")
+        pool.batch_failed(w, "ServerDisconnectedError", consecutive=True)
+        assert (w.errors, w.consecutive_errors, w.status) == (3, 1, "idle")
+        # broken batches count with failed probes toward unhealthy_threshold (3): two failed probes suffice now
+        answer["body"] = "not json"
+        await pool.probe_once()
+        assert w.status == "idle"
+        await pool.probe_once()
+        assert w.status == "unhealthy"
+        answer["body"] = READY
+        await pool.probe_once()
+        await pool.probe_once()
+        assert w.status == "idle"
+        pool.batch_failed(w, "ClientConnectorError: refused", consecutive=True, refused=True)
+        assert w.status == "unhealthy" and w.errors == 4
+        assert aborts == []                  # the batcher's own failure aborts nothing else (as before)
