@@ -26,9 +26,10 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from balancer.batcher import BatchConfig, CentralBatcher, Pending
 from balancer.pool import HealthConfig, WorkerPool
 from balancer.stats import Window
-from common.http import EXIT_PORT_IN_USE, MAX_BODY_BYTES, json_response, middlewares, read_body, retry_headers
+from common.http import EXIT_PORT_IN_USE, MAX_BODY_BYTES, json_response, middlewares, read_body
 from common.metrics import RequestMetrics
-from common.protocol import APIError, error_body, guarded_by_api_key, loads, parse_request
+from common.openai_http import add_routes
+from common.protocol import APIError, error_body, guarded_by_api_key, loads
 
 log = logging.getLogger("dllm.balancer")
 
@@ -126,119 +127,28 @@ class BalancerState:
 STATE = web.AppKey("state", BalancerState)
 
 
-# ---------------------------------------------------------------- OpenAI endpoints
-def meaningful(chunk: dict) -> bool:
-    """A chunk worth opening the client's stream for (the chat role-only chunk is held back, so a request whose
-    worker fails before any text can still be re-dispatched)."""
-    if chunk.get("usage"):
-        return True
-    kind = chunk.get("type")               # a Responses stream event
-    if kind is not None:
-        return (kind == "response.output_text.delta" and bool(chunk.get("delta"))) or kind in (
-            "response.completed", "response.incomplete", "response.failed")
-    for c in chunk.get("choices", ()):
-        if c.get("finish_reason") or c.get("text") or (c.get("delta") or {}).get("content"):
-            return True
-    return False
+# ---------------------------------------------------------------- OpenAI endpoints (common/openai_http.py)
+class BalancerDoor:
+    """The balancer's way in for /v1/completions, /v1/chat/completions, /v1/responses: queue the request for a batch
+    (503 while draining or with no healthy worker, 429 when the queue is full) and answer from its events
+    (--request-timeout is the expiry sweep's, which ends the request with a 504 event)."""
+    timeout = None
 
+    def __init__(self, state: BalancerState):
+        self.state = state
 
-async def _openai(request: web.Request, kind: str) -> web.StreamResponse:
-    state = request.app[STATE]
-    t0 = time.monotonic()
-    status = 499          # the client went away before an answer (nginx's convention), unless set below
-    p = None
-    try:
-        if state.draining:
-            raise APIError(503, "the balancer is shutting down")
-        body = await read_body(request)
-        req = parse_request(kind, body)      # the one JSON language (common/protocol.py); forwarded as it is
-        p = state.admit(kind, body, req.stream, t0)
-        resp, status = await (answer_stream(request, p, kind == "responses") if req.stream else answer_single(p))
-        return resp
-    except APIError as e:
-        status = e.status
-        raise
-    finally:
+    async def open(self, request: web.Request, kind: str, body: bytes, req) -> Pending:
+        return self.state.admit(kind, body, req.stream, time.monotonic())
+
+    def close(self, request: web.Request, p: Pending | None, status: int, seconds: float) -> None:
+        state = self.state
         if p is not None:
             state.release(p)
         state.local_requests += 1
-        state.observe(request.path, status, time.monotonic() - t0)
+        state.observe(request.path, status, seconds)
 
 
-async def answer_single(p) -> tuple[web.Response, int]:
-    """A non-streaming answer from ``p``'s events (``p``: a Pending, or a front's handle with ``next()``)."""
-    result = None
-    while True:
-        _, event, status, data, end = await p.next()
-        if event in ("response", "error"):
-            result = (data, status)
-        if end:
-            break
-    if result is None:
-        return json_response(error_body("the worker ended the request without an answer", "server_error"), 502), 502
-    data, status = result
-    return json_response(data, status, retry_headers(status)), status
-
-
-def sse(data: dict, responses: bool) -> bytes:
-    """One SSE event; a Responses stream names its events (``event: TYPE``), as OpenAI's does."""
-    head = b"event: " + data["type"].encode() + b"\n" if responses and isinstance(data.get("type"), str) else b""
-    return head + b"data: " + orjson.dumps(data) + b"\n\n"
-
-
-async def answer_stream(request: web.Request, p, responses: bool = False) -> tuple[web.StreamResponse, int]:
-    """An SSE answer from ``p``'s events; the stream opens at the first chunk worth sending. A Responses stream
-    (``responses``) ends without ``data: [DONE]``, as OpenAI's."""
-    resp = None
-    held: list[tuple[int, dict]] = []
-    status = 200
-    while True:
-        attempt, event, st, data, end = await p.next()
-        if held and attempt is not None and held[0][0] != attempt:
-            held = []       # a re-dispatch: what the failed attempt held back is void
-        if event == "error":
-            if resp is None:
-                return json_response(data, st, retry_headers(st)), st
-            await resp.write(sse(data, responses))
-            status = st
-        elif event == "chunk":
-            if resp is None and not meaningful(data):
-                held.append((attempt, data))
-            else:
-                if resp is None:
-                    resp = await _open_stream(request, p, held, responses)
-                    held = []
-                await resp.write(sse(data, responses))
-        if end:
-            break
-    if resp is None:
-        resp = await _open_stream(request, p, held, responses)
-    if not responses:
-        await resp.write(b"data: [DONE]\n\n")
-    await resp.write_eof()
-    return resp, status
-
-
-async def _open_stream(request: web.Request, p, held: list, responses: bool = False) -> web.StreamResponse:
-    p.sent_bytes = True
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                       "X-Accel-Buffering": "no"})
-    await resp.prepare(request)
-    for _, h in held:
-        await resp.write(sse(h, responses))
-    return resp
-
-
-async def completions(request):
-    return await _openai(request, "completion")
-
-
-async def chat_completions(request):
-    return await _openai(request, "chat")
-
-
-async def responses_(request):
-    return await _openai(request, "responses")
+DOOR = web.AppKey("door", BalancerDoor)
 
 
 async def to_a_worker(request: web.Request) -> web.Response:
@@ -394,9 +304,8 @@ def make_app(cfg: BalancerConfig) -> web.Application:
                           client_max_size=MAX_BODY_BYTES)
     app[STATE] = BalancerState(cfg)
     app.cleanup_ctx.append(_lifecycle)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/v1/responses", responses_)
+    app[DOOR] = BalancerDoor(app[STATE])
+    add_routes(app, DOOR)
     app.router.add_get("/v1/models", from_a_worker)
     app.router.add_get("/v1/models/{model:.+}", from_a_worker)
     app.router.add_get("/generation/algorithms", from_a_worker)

@@ -27,6 +27,7 @@ import orjson
 from balancer.policy import DEFAULT as DEFAULT_POLICY, make_policy
 from balancer.pool import Worker, WorkerPool
 from common.http import MAX_BATCH_BYTES
+from common.openai_http import EventBox, until_end
 from common.protocol import error_body
 
 log = logging.getLogger("dllm.balancer.batcher")
@@ -36,33 +37,16 @@ log = logging.getLogger("dllm.balancer.batcher")
 REJECTED = frozenset({400, 413, 415, 422})
 
 
-def push_event(box, ev: tuple) -> None:
-    """Append to ``box.events`` and wake its reader (``box``: a Pending, or a front's handle)."""
-    box.events.append(ev)
-    w = box._waiter
-    if w is not None and not w.done():
-        w.set_result(None)
-
-
-async def until_event(box) -> None:
-    """Wait until ``box.events`` holds an event (one waiter future at a time, no task or queue per request)."""
-    while not box.events:
-        box._waiter = asyncio.get_running_loop().create_future()
-        try:
-            await box._waiter
-        finally:
-            box._waiter = None
-
-
 @dataclass(slots=True, eq=False)
 class Pending:
-    """One client request while the balancer holds it. Its handler reads events with :meth:`next`:
-    (attempt, event, status, data, end); ``attempt`` None means "whatever the current attempt" (timeouts)."""
+    """One client request while the balancer holds it. Its handler iterates it: events (attempt, event, status, data,
+    end) of the current attempt (stale attempts' are skipped); ``attempt`` None means "whatever the current attempt"
+    (timeouts)."""
     id: str
     kind: str                      # "chat" | "completion"
     body: bytes                    # the client's JSON body, validated, forwarded byte for byte
     stream: bool
-    events: collections.deque = field(default_factory=collections.deque)
+    box: EventBox = field(default_factory=EventBox)
     attempt: int = 0
     tries: int = 0
     sent_bytes: bool = False       # set by the handler just before it writes anything to its client
@@ -73,18 +57,19 @@ class Pending:
     worker: Worker | None = None
     enqueued_at: float = field(default_factory=time.monotonic)
     started: float = field(default_factory=time.monotonic)
-    _waiter: asyncio.Future | None = None
 
     def deliver(self, attempt: int | None, event: str, status: int = 200, data=None, end: bool = False) -> None:
-        push_event(self, (attempt, event, status, data, end))
+        self.box.push((attempt, event, status, data, end))
 
     async def next(self) -> tuple:
         """The next event of the current attempt (stale attempts' events are skipped)."""
         while True:
-            await until_event(self)
-            ev = self.events.popleft()
+            ev = await self.box.next()
             if ev[0] is None or ev[0] == self.attempt:
                 return ev
+
+    def __aiter__(self):
+        return until_end(self.next)
 
     def fail(self, status: int, message: str, type_: str = "server_error") -> None:
         self.done = True

@@ -24,7 +24,6 @@ variable). Never imports torch."""
 from __future__ import annotations
 
 import asyncio
-import collections
 import gc
 import glob
 import itertools
@@ -44,15 +43,14 @@ import aiohttp
 import orjson
 from aiohttp import web
 
-from balancer.app import answer_single, answer_stream, meaningful
-from balancer.batcher import Pending, push_event, until_event
-from common.http import MAX_BODY_BYTES, middlewares, read_body
-from common.protocol import APIError, error_body, guarded_by_api_key, parse_request
+from balancer.batcher import Pending
+from common.http import MAX_BODY_BYTES, middlewares
+from common.openai_http import ENDPOINTS, EventBox, add_routes, meaningful
+from common.protocol import APIError, error_body, guarded_by_api_key
 
 log = logging.getLogger("dllm.balancer.front")
 
 _LENGTHS = struct.Struct("<II")
-PATHS = {"completion": "/v1/completions", "chat": "/v1/chat/completions", "responses": "/v1/responses"}
 
 
 def frame(header: dict, body: bytes = b"") -> bytes:
@@ -205,7 +203,7 @@ class FrontLink(Link):
         state = self.fronts.state
         for p in self.live.values():
             state.release(p)
-            state.observe(PATHS.get(p.kind, "/v1/completions"), 502, time.monotonic() - p.started)
+            state.observe(ENDPOINTS.get(p.kind, "/v1/completions"), 502, time.monotonic() - p.started)
         self.live.clear()
 
 
@@ -328,23 +326,6 @@ class Fronts:
 
 
 # ---------------------------------------------------------------- a front process
-class Handle:
-    """A front's view of one request: the central's events, in order (stale attempts already dropped there)."""
-    __slots__ = ("events", "sent_bytes", "_waiter")
-
-    def __init__(self):
-        self.events: collections.deque = collections.deque()
-        self.sent_bytes = False
-        self._waiter: asyncio.Future | None = None
-
-    def deliver(self, ev: tuple) -> None:
-        push_event(self, ev)
-
-    async def next(self) -> tuple:
-        await until_event(self)
-        return self.events.popleft()
-
-
 @dataclass
 class FrontConfig:
     fd: int
@@ -361,7 +342,7 @@ class FrontConfig:
 class FrontState:
     cfg: FrontConfig
     link: "CentralLink | None" = None
-    live: dict[int, Handle] = field(default_factory=dict)
+    live: dict[int, EventBox] = field(default_factory=dict)
     session: aiohttp.ClientSession | None = None
     ids: itertools.count = field(default_factory=itertools.count)
 
@@ -375,54 +356,45 @@ class CentralLink(Link):
         if "t" in h:                     # the central's ping
             self.send({"t": "pong"})
             return
-        handle = self.front.live.get(h["n"])
-        if handle is not None:
-            handle.deliver((h["a"], h["e"], h["st"], h["d"], h["end"]))
+        box = self.front.live.get(h["n"])
+        if box is not None:
+            box.push((h["a"], h["e"], h["st"], h["d"], h["end"]))
 
     def on_lost(self) -> None:
-        for handle in self.front.live.values():
-            handle.deliver((None, "error", 502, error_body("the balancer's central process went away",
-                                                           "server_error"), True))
+        for box in self.front.live.values():
+            box.push((None, "error", 502, error_body("the balancer's central process went away", "server_error"),
+                      True))
 
 
 FRONT = web.AppKey("front", FrontState)
 
 
-async def _openai(request: web.Request, kind: str) -> web.StreamResponse:
-    front = request.app[FRONT]
-    t0 = time.monotonic()
-    status, n = 499, -1
-    try:
-        body = await read_body(request)
-        req = parse_request(kind, body)          # the validation work this process takes off the central
+class FrontDoor:
+    """A front's way in for the OpenAI endpoints (common/openai_http.py): validated here, handed to the central as
+    one frame, answered from the events the central sends back (its queue, batching and --request-timeout)."""
+    timeout = None
+
+    def __init__(self, front: FrontState):
+        self.front = front
+
+    async def open(self, request: web.Request, kind: str, body: bytes, req) -> EventBox:
+        front = self.front
         link = front.link
         if link is None or link.transport is None:
             raise APIError(503, "the balancer is shutting down or restarting")
-        n = next(front.ids)
-        handle = front.live[n] = Handle()
+        n = request["n"] = next(front.ids)
+        box = front.live[n] = EventBox()
         link.send({"t": "r", "n": n, "k": kind, "s": req.stream}, body)
-        resp, status = await (answer_stream(request, handle, kind == "responses") if req.stream
-                              else answer_single(handle))
-        return resp
-    except APIError as e:
-        status = e.status
-        raise
-    finally:
-        front.live.pop(n, None)
-        if front.link is not None:
-            front.link.send({"t": "d", "n": n, "p": request.path, "st": status, "s": time.monotonic() - t0})
+        return box
+
+    def close(self, request: web.Request, box, status: int, seconds: float) -> None:
+        n = request.get("n", -1)
+        self.front.live.pop(n, None)
+        if self.front.link is not None:     # the central records the request (and releases it when it holds it)
+            self.front.link.send({"t": "d", "n": n, "p": request.path, "st": status, "s": seconds})
 
 
-async def completions(request):
-    return await _openai(request, "completion")
-
-
-async def chat_completions(request):
-    return await _openai(request, "chat")
-
-
-async def responses_(request):
-    return await _openai(request, "responses")
+DOOR = web.AppKey("door", FrontDoor)
 
 
 async def proxy(request: web.Request) -> web.Response:
@@ -444,9 +416,8 @@ async def serve_front(cfg: FrontConfig) -> int:
     app = web.Application(middlewares=middlewares(cfg.api_key, guarded_by_api_key),
                           client_max_size=MAX_BODY_BYTES)
     app[FRONT] = front
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/chat/completions", chat_completions)
-    app.router.add_post("/v1/responses", responses_)
+    app[DOOR] = FrontDoor(front)
+    add_routes(app, DOOR)
     app.router.add_route("*", "/{tail:.*}", proxy)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -92,7 +92,6 @@ class WorkerPool:
         self._session_factory = session_factory
         self._tasks: list[asyncio.Task] = []
         self.changed = asyncio.Event()        # set whenever capacity or health may have changed
-        self.model_card: dict | None = None   # /v1/models of the first ready worker
         self.on_abort: Callable[[Worker, str], None] | None = None   # the batcher's: break the worker's dispatches
 
     def start(self) -> None:
@@ -108,9 +107,6 @@ class WorkerPool:
 
     def any_healthy(self) -> bool:
         return any(w.healthy for w in self.workers)
-
-    def any_may_recover(self) -> bool:
-        return any(w.status in ("starting", "stalled", "unhealthy") for w in self.workers)
 
     def notify(self) -> None:
         self.changed.set()
