@@ -15,7 +15,7 @@ import secrets
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import aiohttp
 import orjson
@@ -23,9 +23,12 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+import click
+
 from balancer.batcher import BatchConfig, CentralBatcher, Pending
 from balancer.pool import HealthConfig, WorkerPool
 from balancer.stats import Window
+from common.config import setting
 from common.http import EXIT_PORT_IN_USE, MAX_BODY_BYTES, json_response, middlewares, read_body
 from common.metrics import RequestMetrics
 from common.openai_http import add_routes
@@ -36,20 +39,36 @@ log = logging.getLogger("dllm.balancer")
 STATUSES = ("starting", "idle", "busy", "stalled", "unhealthy", "draining")
 
 
+def worker_urls(value: str) -> list[str]:
+    urls = [u.strip() for u in value.split(",") if u.strip()]
+    if not urls:
+        raise click.BadParameter("no worker URL")
+    return urls
+
+
 @dataclass
 class BalancerConfig:
-    worker_urls: list[str]
-    host: str = "127.0.0.1"
-    port: int = 8000
-    batch: BatchConfig = field(default_factory=BatchConfig)
-    health: HealthConfig = field(default_factory=HealthConfig)
-    request_timeout: float = 1800.0
-    drain_timeout: float = 60.0
-    http_processes: int = 1            # processes accepting client HTTP: this one + (N-1) fronts (balancer/front.py)
-    front_timeout: float = 10.0        # a front silent this long (no answer to pings) is killed and restarted
-    api_key: str | None = None
-    worker_api_key: str | None = None
-    worker_launch_ids: list[str | None] | None = None   # per worker URL: accept only the process showing this id
+    worker_urls: list[str] = setting(help="Comma-separated worker base URLs (http://h:8001,http://h:8002).",
+                                     convert=worker_urls)
+    host: str = setting("127.0.0.1")
+    port: int = setting(8000)
+    batch: BatchConfig = setting(default_factory=BatchConfig, cli=False)     # its own settings
+    health: HealthConfig = setting(default_factory=HealthConfig, cli=False)
+    request_timeout: float = setting(1800.0, "Seconds before a request is answered 504.",
+                                     type=click.FloatRange(0, min_open=True))
+    drain_timeout: float = setting(60.0, "Seconds SIGTERM waits for queued and in-flight requests before exiting.",
+                                   type=click.FloatRange(0))
+    http_processes: int = setting(1, "Processes accepting client connections on --port (SO_REUSEPORT): the balancer "
+                                     "itself plus N-1 front processes that read and validate requests and hand them "
+                                     "to its one queue over a Unix socket. Raise it when one core of HTTP work is "
+                                     "the limit (thousands of requests/s; docs/balancer.md).", type=click.IntRange(1))
+    front_timeout: float = setting(10.0, "With --http-processes > 1: seconds a front process may leave pings "
+                                         "unanswered before it is killed and restarted.", type=click.FloatRange(0.1))
+    api_key: str | None = setting(None, "Require 'Authorization: Bearer KEY' on /v1.", envvar="DLLM_API_KEY")
+    worker_api_key: str | None = setting(None, "Bearer key the balancer sends to workers.",
+                                         envvar="DLLM_WORKER_API_KEY")
+    worker_launch_ids: list[str | None] | None = setting(None, cli=False)   # per URL: accept only this /health id
+
 
 
 class Metrics:

@@ -24,8 +24,11 @@ from dataclasses import dataclass, field
 import aiohttp
 import orjson
 
-from balancer.policy import DEFAULT as DEFAULT_POLICY, make_policy
+import click
+
+from balancer.policy import DEFAULT as DEFAULT_POLICY, POLICIES, make_policy
 from balancer.pool import Worker, WorkerPool
+from common.config import setting
 from common.http import MAX_BATCH_BYTES
 from common.openai_http import EventBox, until_end
 from common.protocol import error_body
@@ -78,15 +81,20 @@ class Pending:
 
 @dataclass
 class BatchConfig:
-    batch_size: int = 16
-    wait_time: float = 0.02
-    max_inflight_per_worker: int = 2
-    max_queue: int = 4096
-    max_retries: int = 2                 # re-dispatches of one request after worker failures
-    connect_timeout: float = 5.0
-    no_worker_grace: float = 30.0        # queued requests fail with 503 after this long with no healthy worker
-    max_batch_bytes: int = MAX_BATCH_BYTES // 2   # request bodies per batch, well under the worker's body limit
-    routing_policy: str = DEFAULT_POLICY          # balancer/policy.py: which free worker gets the next batch
+    batch_size: int = setting(16, "Most requests per dispatched batch.", type=click.IntRange(1))
+    wait_time: float = setting(0.02, "Seconds a forming batch waits for more requests, from its first request.",
+                               flag="--batch-wait-time", type=click.FloatRange(0))
+    max_inflight_per_worker: int = setting(2, "Batches in flight per worker (2: the next batch is queued on the "
+                                              "worker while one runs).", type=click.IntRange(1))
+    max_queue: int = setting(4096, "Queued requests beyond which new ones get 429.", type=click.IntRange(1))
+    max_retries: int = setting(2, "Re-dispatches of a request after worker failures.", type=click.IntRange(0))
+    connect_timeout: float = setting(5.0, "Seconds to open a connection to a worker.", type=click.FloatRange(0.1))
+    no_worker_grace: float = setting(30.0, "Seconds queued requests wait for a healthy worker before 503.",
+                                     type=click.FloatRange(0))
+    max_batch_bytes: int = setting(MAX_BATCH_BYTES // 2, cli=False)   # well under the worker's body limit
+    routing_policy: str = setting(DEFAULT_POLICY, "Which free worker gets the next batch (balancer/policy.py): "
+                                                  "least_loaded = fewest requests in flight, then fewest batches, "
+                                                  "then the longest idle.", type=click.Choice(sorted(POLICIES)))
 
 
 @dataclass(slots=True, eq=False)

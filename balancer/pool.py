@@ -17,17 +17,24 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import aiohttp
+import click
+
+from common.config import setting
 
 log = logging.getLogger("dllm.balancer.pool")
 
 
 @dataclass
 class HealthConfig:
-    interval: float = 2.0            # seconds between probes of one worker
-    timeout: float = 5.0             # one probe's total timeout
-    unhealthy_threshold: int = 3     # failed probes in a row that mark an idle worker down
-    healthy_threshold: int = 2       # good probes in a row that re-admit a down or stalled worker
-    stall_timeout: float = 60.0      # no progress for this long while holding work: stalled, work re-dispatched
+    interval: float = setting(2.0, "Seconds between /health probes of one worker.", flag="--health-check-interval",
+                              type=click.FloatRange(0.05))
+    timeout: float = setting(5.0, "Seconds one /health probe may take.", flag="--health-timeout",
+                             type=click.FloatRange(0.05))
+    unhealthy_threshold: int = setting(3, "Failed probes in a row that mark an idle worker unhealthy.",
+                                       type=click.IntRange(1))
+    healthy_threshold: int = setting(2, "Good probes in a row that re-admit a worker.", type=click.IntRange(1))
+    stall_timeout: float = setting(60.0, "Seconds without denoising progress while holding work before a worker is "
+                                         "'stalled' and its work re-dispatched.", type=click.FloatRange(0.1))
 
 
 @dataclass

@@ -20,36 +20,69 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
+import click
+
 from balancer.app import BalancerConfig, drain, make_app, start_sites
+from balancer.batcher import BatchConfig
+from common.config import setting, to_args
 from common.http import EXIT_PORT_IN_USE
+from worker.config import WorkerConfig
 
 log = logging.getLogger("dllm.supervisor")
 
 
+def _urls(value: str | None) -> list[str]:
+    return [u for u in (value or "").split(",") if u]
+
+
+def _path(value):
+    return None if value is None else Path(value)
+
+
 @dataclass
 class ServeConfig:
-    model_path: str
-    gpu_ids: list[str] | None = None      # one worker per id (CUDA_VISIBLE_DEVICES); None: CPU workers
-    cpu_workers: int = 1
-    host: str = "127.0.0.1"               # the balancer's address
-    port: int = 8000
-    worker_host: str = "127.0.0.1"
-    worker_base_port: int = 8001
-    worker_args: list[str] = field(default_factory=list)   # passed to every `dllm-serve worker`
-    worker_api_key: str | None = None
-    balancer: BalancerConfig | None = None
-    extra_worker_urls: list[str] = field(default_factory=list)   # workers run elsewhere (multi-node)
-    no_balancer: bool = False             # workers only (the other nodes of a multi-node job)
-    log_dir: Path = Path("logs")
-    server_info_file: Path | None = None
-    stagger: float = 2.0                  # seconds between worker starts
-    min_workers: int = 1
-    startup_timeout: float = 1800.0       # seconds for the first min_workers to become ready
-    restart_backoff: float = 1.0          # first restart delay, doubled per crash up to restart_backoff_max
-    restart_backoff_max: float = 60.0
-    crash_loop: int = 3                   # this many crashes within crash_window seconds is a crash loop
-    crash_window: float = 120.0
-    stop_timeout: float = 30.0            # seconds workers get to exit after SIGTERM before SIGKILL
+    model_path: str = setting(cli=False)  # resolved by the command (a hub id, the demo model, a converted DCP)
+    gpu_ids: list[str] | None = setting(None, cli=False)   # one worker per id (CUDA_VISIBLE_DEVICES); None: CPU
+    cpu_workers: int = setting(1, cli=False)
+    host: str = setting("127.0.0.1", "Balancer address.")
+    port: int = setting(8000)
+    worker_host: str = setting("127.0.0.1")
+    worker_base_port: int = setting(8001)
+    worker: dict = setting(default_factory=dict, cli=False)  # WorkerConfig settings for every worker (serve's flags)
+    worker_args: list[str] = setting(default_factory=list, cli=False)   # more `dllm-serve worker` arguments
+    log_level: str = setting("info", cli=False)                         # the workers' --log-level
+    worker_api_key: str | None = setting(None, "Key between balancer and workers (generated per SLURM job).",
+                                         envvar="DLLM_WORKER_API_KEY")
+    balancer: BalancerConfig | None = setting(None, cli=False)
+    extra_worker_urls: list[str] = setting(default_factory=list, help="Workers started elsewhere (multi-node).",
+                                           convert=_urls, cli_default=None)
+    no_balancer: bool = setting(False, "Workers only (other nodes of a multi-node job).")
+    log_dir: Path | None = setting(None, "Worker logs (default: logs/port-PORT, so two servers from one checkout "
+                                         "never share one).", type=click.Path(file_okay=False), convert=_path)
+    server_info_file: Path | None = setting(None, 'KEY="VAL" file eval jobs wait on (SERVER_STATUS=running).',
+                                            type=click.Path(dir_okay=False), convert=_path)
+    stagger: float = setting(2.0, "Seconds between worker starts.", type=click.FloatRange(0))
+    min_workers: int = setting(1, "Ready workers needed before the balancer serves.", type=click.IntRange(1))
+    startup_timeout: float = setting(1800.0, "Seconds for the first --min-workers to become ready.",
+                                     type=click.FloatRange(1))
+    restart_backoff: float = setting(1.0, cli=False)     # first restart delay, doubled per crash up to the max
+    restart_backoff_max: float = setting(60.0, cli=False)
+    crash_loop: int = setting(3, cli=False)              # this many crashes within crash_window s is a crash loop
+    crash_window: float = setting(120.0, cli=False)
+    stop_timeout: float = setting(30.0, cli=False)       # seconds workers get to exit after SIGTERM before SIGKILL
+
+    def __post_init__(self):
+        if self.log_dir is None:
+            self.log_dir = Path(f"logs/port-{self.port}")
+
+    def worker_command(self) -> list[str]:
+        """The `dllm-serve worker` arguments every worker gets (but its host and port): two balancer batches in
+        flight (the worker takes twice the balancer's batch size, without its own wait), a queue for eight, the
+        checkpoint directory's name as the served name unless one is given, then the pass-through settings."""
+        batch = self.balancer.batch if self.balancer is not None else BatchConfig()
+        values = {"batch_size": batch.batch_size * 2, "max_wait_time": 0, "max_queue": max(1024, batch.batch_size * 8),
+                  "served_model_name": Path(self.model_path).resolve().name, **self.worker}
+        return to_args(WorkerConfig, values) + ["--log-level", self.log_level] + self.worker_args
 
 
 def _die_with_parent() -> None:
@@ -143,7 +176,7 @@ class Supervisor:
     def _spawn(self, w: WorkerProc) -> None:
         c = self.cfg
         args = [sys.executable, "-m", "common.cli", "worker", "--model-path", c.model_path,
-                "--host", c.worker_host, "--port", str(w.port), *c.worker_args]
+                "--host", c.worker_host, "--port", str(w.port), *c.worker_command()]
         env = dict(os.environ)
         env.pop("DLLM_API_KEY", None)
         env["DLLM_LAUNCH_ID"] = w.launch_id          # the clients' key (if it came from the environment) is not theirs

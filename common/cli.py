@@ -7,9 +7,12 @@ import sys
 import click
 import orjson
 
-from balancer.policy import DEFAULT as DEFAULT_POLICY, POLICIES   # the standard library only
-
-DTYPES = ["auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"]   # checked before anything starts
+from balancer.app import BalancerConfig           # the configs: no torch (tests/test_docs.py checks)
+from balancer.batcher import BatchConfig
+from balancer.pool import HealthConfig
+from balancer.supervisor import ServeConfig
+from common.config import build, options
+from worker.config import DTYPES, WorkerConfig
 
 
 def _int_list(value: str | None) -> list[int] | None:
@@ -25,12 +28,6 @@ def _int_list(value: str | None) -> list[int] | None:
 @click.version_option(package_name="dllm-serve", prog_name="dllm-serve")
 def main() -> None:
     """dllm-serve: OpenAI-compatible serving for masked diffusion language models."""
-
-
-_compile_option = click.option(
-    "--compile", "compile_", is_flag=True,
-    help="torch.compile the dense half of every block (output projection, RMSNorm, SwiGLU MLP); eager if compiling "
-         "fails. Off by default: not yet measured on a GPU (docs/engine.md).")
 
 
 @main.command()
@@ -57,7 +54,7 @@ _compile_option = click.option(
 @click.option("--device", default="auto", show_default=True, help="cuda, cpu or auto.")
 @click.option("--dtype", type=click.Choice(DTYPES), default="auto",
               show_default=True, help="auto: bfloat16 on CUDA, float32 on CPU.")
-@_compile_option
+@options(WorkerConfig, only=("compile",), prefix="with_")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--requests", "requests_file", type=click.File("rb"), default=None,
               help="Generate for every line of this JSON-lines file (- for stdin) in one batch, one JSON line out per "
@@ -66,7 +63,7 @@ _compile_option = click.option(
                    "temperature, cfg_scale, threshold, factor, seed, shift_logits, algorithm_params).")
 def generate(model_path, prompt, chat, prompt_ids, gen_length, block_length, steps, algorithm, remasking,
              temperature, cfg_scale, threshold, factor, seed, shift_logits, algorithm_params, no_early_exit, device,
-             dtype, compile_, as_json, requests_file):
+             dtype, with_compile, as_json, requests_file):
     """Generate offline for one prompt (or a batch of them, --requests) and print the result."""
     from worker.engine import Engine, GenerationParams, ParamError, Request
     from worker.models import DEFAULT_ALGORITHM, CheckpointError
@@ -96,7 +93,7 @@ def generate(model_path, prompt, chat, prompt_ids, gen_length, block_length, ste
         raise click.ClickException(str(e))
     block_length = block_length or min(32, gen_length)
     try:
-        engine = Engine.from_pretrained(model_path, device=device, dtype=dtype, compile=compile_)
+        engine = Engine.from_pretrained(model_path, device=device, dtype=dtype, compile=with_compile)
     except (CheckpointError, ValueError, OSError) as e:
         raise click.ClickException(str(e))
     defaults = dict(gen_length=gen_length, block_length=block_length, steps=steps,
@@ -168,168 +165,27 @@ def _logging(level: str) -> None:
     logging.basicConfig(level=getattr(logging, level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
-_SCORE_OPTIONS = [
-    click.option("--score-mc-num", type=click.IntRange(1), default=128, show_default=True,
-                 help="Likelihood scoring (echo + logprobs): Monte Carlo samples per estimate when a request gives "
-                      "no mc_num (the reference eval_llada.py's default)."),
-    click.option("--score-batch-size", type=click.IntRange(1), default=32, show_default=True,
-                 help="Likelihood scoring: copies per mini-batch (the reference's batch_size; mc_num must be a "
-                      "multiple of it) when a request gives no mc_batch_size."),
-    click.option("--score-cfg-scale", type=click.FloatRange(0), default=0.0, show_default=True,
-                 help="Likelihood scoring: classifier-free guidance scale when a request gives no cfg_scale."),
-    click.option("--score-window", type=click.IntRange(1), default=32, show_default=True,
-                 help="Likelihood scoring without context_length: estimate every split in the prompt's last N "
-                      "tokens, so lm-eval's sum over any continuation up to N tokens is that continuation's estimate "
-                      "(cost: up to N estimates per request; docs/api.md)."),
-]
-
-
-def _score_options(f):
-    for o in reversed(_SCORE_OPTIONS):
-        f = o(f)
-    return f
-
-
 @main.command()
-@click.option("--model-path", required=True, help="Checkpoint directory.")
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", type=int, default=8001, show_default=True)
-@click.option("--batch-size", type=click.IntRange(1), default=8, show_default=True, help="Rows per engine batch.")
-@click.option("--max-wait-time", type=click.FloatRange(0), default=0.05, show_default=True,
-              help="Seconds a forming batch waits for more requests, from its first request.")
-@click.option("--max-queue", type=click.IntRange(1), default=256, show_default=True,
-              help="Rows waiting beyond which requests get 429.")
-@click.option("--device", default="auto", show_default=True, help="cuda, cuda:N, cpu or auto.")
-@click.option("--dtype", type=click.Choice(DTYPES), default="auto",
-              show_default=True)
-@_compile_option
-@click.option("--default-algorithm", default=None,
-              help="Algorithm for requests that name none (default: the family's: basic for LLaDA, nemotron for "
-                   "Nemotron-Diffusion).")
-@click.option("--default-max-tokens", type=click.IntRange(1), default=None,
-              help="max_tokens when a request gives none (capped by the context left; default: the checkpoint's "
-                   "generation_config.json max_new_tokens, else 256).")
-@click.option("--default-block-length", type=click.IntRange(1), default=32, show_default=True)
-@_score_options
-@click.option("--served-model-name", "served_model_name", multiple=True,
-              help="Model id in the API (default: the directory name). Several names: repeat the option or separate "
-                   "them with commas; requests may use any, the first is reported.")
-@click.option("--api-key", default=None, envvar="DLLM_API_KEY", help="Require 'Authorization: Bearer KEY'.")
-@click.option("--request-timeout", type=click.FloatRange(0, min_open=True), default=1800.0, show_default=True,
-              help="Seconds before a request is abandoned with 504.")
-@click.option("--drain-timeout", type=click.FloatRange(0), default=60.0, show_default=True,
-              help="Seconds SIGTERM waits for running work before exiting.")
-@click.option("--simulate-device", default=None, metavar="BASE,PER_ROW",
-              help="Test double: no model; each batch sleeps BASE + PER_ROW x rows seconds and echoes the prompt "
-                   "(load and scaling tests). The model path still provides the tokenizer.")
+@options(WorkerConfig)
 @click.option("--log-level", default="info", show_default=True)
-def worker(model_path, host, port, batch_size, max_wait_time, max_queue, device, dtype, compile_, default_algorithm,
-           default_max_tokens, default_block_length, score_mc_num, score_batch_size, score_cfg_scale, score_window,
-           served_model_name, api_key, request_timeout, drain_timeout,
-           simulate_device, log_level):
+def worker(log_level, **values):
     """Serve one model on one device (OpenAI API + the balancer's /worker/batch)."""
-    from worker.app import WorkerConfig, run
+    from worker.app import run
     _logging(log_level)
-    cfg = WorkerConfig(model_path=model_path, host=host, port=port, batch_size=batch_size,
-                       max_wait_time=max_wait_time, max_queue=max_queue, device=device, dtype=dtype,
-                       compile=compile_, default_algorithm=default_algorithm, default_max_tokens=default_max_tokens,
-                       default_block_length=default_block_length, score_mc_num=score_mc_num,
-                       score_batch_size=score_batch_size, score_cfg_scale=score_cfg_scale, score_window=score_window,
-                       served_model_name=",".join(served_model_name) or None,
-                       api_key=api_key, request_timeout=request_timeout, drain_timeout=drain_timeout,
-                       simulate_device=_cost_model(simulate_device))
-    sys.exit(run(cfg))
-
-
-def _cost_model(value: str | None) -> tuple[float, float] | None:
-    if value is None:
-        return None
-    try:
-        parts = [float(v) for v in value.split(",")]
-    except ValueError:
-        raise click.BadParameter("expected BASE,PER_ROW seconds, e.g. 0.04,0.003 (or 0 for instant)")
-    if len(parts) == 1:
-        parts.append(0.0)
-    if len(parts) != 2 or min(parts) < 0:
-        raise click.BadParameter("expected BASE,PER_ROW seconds, e.g. 0.04,0.003 (or 0 for instant)")
-    return parts[0], parts[1]
-
-
-_http_processes_option = click.option(
-    "--http-processes", type=click.IntRange(1), default=1, show_default=True,
-    help="Processes accepting client connections on --port (SO_REUSEPORT): the balancer itself plus N-1 front "
-         "processes that read and validate requests and hand them to its one queue over a Unix socket. Raise it "
-         "when one core of HTTP work is the limit (thousands of requests/s; docs/balancer.md).")
-
-_front_timeout_option = click.option(
-    "--front-timeout", type=click.FloatRange(0.1), default=10.0, show_default=True,
-    help="With --http-processes > 1: seconds a front process may leave pings unanswered before it is killed and "
-         "restarted.")
+    sys.exit(run(build(WorkerConfig, values)))
 
 
 @main.command()
-@click.option("--worker-urls", required=True, help="Comma-separated worker base URLs (http://h:8001,http://h:8002).")
-@click.option("--host", default="127.0.0.1", show_default=True)
-@click.option("--port", type=int, default=8000, show_default=True)
-@click.option("--batch-size", type=click.IntRange(1), default=16, show_default=True,
-              help="Most requests per dispatched batch.")
-@click.option("--batch-wait-time", type=click.FloatRange(0), default=0.02, show_default=True,
-              help="Seconds a forming batch waits for more requests, from its first request.")
-@click.option("--max-inflight-per-worker", type=click.IntRange(1), default=2, show_default=True,
-              help="Batches in flight per worker (2: the next batch is queued on the worker while one runs).")
-@click.option("--routing-policy", type=click.Choice(sorted(POLICIES)), default=DEFAULT_POLICY, show_default=True,
-              help="Which free worker gets the next batch. least_loaded: the fewest requests in flight, then the "
-                   "fewest batches, then the longest since its last batch.")
-@click.option("--max-queue", type=click.IntRange(1), default=4096, show_default=True,
-              help="Queued requests beyond which new ones get 429.")
-@click.option("--request-timeout", type=click.FloatRange(0, min_open=True), default=1800.0, show_default=True,
-              help="Seconds before a request is answered 504.")
-@click.option("--max-retries", type=click.IntRange(0), default=2, show_default=True,
-              help="Re-dispatches of a request after worker failures.")
-@click.option("--health-check-interval", type=click.FloatRange(0.05), default=2.0, show_default=True)
-@click.option("--health-timeout", type=click.FloatRange(0.05), default=5.0, show_default=True,
-              help="Seconds one /health probe may take.")
-@click.option("--unhealthy-threshold", type=click.IntRange(1), default=3, show_default=True,
-              help="Failed probes in a row that mark an idle worker unhealthy.")
-@click.option("--healthy-threshold", type=click.IntRange(1), default=2, show_default=True,
-              help="Good probes in a row that re-admit a worker.")
-@click.option("--stall-timeout", type=click.FloatRange(0.1), default=60.0, show_default=True,
-              help="Seconds without denoising progress while holding work before a worker is 'stalled' and its "
-                   "work re-dispatched.")
-@click.option("--connect-timeout", type=click.FloatRange(0.1), default=5.0, show_default=True)
-@click.option("--no-worker-grace", type=click.FloatRange(0), default=30.0, show_default=True,
-              help="Seconds queued requests wait for a healthy worker before 503.")
-@click.option("--drain-timeout", type=click.FloatRange(0), default=60.0, show_default=True)
-@_http_processes_option
-@_front_timeout_option
-@click.option("--api-key", default=None, envvar="DLLM_API_KEY", help="Require 'Authorization: Bearer KEY' on /v1.")
-@click.option("--worker-api-key", default=None, envvar="DLLM_WORKER_API_KEY",
-              help="Bearer key the balancer sends to workers.")
+@options(BalancerConfig, only=("worker_urls", "host", "port"))
+@options(BatchConfig)
+@options(HealthConfig)
+@options(BalancerConfig, exclude=("worker_urls", "host", "port"))
 @click.option("--log-level", default="info", show_default=True)
-def balancer(worker_urls, host, port, batch_size, batch_wait_time, max_inflight_per_worker, routing_policy,
-             max_queue, request_timeout, max_retries, health_check_interval, health_timeout, unhealthy_threshold,
-             healthy_threshold, stall_timeout, connect_timeout, no_worker_grace, drain_timeout, http_processes,
-             front_timeout, api_key, worker_api_key, log_level):
+def balancer(log_level, **values):
     """Centralized batching in front of N workers (never imports torch)."""
-    from balancer.app import BalancerConfig, run
-    from balancer.batcher import BatchConfig
-    from balancer.pool import HealthConfig
+    from balancer.app import run
     _logging(log_level)
-    urls = [u.strip() for u in worker_urls.split(",") if u.strip()]
-    if not urls:
-        raise click.BadParameter("no worker URL", param_hint="--worker-urls")
-    cfg = BalancerConfig(
-        worker_urls=urls, host=host, port=port, request_timeout=request_timeout, drain_timeout=drain_timeout,
-        http_processes=http_processes, front_timeout=front_timeout, api_key=api_key,
-        worker_api_key=worker_api_key,
-        batch=BatchConfig(batch_size=batch_size, wait_time=batch_wait_time,
-                          max_inflight_per_worker=max_inflight_per_worker, max_queue=max_queue,
-                          max_retries=max_retries, connect_timeout=connect_timeout, no_worker_grace=no_worker_grace,
-                          routing_policy=routing_policy),
-        health=HealthConfig(interval=health_check_interval, timeout=health_timeout,
-                            unhealthy_threshold=unhealthy_threshold, healthy_threshold=healthy_threshold,
-                            stall_timeout=stall_timeout))
-    sys.exit(run(cfg))
+    sys.exit(run(build(BalancerConfig, values, batch=build(BatchConfig, values), health=build(HealthConfig, values))))
 
 
 def _visible_gpus() -> list[str]:
@@ -371,91 +227,54 @@ def _gpu_ids(gpus: int | None, gpu_ids: str | None, workers: int | None = None) 
     return None
 
 
-def _serve_options(f):
-    options = [
-        click.option("--local", is_flag=True, help="Run here (else submit the SLURM job in slurm/)."),
-        click.option("--model-path", default=None, help="Checkpoint directory or hub id (default: the built-in "
-                     "demo model)."),
-        click.option("--dcp-path", default=None, help="A torch.distributed.checkpoint directory to serve "
-                     "(converted once, with --base-model)."),
-        click.option("--base-model", default=None, help="Checkpoint whose config/tokenizer/names a DCP uses."),
-        click.option("--gpus", type=click.IntRange(1), default=None, help="One worker per GPU, N GPUs."),
-        click.option("--gpu-ids", default=None, help="One worker per listed GPU, e.g. 0,2,4."),
-        click.option("--workers", type=click.IntRange(1), default=None,
-                     help="N CPU workers. Without --gpus/--gpu-ids/--workers: one worker per visible GPU, or one "
-                          "CPU worker when there is no GPU."),
-        click.option("--host", default="127.0.0.1", show_default=True, help="Balancer address."),
-        click.option("--port", type=int, default=8000, show_default=True),
-        click.option("--worker-host", default="127.0.0.1", show_default=True),
-        click.option("--worker-base-port", type=int, default=8001, show_default=True),
-        click.option("--batch-size", type=click.IntRange(1), default=16, show_default=True,
-                     help="Balancer batch size (each worker takes twice that: two batches in flight)."),
-        click.option("--max-wait-time", type=click.FloatRange(0), default=0.02, show_default=True,
-                     help="Balancer batch wait time in seconds."),
-        click.option("--default-algorithm", default=None, help="Default generation algorithm (default: the "
-                     "model family's)."),
-        click.option("--default-max-tokens", type=click.IntRange(1), default=None,
-                     help="max_tokens when a request gives none (default: the checkpoint's generation_config.json "
-                          "max_new_tokens, else 256)."),
-        click.option("--dtype", type=click.Choice(DTYPES), default="auto",
-                     show_default=True, help="auto: bfloat16 on a GPU, float32 on the CPU."),
-        *_SCORE_OPTIONS,
-        click.option("--served-model-name", "served_model_name", multiple=True,
-                     help="Model id in the API (default: the checkpoint directory's name; with --dcp-path, the DCP "
-                          "directory's name). Several names: repeat the option or separate them with commas; the "
-                          "first is reported."),
-        _compile_option,
-        _http_processes_option,
-        _front_timeout_option,
-        click.option("--api-key", default=None, envvar="DLLM_API_KEY",
-                     help="Clients must send this Bearer key on /v1 (status endpoints stay open); the workers then "
-                          "get a generated key of their own unless --worker-api-key is given."),
-        click.option("--worker-api-key", default=None, envvar="DLLM_WORKER_API_KEY",
-                     help="Key between balancer and workers (generated per SLURM job)."),
-        click.option("--log-dir", default=None, type=click.Path(file_okay=False),
-                     help="Worker logs (default: logs/port-PORT, so two servers from one checkout never share one)."),
-        click.option("--server-info-file", default=None, type=click.Path(dir_okay=False),
-                     help='KEY="VAL" file eval jobs wait on (SERVER_STATUS=running).'),
-        click.option("--stagger", type=click.FloatRange(0), default=2.0, show_default=True,
-                     help="Seconds between worker starts."),
-        click.option("--min-workers", type=click.IntRange(1), default=1, show_default=True,
-                     help="Ready workers needed before the balancer serves."),
-        click.option("--startup-timeout", type=click.FloatRange(1), default=1800.0, show_default=True),
-        click.option("--request-timeout", type=click.FloatRange(0, min_open=True), default=1800.0, show_default=True),
-        click.option("--stall-timeout", type=click.FloatRange(0.1), default=60.0, show_default=True),
-        click.option("--health-check-interval", type=click.FloatRange(0.05), default=2.0, show_default=True),
-        click.option("--drain-timeout", type=click.FloatRange(0), default=60.0, show_default=True),
-        click.option("--extra-worker-urls", default=None, help="Workers started elsewhere (multi-node)."),
-        click.option("--no-balancer", is_flag=True, help="Workers only (other nodes of a multi-node job)."),
-        click.option("--slurm-script", default=None, help="sbatch script for SLURM mode (default: slurm/"
-                     "serve_single_node.sbatch)."),
-        click.option("--log-level", default="info", show_default=True),
-    ]
-    for o in reversed(options):
-        f = o(f)
-    return f
+# serve's own flags; every other option of serve is a setting of ServeConfig, BalancerConfig, BatchConfig,
+# HealthConfig or WorkerConfig, generated from it (common/config.py)
+SERVE_WORKER = ("default_algorithm", "default_max_tokens", "dtype", "score_mc_num", "score_batch_size",
+                "score_cfg_scale", "score_window", "served_model_name", "compile")
 
 
 @main.command()
-@_serve_options
-def serve(local, model_path, dcp_path, base_model, gpus, gpu_ids, workers, host, port, worker_host,
-          worker_base_port, batch_size, max_wait_time, default_algorithm, default_max_tokens, dtype, score_mc_num,
-          score_batch_size, score_cfg_scale, score_window, served_model_name,
-          compile_,
-          http_processes, front_timeout, api_key,
-          worker_api_key, log_dir, server_info_file, stagger, min_workers, startup_timeout, request_timeout,
-          stall_timeout, health_check_interval, drain_timeout, extra_worker_urls, no_balancer, slurm_script,
-          log_level):
+@click.option("--local", is_flag=True, help="Run here (else submit the SLURM job in slurm/).")
+@click.option("--model-path", default=None, help="Checkpoint directory or hub id (default: the built-in demo model).")
+@click.option("--dcp-path", default=None, help="A torch.distributed.checkpoint directory to serve (converted once, "
+                                               "with --base-model).")
+@click.option("--base-model", default=None, help="Checkpoint whose config/tokenizer/names a DCP uses.")
+@click.option("--gpus", type=click.IntRange(1), default=None, help="One worker per GPU, N GPUs.")
+@click.option("--gpu-ids", default=None, help="One worker per listed GPU, e.g. 0,2,4.")
+@click.option("--workers", type=click.IntRange(1), default=None,
+              help="N CPU workers. Without --gpus/--gpu-ids/--workers: one worker per visible GPU, or one CPU worker "
+                   "when there is no GPU.")
+@options(ServeConfig, only=("host", "port", "worker_host", "worker_base_port"))
+@options(BatchConfig, only=("batch_size", "wait_time"), overrides={
+    "batch_size": {"help": "Balancer batch size (each worker takes twice that: two batches in flight)."},
+    "wait_time": {"help": "Balancer batch wait time in seconds.", "flags": ("--max-wait-time", "--batch-wait-time")}})
+@options(WorkerConfig, only=SERVE_WORKER, prefix="worker_", overrides={
+    "default_algorithm": {"help": "Default generation algorithm (default: the model family's)."},
+    "default_max_tokens": {"help": "max_tokens when a request gives none (default: the checkpoint's "
+                                   "generation_config.json max_new_tokens, else 256)."},
+    "served_model_name": {"help": "Model id in the API (default: the checkpoint directory's name; with --dcp-path, "
+                                  "the DCP directory's name). Several names: repeat the option or separate them with "
+                                  "commas; the first is reported."}})
+@options(BalancerConfig, only=("http_processes", "front_timeout", "api_key"), overrides={
+    "api_key": {"help": "Clients must send this Bearer key on /v1 (status endpoints stay open); the workers then get "
+                        "a generated key of their own unless --worker-api-key is given."}})
+@options(ServeConfig, only=("worker_api_key", "log_dir", "server_info_file", "stagger", "min_workers",
+                            "startup_timeout"))
+@options(BalancerConfig, only=("request_timeout",))
+@options(HealthConfig, only=("stall_timeout", "interval"))
+@options(BalancerConfig, only=("drain_timeout",))
+@options(ServeConfig, only=("extra_worker_urls", "no_balancer"))
+@click.option("--slurm-script", default=None, help="sbatch script for SLURM mode (default: "
+                                                   "slurm/serve_single_node.sbatch).")
+@click.option("--log-level", default="info", show_default=True)
+def serve(local, model_path, dcp_path, base_model, gpus, gpu_ids, workers, slurm_script, log_level, **values):
     """Workers (one per GPU, or CPU workers) plus the balancer, supervised: ``--local``, or a SLURM job."""
     from pathlib import Path
     _logging(log_level)
     if not local:
         from common.slurm import submit
         sys.exit(submit(slurm_script, sys.argv[2:] if len(sys.argv) > 2 else []))
-    from balancer.app import BalancerConfig
-    from balancer.batcher import BatchConfig
-    from balancer.pool import HealthConfig
-    from balancer.supervisor import ServeConfig, run
+    from balancer.supervisor import run
     from common.resolve import ResolveError, resolve_model
     try:
         if dcp_path:
@@ -466,30 +285,17 @@ def serve(local, model_path, dcp_path, base_model, gpus, gpu_ids, workers, host,
     except (ResolveError, RuntimeError) as e:
         raise click.ClickException(str(e))
     ids = _gpu_ids(gpus, gpu_ids, workers)
-    workers = workers or 1
-    worker_args = ["--batch-size", str(batch_size * 2), "--max-wait-time", "0",
-                   *(["--default-algorithm", default_algorithm] if default_algorithm else []),
-                   *(["--default-max-tokens", str(default_max_tokens)] if default_max_tokens else []),
-                   "--dtype", dtype, "--score-mc-num", str(score_mc_num), "--score-batch-size", str(score_batch_size),
-                   "--score-cfg-scale", str(score_cfg_scale), "--score-window", str(score_window),
-                   "--served-model-name", ",".join(served_model_name) or Path(dcp_path or resolved).resolve().name,
-                   *(["--compile"] if compile_ else []),
-                   "--request-timeout", str(request_timeout), "--drain-timeout", str(drain_timeout),
-                   "--max-queue", str(max(1024, batch_size * 8)), "--log-level", log_level]
-    bcfg = BalancerConfig(worker_urls=[], request_timeout=request_timeout, drain_timeout=drain_timeout,
-                          http_processes=http_processes, front_timeout=front_timeout, api_key=api_key,
-                          batch=BatchConfig(batch_size=batch_size, wait_time=max_wait_time),
-                          health=HealthConfig(interval=health_check_interval, stall_timeout=stall_timeout))
-    cfg = ServeConfig(model_path=str(resolved), gpu_ids=ids, cpu_workers=workers, host=host, port=port,
-                      worker_host=worker_host, worker_base_port=worker_base_port, worker_args=worker_args,
-                      worker_api_key=worker_api_key, balancer=bcfg,
-                      extra_worker_urls=[u for u in (extra_worker_urls or "").split(",") if u],
-                      no_balancer=no_balancer, log_dir=Path(log_dir or f"logs/port-{port}"),
-                      server_info_file=Path(server_info_file) if server_info_file else None, stagger=stagger,
-                      min_workers=min_workers, startup_timeout=startup_timeout)
-    click.echo(f"dllm-serve: model {resolved}; {len(ids) if ids else workers} "
-               f"{'GPU' if ids else 'CPU'} worker(s); balancer on http://{host}:{port}; logs in {cfg.log_dir}/",
-               err=True)
+    worker = {name: values["worker_" + name] for name in SERVE_WORKER}
+    worker.update(request_timeout=values["request_timeout"], drain_timeout=values["drain_timeout"])
+    if dcp_path and not worker["served_model_name"]:
+        worker["served_model_name"] = Path(dcp_path).resolve().name    # the DCP's name, not its cache directory's
+    bcfg = build(BalancerConfig, values, exclude=("worker_urls",), worker_urls=[],
+                 batch=build(BatchConfig, values), health=build(HealthConfig, values))
+    cfg = build(ServeConfig, values, model_path=str(resolved), gpu_ids=ids, cpu_workers=workers or 1, worker=worker,
+                balancer=bcfg, log_level=log_level)
+    click.echo(f"dllm-serve: model {resolved}; {len(ids) if ids else cfg.cpu_workers} "
+               f"{'GPU' if ids else 'CPU'} worker(s); balancer on http://{cfg.host}:{cfg.port}; logs in "
+               f"{cfg.log_dir}/", err=True)
     sys.exit(run(cfg))
 
 

@@ -25,33 +25,9 @@ from common.http import (EXIT_PORT_IN_USE, MAX_BATCH_BYTES, MAX_BODY_BYTES, json
 from common.metrics import RequestMetrics
 from common.openai_http import add_routes
 from common.protocol import MAX_DEPTH, APIError, error_body, loads
+from worker.config import WorkerConfig
 
 log = logging.getLogger("dllm.worker")
-
-
-@dataclass
-class WorkerConfig:
-    model_path: str
-    host: str = "127.0.0.1"
-    port: int = 8001
-    batch_size: int = 8
-    max_wait_time: float = 0.05
-    max_queue: int = 256
-    device: str = "auto"
-    dtype: str = "auto"
-    compile: bool = False                    # torch.compile the dense half of each block (eager fallback)
-    default_algorithm: str | None = None     # None: the model family's default
-    default_max_tokens: int | None = None    # None: the checkpoint's generation_config.json max_new_tokens, else 256
-    default_block_length: int = 32
-    score_mc_num: int = 128                  # likelihood scoring defaults (requests may override each)
-    score_batch_size: int = 32
-    score_cfg_scale: float = 0.0
-    score_window: int = 32
-    served_model_name: str | None = None
-    api_key: str | None = None
-    request_timeout: float = 1800.0
-    drain_timeout: float = 60.0
-    simulate_device: tuple[float, float] | None = None   # (base s, per-row s): no model, a simulated device
 
 
 class Metrics:

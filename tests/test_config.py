@@ -1,0 +1,60 @@
+"""One source of configuration (common/config.py): the commands' options are generated from the config dataclasses,
+parse back into the same configs, and serve's workers get their settings as a generated command line."""
+import dataclasses
+
+import click
+import pytest
+
+from balancer.app import BalancerConfig
+from balancer.batcher import BatchConfig
+from balancer.pool import HealthConfig
+from balancer.supervisor import ServeConfig
+from common.cli import balancer as balancer_cmd, worker as worker_cmd
+from common.config import build, to_args
+from worker.config import WorkerConfig
+
+
+def parse(cmd, args):
+    with cmd.make_context(cmd.name, list(args)) as ctx:
+        return dict(ctx.params)
+
+
+def test_worker_options_round_trip():
+    cfg = WorkerConfig(model_path="m", port=9001, batch_size=3, dtype="bf16", compile=True, default_max_tokens=7,
+                       score_window=5, served_model_name="a,b", simulate_device=(0.5, 0.25), request_timeout=9.0)
+    values = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}
+    params = parse(worker_cmd, to_args(WorkerConfig, values))
+    params.pop("log_level")
+    assert build(WorkerConfig, params) == cfg
+    assert build(WorkerConfig, parse(worker_cmd, ["--model-path", "m"])) == WorkerConfig(model_path="m")
+
+
+def test_balancer_command_builds_the_nested_configs():
+    params = parse(balancer_cmd, ["--worker-urls", "http://a:1, http://b:2", "--batch-size", "4",
+                                  "--batch-wait-time", "0.5", "--health-check-interval", "0.3",
+                                  "--routing-policy", "least_loaded", "--request-timeout", "7"])
+    cfg = build(BalancerConfig, params, batch=build(BatchConfig, params), health=build(HealthConfig, params))
+    assert cfg.worker_urls == ["http://a:1", "http://b:2"] and cfg.request_timeout == 7
+    assert cfg.batch == dataclasses.replace(BatchConfig(), batch_size=4, wait_time=0.5)
+    assert cfg.health == dataclasses.replace(HealthConfig(), interval=0.3)
+    with pytest.raises(click.BadParameter, match="no worker URL"):
+        parse(balancer_cmd, ["--worker-urls", " , "])
+    with pytest.raises(click.BadParameter):
+        parse(balancer_cmd, ["--worker-urls", "http://a:1", "--routing-policy", "random"])
+
+
+def test_serve_derives_the_worker_command_from_the_balancer_config():
+    """The policy between components lives in ServeConfig, not the CLI: two balancer batches per worker."""
+    cfg = ServeConfig(model_path="/models/LLaDA-8B", balancer=BalancerConfig([], batch=BatchConfig(batch_size=12)),
+                      worker={"dtype": "bf16", "score_window": 4, "compile": True, "default_max_tokens": None},
+                      log_level="debug")
+    params = parse(worker_cmd, ["--model-path", "x", *cfg.worker_command()])
+    assert params["log_level"] == "debug"
+    w = build(WorkerConfig, params)
+    assert (w.batch_size, w.max_wait_time, w.max_queue) == (24, 0, 1024)
+    assert (w.dtype, w.score_window, w.compile, w.default_max_tokens) == ("bf16", 4, True, None)
+    assert w.served_model_name == "LLaDA-8B"
+    named = ServeConfig(model_path="/m", worker={"served_model_name": "llada-8b-instruct,x"})
+    assert build(WorkerConfig, parse(worker_cmd, ["--model-path", "x", *named.worker_command()])
+                 ).served_model_name == "llada-8b-instruct,x"
+    assert ServeConfig(model_path="m", port=8123).log_dir.name == "port-8123"

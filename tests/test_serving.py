@@ -1,0 +1,105 @@
+"""worker/serving.py on its own: requests to rows (defaults, n, chat template, scoring splits) and rows' results to
+OpenAI events (stop strings, token counts), on the tiny fixture's real tokenizer and engine; the batcher is built but
+never started, so nothing is generated here (tests/test_worker_app.py and the end-to-end tests run the rows)."""
+import asyncio
+
+import pytest
+
+from common.protocol import APIError
+from tests.conftest import TINY_LLADA
+from worker.batcher import Batcher
+from worker.engine import Engine
+from worker.engine.engine import Result
+from worker.serving import Defaults, Serving, _Choice
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine.from_pretrained(str(TINY_LLADA), device="cpu")
+
+
+@pytest.fixture
+def serving(engine):
+    return Serving(engine, Batcher(engine, loop=asyncio.new_event_loop()), "tiny-llada", Defaults(max_tokens=64))
+
+
+def test_default_max_tokens_is_whole_blocks_that_fit(serving, engine):
+    L = engine.max_sequence_length
+    for prompt_len, block, expected in [(10, 32, 64),            # the default (64) fits
+                                        (L - 40, 32, 32),       # 40 left: one whole block
+                                        (L - 20, 32, 20),       # less than a block left: exactly what is left
+                                        (L - 70, 16, 64)]:      # 70 left: four blocks of 16
+        body = {"prompt": [5] * prompt_len, "block_length": block}
+        p = serving.prepare("completion", body).params[0]
+        assert (p.gen_length, p.block_length) == (expected, min(block, expected)), (prompt_len, block)
+    with pytest.raises(APIError) as e:
+        serving.prepare("completion", {"prompt": [5] * L})
+    assert e.value.status == 400 and e.value.param == "prompt"
+
+
+def test_n_choices_are_rows_with_their_own_seeds(serving):
+    prep = serving.prepare("completion", {"prompt": [[5, 6], [7]], "n": 3, "seed": 10, "max_tokens": 4})
+    assert len(prep.prompts) == len(prep.params) == 6
+    assert [p.seed for p in prep.params] == [10, 11, 12, 10, 11, 12]
+    assert prep.prompts[0] == prep.prompts[2] != prep.prompts[3]
+    unseeded = serving.prepare("completion", {"prompt": "a", "n": 2, "max_tokens": 4})
+    assert [p.seed for p in unseeded.params] == [None, None]     # the batcher draws one per row
+
+
+def test_chat_requests_use_the_template_and_system_for_developer(serving, engine):
+    from worker.tokenizer import apply_chat_template
+    prep = serving.prepare("chat", {"messages": [{"role": "developer", "content": "be brief"},
+                                                 {"role": "user", "content": "sort 3 1"}], "max_tokens": 4})
+    assert prep.prompts[0] == apply_chat_template(engine.tokenizer, [{"role": "system", "content": "be brief"},
+                                                                      {"role": "user", "content": "sort 3 1"}])
+    assert prep.rid.startswith("chatcmpl-")
+
+
+def test_scoring_requests_become_score_rows(serving):
+    base = {"prompt": [5, 6, 7, 8, 9], "echo": True, "logprobs": 1, "max_tokens": 1, "mc_num": 8,
+            "mc_batch_size": 4}
+    prep = serving.prepare("completion", base)
+    s = prep.scores[0]
+    assert s.splits == [1, 2, 3, 4] and s.next_token and (s.mc_num, s.batch_size, s.seed) == (8, 4, 1234)
+    assert serving.prepare("completion", {**base, "context_length": 3}).scores[0].splits == [3]
+    assert serving.prepare("completion", {**base, "score_window": 2}).scores[0].splits == [3, 4]
+    assert serving.prepare("completion", {**base, "max_tokens": 0}).scores[0].next_token is False
+    for body, param in [({**base, "context_length": 5}, "context_length"), ({**base, "mc_num": 6}, "mc_num"),
+                        ({**base, "prompt": [99999, 1]}, "prompt")]:
+        with pytest.raises(APIError) as e:
+            serving.prepare("completion", body)
+        assert e.value.status == 400 and e.value.param == param, body
+
+
+@pytest.fixture(scope="module")
+def demo_tokenizer():
+    """The demo model's tokenizer knows digits and words (the tiny fixture's maps text to one unknown token)."""
+    from pathlib import Path
+    from worker.tokenizer import load_tokenizer
+    return load_tokenizer(str(Path(__file__).resolve().parent.parent / "worker" / "demo_model"))
+
+
+def test_stop_strings_cut_text_and_count_only_its_tokens(demo_tokenizer):
+    tok = demo_tokenizer
+    decode = lambda ids: tok.decode(ids, skip_special_tokens=True)
+    ids = tok("sort 1 2 8 4", add_special_tokens=False)["input_ids"]
+    c = _Choice(decode, ["8"])
+    c.finish(Result(ids, "length", 3, ids, 1))
+    assert c.text == decode(ids)[:decode(ids).index("8")] and c.finish_reason == "stop"
+    # the tokens of the text returned: the longest prefix of ids within it (" 8" holds the stop string's "8")
+    n = len(c.token_ids)
+    assert c.token_ids == ids[:n] and c.text.startswith(decode(c.token_ids)) and len(decode(ids[:n + 1])) > len(c.text)
+    assert decode(c.token_ids) == "sort 1 2"
+    plain = _Choice(decode, [])
+    plain.finish(Result(ids, "length", 3, ids, 1))
+    assert plain.text == decode(ids) and plain.token_ids == ids and plain.finish_reason == "length"
+
+
+def test_streamed_text_holds_back_a_possible_stop_string(demo_tokenizer):
+    tok = demo_tokenizer
+    decode = lambda ids: tok.decode(ids, skip_special_tokens=True)
+    ids = tok("sort 1 2", add_special_tokens=False)["input_ids"]
+    c = _Choice(decode, ["2!"])            # the final "2" might be the start of the stop string: not streamed yet
+    first = c.progress(ids)
+    assert decode(ids).endswith("2") and first == decode(ids)[:-1]
+    assert first + c.finish(Result(ids, "length", 1, ids, 1)) == decode(ids)

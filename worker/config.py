@@ -1,0 +1,80 @@
+"""The worker's configuration, defined once: fields, defaults and help (``dllm-serve worker`` generates its options
+from them; ``dllm-serve serve`` passes the ones it shares on to its workers). No torch."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import click
+
+from common.config import setting
+
+DTYPES = ["auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"]   # checked before anything starts
+
+
+def cost_model(value: str | None) -> tuple[float, float] | None:
+    """--simulate-device BASE,PER_ROW -> (base seconds, per-row seconds)."""
+    if value is None:
+        return None
+    try:
+        parts = [float(v) for v in value.split(",")]
+    except ValueError:
+        raise click.BadParameter("expected BASE,PER_ROW seconds, e.g. 0.04,0.003 (or 0 for instant)")
+    if len(parts) == 1:
+        parts.append(0.0)
+    if len(parts) != 2 or min(parts) < 0:
+        raise click.BadParameter("expected BASE,PER_ROW seconds, e.g. 0.04,0.003 (or 0 for instant)")
+    return parts[0], parts[1]
+
+
+def names(values) -> str | None:
+    """--served-model-name given several times or comma-separated -> "a,b" (None: the default name)."""
+    if isinstance(values, str):
+        return values
+    return ",".join(values or ()) or None
+
+
+@dataclass
+class WorkerConfig:
+    model_path: str = setting(help="Checkpoint directory.")
+    host: str = setting("127.0.0.1")
+    port: int = setting(8001)
+    batch_size: int = setting(8, "Rows per engine batch.", type=click.IntRange(1))
+    max_wait_time: float = setting(0.05, "Seconds a forming batch waits for more requests, from its first request.",
+                                   type=click.FloatRange(0))
+    max_queue: int = setting(256, "Rows waiting beyond which requests get 429.", type=click.IntRange(1))
+    device: str = setting("auto", "cuda, cuda:N, cpu or auto.")
+    dtype: str = setting("auto", "auto: bfloat16 on a GPU, float32 on the CPU.", type=click.Choice(DTYPES))
+    compile: bool = setting(False, "torch.compile the dense half of every block (output projection, RMSNorm, SwiGLU "
+                                   "MLP); eager if compiling fails. Off by default: not yet measured on a GPU "
+                                   "(docs/engine.md).")
+    default_algorithm: str | None = setting(None, "Algorithm for requests that name none (default: the family's: "
+                                                  "basic for LLaDA, nemotron for Nemotron-Diffusion).")
+    default_max_tokens: int | None = setting(None, "max_tokens when a request gives none (capped by the context "
+                                                   "left; default: the checkpoint's generation_config.json "
+                                                   "max_new_tokens, else 256).", type=click.IntRange(1))
+    default_block_length: int = setting(32, type=click.IntRange(1))
+    score_mc_num: int = setting(128, "Likelihood scoring (echo + logprobs): Monte Carlo samples per estimate when a "
+                                     "request gives no mc_num (the reference eval_llada.py's default).",
+                                type=click.IntRange(1))
+    score_batch_size: int = setting(32, "Likelihood scoring: copies per mini-batch (the reference's batch_size; "
+                                        "mc_num must be a multiple of it) when a request gives no mc_batch_size.",
+                                    type=click.IntRange(1))
+    score_cfg_scale: float = setting(0.0, "Likelihood scoring: classifier-free guidance scale when a request gives "
+                                          "no cfg_scale.", type=click.FloatRange(0))
+    score_window: int = setting(32, "Likelihood scoring without context_length: estimate every split in the "
+                                    "prompt's last N tokens, so lm-eval's sum over any continuation up to N tokens is "
+                                    "that continuation's estimate (cost: up to N estimates per request; "
+                                    "docs/api.md).", type=click.IntRange(1))
+    served_model_name: str | None = setting(None, "Model id in the API (default: the directory name). Several "
+                                                  "names: repeat the option or separate them with commas; requests "
+                                                  "may use any, the first is reported.",
+                                            multiple=True, convert=names)
+    api_key: str | None = setting(None, "Require 'Authorization: Bearer KEY'.", envvar="DLLM_API_KEY")
+    request_timeout: float = setting(1800.0, "Seconds before a request is abandoned with 504.",
+                                     type=click.FloatRange(0, min_open=True))
+    drain_timeout: float = setting(60.0, "Seconds SIGTERM waits for running work before exiting.",
+                                   type=click.FloatRange(0))
+    simulate_device: tuple[float, float] | None = setting(
+        None, "Test double: no model; each batch sleeps BASE + PER_ROW x rows seconds and echoes the prompt (load and "
+              "scaling tests). The model path still provides the tokenizer.", metavar="BASE,PER_ROW",
+        convert=cost_model, unparse=lambda v: f"{v[0]},{v[1]}")
