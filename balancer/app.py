@@ -324,7 +324,7 @@ def make_app(cfg: BalancerConfig) -> web.Application:
     app[STATE] = BalancerState(cfg)
     app.cleanup_ctx.append(_lifecycle)
     app[DOOR] = BalancerDoor(app[STATE])
-    add_routes(app, DOOR)
+    add_routes(app, app[DOOR])
     app.router.add_get("/v1/models", from_a_worker)
     app.router.add_get("/v1/models/{model:.+}", from_a_worker)
     app.router.add_get("/generation/algorithms", from_a_worker)

@@ -30,7 +30,7 @@ from balancer.policy import DEFAULT as DEFAULT_POLICY, POLICIES, make_policy
 from balancer.pool import Worker, WorkerPool
 from common.config import setting
 from common.http import MAX_BATCH_BYTES
-from common.openai_http import EventBox, until_end
+from common.openai_http import EventBox
 from common.protocol import error_body
 
 log = logging.getLogger("dllm.balancer.batcher")
@@ -60,6 +60,7 @@ class Pending:
     worker: Worker | None = None
     enqueued_at: float = field(default_factory=time.monotonic)
     started: float = field(default_factory=time.monotonic)
+    ended: bool = False            # its handler has read the last event
 
     def deliver(self, attempt: int | None, event: str, status: int = 200, data=None, end: bool = False) -> None:
         self.box.push((attempt, event, status, data, end))
@@ -72,7 +73,14 @@ class Pending:
                 return ev
 
     def __aiter__(self):
-        return until_end(self.next)
+        return self
+
+    async def __anext__(self) -> tuple:
+        if self.ended:
+            raise StopAsyncIteration
+        ev = await self.next()
+        self.ended = ev[4]
+        return ev
 
     def fail(self, status: int, message: str, type_: str = "server_error") -> None:
         self.done = True

@@ -417,7 +417,7 @@ async def serve_front(cfg: FrontConfig) -> int:
                           client_max_size=MAX_BODY_BYTES)
     app[FRONT] = front
     app[DOOR] = FrontDoor(front)
-    add_routes(app, DOOR)
+    add_routes(app, app[DOOR])
     app.router.add_route("*", "/{tail:.*}", proxy)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -10,13 +10,14 @@ answer is over or the client has gone (cancellation, metrics).
 Events are tuples ``(attempt, event, status, data, end)``: ``event`` is "chunk" (a stream chunk), "response" (the
 whole answer) or "error" (``status`` and an OpenAI error body); ``attempt`` numbers the balancer's dispatches of the
 request (None elsewhere); the request's last event has ``end`` True. A source of events is an async iterator of
-them (:class:`EventBox`, or anything whose ``__aiter__`` is ``until_end(next)``)."""
+them (an :class:`EventBox`, or any object with ``__anext__`` ending after the ``end`` event)."""
 from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import time
-from typing import AsyncIterator, Awaitable, Callable, Protocol
+from typing import AsyncIterator, Protocol
 
 import orjson
 from aiohttp import web
@@ -30,24 +31,16 @@ ENDPOINTS = {"completion": "/v1/completions", "chat": "/v1/chat/completions", "r
 Event = tuple  # (attempt, event, status, data, end)
 
 
-async def until_end(next_event: Callable[[], Awaitable[Event]]) -> AsyncIterator[Event]:
-    """The events from ``next_event()`` up to and including the one with ``end``."""
-    while True:
-        ev = await next_event()
-        yield ev
-        if ev[4]:
-            return
-
-
 class EventBox:
-    """A request's events in order, pushed by whoever produces them and read as an async iterator; one waiter
-    future at a time (no task or queue per request)."""
-    __slots__ = ("events", "sent_bytes", "_waiter")
+    """A request's events in order, pushed by whoever produces them and read as an async iterator (up to the event
+    with ``end``); one waiter future at a time (no task or queue per request)."""
+    __slots__ = ("events", "sent_bytes", "_waiter", "_ended")
 
     def __init__(self):
         self.events: collections.deque = collections.deque()
         self.sent_bytes = False         # set when the client's stream has opened
         self._waiter: asyncio.Future | None = None
+        self._ended = False
 
     def push(self, ev: Event) -> None:
         self.events.append(ev)
@@ -65,7 +58,14 @@ class EventBox:
         return self.events.popleft()
 
     def __aiter__(self):
-        return until_end(self.next)
+        return self
+
+    async def __anext__(self) -> Event:
+        if self._ended:
+            raise StopAsyncIteration
+        ev = await self.next()
+        self._ended = ev[4]
+        return ev
 
 
 class Door(Protocol):
@@ -196,9 +196,7 @@ async def _open_stream(request: web.Request, source, held: list, responses: bool
     return resp
 
 
-def add_routes(app: web.Application, door_key: web.AppKey) -> None:
-    """The OpenAI POST routes, each answered by :func:`handle` with the door stored at ``app[door_key]``."""
+def add_routes(app: web.Application, door: Door) -> None:
+    """The OpenAI POST routes, each answered by :func:`handle` through ``door``."""
     for kind, path in ENDPOINTS.items():
-        async def route(request: web.Request, kind=kind) -> web.StreamResponse:
-            return await handle(request, kind, request.app[door_key])
-        app.router.add_post(path, route)
+        app.router.add_post(path, functools.partial(handle, kind=kind, door=door))

@@ -167,6 +167,8 @@ class CompletionRequest(ScoreFields, CommonFields):
 
     @model_validator(mode="after")
     def _scoring(self):
+        if not self.echo and self.logprobs is None and self.max_tokens != 0:
+            return self                     # the common case: a generation request
         if self.echo and self.logprobs is not None:
             if self.max_new_tokens is not None and self.max_new_tokens > 1:
                 raise ValueError("max_tokens: a scoring request (echo with logprobs) generates at most 1 token "

@@ -7,7 +7,7 @@ import pytest
 
 from common.protocol import APIError
 from tests.conftest import TINY_LLADA
-from worker.batcher import Batcher
+from worker.serving import Batcher
 from worker.engine import Engine
 from worker.engine.engine import Result
 from worker.serving import Defaults, Serving, _Choice

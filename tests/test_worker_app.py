@@ -7,7 +7,7 @@ import torch
 
 from tests.conftest import TINY_LLADA
 from worker.app import STATE, WorkerConfig, make_app
-from worker.batcher import Batcher, Job
+from worker.serving import Batcher, Job
 from worker.engine import GenerationParams, Result
 
 

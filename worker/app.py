@@ -319,7 +319,7 @@ async def metrics(request: web.Request) -> web.Response:
 # ---------------------------------------------------------------- app and lifecycle
 async def _load(app: web.Application) -> None:
     """Load the model off the event loop; /health says 'loading' meanwhile."""
-    from worker.batcher import Batcher
+    from worker.serving import Batcher
     from worker.engine import Engine, GenerationParams
     from worker.serving import Defaults, Serving
     state = app[STATE]
@@ -378,7 +378,7 @@ def make_app(config: WorkerConfig) -> web.Application:
     app[LOAD_FAILED] = asyncio.Event()
     app.cleanup_ctx.append(_lifecycle)
     app[DOOR] = WorkerDoor(app[STATE])
-    add_routes(app, DOOR)
+    add_routes(app, app[DOOR])
     app.router.add_post("/worker/batch", worker_batch)
     app.router.add_post("/worker/cancel", worker_cancel)
     app.router.add_post("/tokenize", tokenize)

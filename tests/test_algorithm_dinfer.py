@@ -1,0 +1,80 @@
+"""dInfer's decoders (worker/engine/algorithms/dinfer.py): their transfer rules on hand-made confidences, and the
+algorithms on the fixture (per-request thresholds in one batch, vicinity refresh and warm-up)."""
+import torch
+
+from tests.test_algorithms import golden_cases
+from worker.engine import GenerationParams, Request
+from worker.engine.algorithms.dinfer import Credit, Hierarchy, select_dinfer_threshold, select_hierarchy
+
+
+def test_threshold_rule_commits_at_least_the_best_and_skips_mask_proposals():
+    conf = torch.tensor([0.5, 0.95, 0.3, 0.92])
+    masked = torch.tensor([True, True, True, True])
+    x0 = torch.tensor([1, 2, 3, 4])
+    assert select_dinfer_threshold(conf, x0, masked, 0.9, mask_id=9).tolist() == [False, True, False, True]
+    # a threshold above every confidence: the best one alone (>= best - 1e-5)
+    assert select_dinfer_threshold(conf, x0, masked, 0.99, mask_id=9).tolist() == [False, True, False, False]
+    # the best proposes the mask token itself: left out, the next best leads
+    assert select_dinfer_threshold(conf, torch.tensor([1, 9, 3, 4]), masked, 0.99, mask_id=9).tolist() == \
+        [False, False, False, True]
+
+
+def test_hierarchy_rule_takes_each_masked_runs_best():
+    conf = torch.tensor([0.3, 0.6, 0.9, 0.5, 0.45])
+    masked = torch.tensor([True, True, False, True, True])       # runs: [0, 1] and [3, 4]; 2 is decided
+    assert select_hierarchy(conf, masked, 0.95, 0.4).tolist() == [False, True, False, True, False]
+    assert select_hierarchy(conf, masked, 0.95, 0.55).tolist() == [False, True, False, False, False]
+    assert select_hierarchy(conf, masked, 0.4, 0.55).tolist() == [False, True, False, True, True]
+    rule = Hierarchy(0.95, 0.4)
+    assert rule.select(conf, None, masked, None, None, 0).tolist() == [False, True, False, True, False]
+
+
+def test_credit_rule_accumulates_within_a_block_and_resets():
+    rule = Credit(0.9, extra={"credit_alpha": 0.7, "boost_gamma": 0.2, "decay_beta": 0.8})
+    logits = torch.tensor([[2.0, 0.0, 0.0], [0.0, 0.0, 3.0]])
+    masked = torch.tensor([True, False])
+    first = rule.transform(logits, masked)
+    p_top = torch.softmax(logits[0], -1).max()
+    assert torch.allclose(rule.credit[0, 0], p_top ** 0.2) and rule.credit[1].sum() == 0   # masked positions only
+    assert torch.allclose(first, logits + 0.7 * torch.log(rule.credit + 1))
+    before = rule.credit.clone()
+    rule.transform(logits, masked)
+    assert torch.allclose(rule.credit[0, 0], before[0, 0] * 0.8 + p_top ** 0.2)          # decayed, then gained
+    rule.start_block()
+    assert rule.credit is None
+
+
+def test_per_request_threshold_is_honoured_in_one_batch(llada_engine, llada_golden):
+    c = golden_cases(llada_golden, ("dual_cache",))[0]
+    reqs = [Request(c["prompt"], GenerationParams(gen_length=32, block_length=8, algorithm=alg, threshold=t))
+            for alg in ("dual_cache", "dinfer_blockwise", "dinfer_credit", "dinfer_hierarchy") for t in (0.3, 0.99)]
+    res = llada_engine.generate(reqs, early_exit=False)
+    for lo, hi in zip(res[::2], res[1::2]):
+        assert lo.nfe < hi.nfe          # a lower threshold commits more per step: fewer forwards
+        assert lo.nfe < 32 and hi.nfe <= 32 * 4
+
+def test_vicinity_refresh_and_warmup_change_the_work_done(llada_engine, llada_golden):
+    c = golden_cases(llada_golden, ("dual_cache",))[1]
+    forwarded = []      # tokens per forward pass
+    hook = llada_engine.model.register_forward_pre_hook(lambda m, args: forwarded.append(args[0].numel()))
+
+    def run(**extra):
+        forwarded.clear()
+        r = llada_engine.generate([Request(c["prompt"], GenerationParams(
+            gen_length=32, block_length=8, algorithm="dinfer_blockwise", threshold=0.99, extra=extra))],
+            early_exit=False)[0]
+        return r, list(forwarded)
+    try:
+        (_, plain_fw), (_, look_fw) = run(), run(prefix_look=4, after_look=4)
+        (warm, warm_fw), (no_cache, no_cache_fw) = run(warmup_steps=8), run(warmup_steps=1000)
+    finally:
+        hook.remove()
+    full = len(c["prompt"]) + 32
+    # plain dual cache: one full forward per block, then block-only windows (8 tokens)
+    assert sorted(set(plain_fw)) == [8, full] and plain_fw.count(full) == 4
+    # the vicinity refresh widens every cached window by 4 + 4 (clipped at the canvas end for the last block)
+    assert look_fw.count(full) == 4 and set(look_fw) - {full} <= {16, 12} and 16 in look_fw
+    assert sum(look_fw) > sum(plain_fw)
+    # warm-up for the whole block (8 steps of 8 tokens) = full forwards every step = the cache never used
+    assert set(warm_fw) == {full} and set(no_cache_fw) == {full}
+    assert (warm.canvas, warm.nfe) == (no_cache.canvas, no_cache.nfe) and warm.nfe == len(warm_fw)
