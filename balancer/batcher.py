@@ -30,7 +30,6 @@ from balancer.policy import DEFAULT as DEFAULT_POLICY, POLICIES, make_policy
 from balancer.pool import Worker, WorkerPool
 from common.config import setting
 from common.http import MAX_BATCH_BYTES
-from common.openai_http import EventBox
 from common.protocol import error_body
 
 log = logging.getLogger("dllm.balancer.batcher")
@@ -49,7 +48,7 @@ class Pending:
     kind: str                      # "chat" | "completion"
     body: bytes                    # the client's JSON body, validated, forwarded byte for byte
     stream: bool
-    box: EventBox = field(default_factory=EventBox)
+    events: collections.deque = field(default_factory=collections.deque)   # (attempt, event, status, data, end)
     attempt: int = 0
     tries: int = 0
     sent_bytes: bool = False       # set by the handler just before it writes anything to its client
@@ -61,26 +60,36 @@ class Pending:
     enqueued_at: float = field(default_factory=time.monotonic)
     started: float = field(default_factory=time.monotonic)
     ended: bool = False            # its handler has read the last event
+    _waiter: asyncio.Future | None = None
 
     def deliver(self, attempt: int | None, event: str, status: int = 200, data=None, end: bool = False) -> None:
-        self.box.push((attempt, event, status, data, end))
-
-    async def next(self) -> tuple:
-        """The next event of the current attempt (stale attempts' events are skipped)."""
-        while True:
-            ev = await self.box.next()
-            if ev[0] is None or ev[0] == self.attempt:
-                return ev
+        self.events.append((attempt, event, status, data, end))
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
 
     def __aiter__(self):
         return self
 
     async def __anext__(self) -> tuple:
+        """The next event of the current attempt (stale attempts' events are skipped), up to the one with ``end``
+        (one waiter future at a time: no task or queue per request; the balancer's hot path)."""
         if self.ended:
             raise StopAsyncIteration
-        ev = await self.next()
-        self.ended = ev[4]
-        return ev
+        events = self.events
+        while True:
+            while not events:
+                self._waiter = asyncio.get_running_loop().create_future()
+                try:
+                    await self._waiter
+                finally:
+                    self._waiter = None
+            ev = events.popleft()
+            if ev[0] is None or ev[0] == self.attempt:
+                self.ended = ev[4]
+                return ev
+
+    next = __anext__
 
     def fail(self, status: int, message: str, type_: str = "server_error") -> None:
         self.done = True

@@ -187,5 +187,5 @@ async def test_closing_cancels_dispatches_without_failing_them_over():
             while not seen:
                 await asyncio.sleep(0.01)
         await b.close()
-        assert not b.queue and not p.box.events and b.retries == 0 and seen == [("hang", "a")]
+        assert not b.queue and not p.events and b.retries == 0 and seen == [("hang", "a")]
         assert pool.workers[0].inflight_batches == 0
