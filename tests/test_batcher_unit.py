@@ -118,6 +118,16 @@ async def test_a_broken_batch_is_reported_to_the_pool_and_fails_over(monkeypatch
         assert p.excluded == {0} and p.tries == 2 and b.retries == 1
 
 
+async def dispatched(b, seen: list):
+    """Submit one request and wait until a (fake) worker has it."""
+    p = request("a")
+    b.submit(p)
+    async with asyncio.timeout(5):
+        while not seen:
+            await asyncio.sleep(0.01)
+    return p
+
+
 async def test_a_refused_dispatch_marks_the_worker_down_through_the_pool(monkeypatch):
     seen = []
     async with batcher_over(fake_worker("ok", seen), dead_first=True) as (pool, b):
@@ -133,11 +143,7 @@ async def test_a_refused_dispatch_marks_the_worker_down_through_the_pool(monkeyp
 async def test_the_pools_abort_fails_an_in_flight_batch_over(caplog):
     seen = []
     async with batcher_over(fake_worker("hang", seen), fake_worker("ok", seen)) as (pool, b):
-        p = request("a")
-        b.submit(p)
-        async with asyncio.timeout(5):
-            while not seen:
-                await asyncio.sleep(0.01)
+        p = await dispatched(b, seen)
         assert seen == [("hang", "a")] and pool.workers[0].inflight_rows == 1
         pool.abort(pool.workers[0], "stalled")
         assert await answer(p) == ("response", 200, "ok-completion")
@@ -149,11 +155,7 @@ async def test_the_pools_abort_fails_an_in_flight_batch_over(caplog):
 async def test_any_other_cancellation_of_a_dispatch_fails_over_too(caplog):
     seen = []
     async with batcher_over(fake_worker("hang", seen), fake_worker("ok", seen)) as (pool, b):
-        p = request("a")
-        b.submit(p)
-        async with asyncio.timeout(5):
-            while not seen:
-                await asyncio.sleep(0.01)
+        p = await dispatched(b, seen)
         [d] = b._dispatches
         d.task.cancel()
         assert await answer(p) == ("response", 200, "ok-completion")
@@ -181,11 +183,7 @@ async def test_a_dispatch_aborted_before_its_first_step_goes_back_to_the_front_o
 async def test_closing_cancels_dispatches_without_failing_them_over():
     seen = []
     async with batcher_over(fake_worker("hang", seen), fake_worker("ok", seen)) as (pool, b):
-        p = request("a")
-        b.submit(p)
-        async with asyncio.timeout(5):
-            while not seen:
-                await asyncio.sleep(0.01)
+        p = await dispatched(b, seen)
         await b.close()
         assert not b.queue and not p.events and b.retries == 0 and seen == [("hang", "a")]
         assert pool.workers[0].inflight_batches == 0
