@@ -103,14 +103,13 @@ class Engine:
     def score(self, requests: list, cancelled=lambda i: False) -> list:
         """Likelihood estimates (worker.engine.likelihood.score) for many prompts and splits in shared forwards."""
         from .likelihood import score
-        self.last_step_time = time.monotonic()
-        out = score(self.model, self.mask_id, requests, cancelled=lambda i: self._tick() or cancelled(i))
+
+        def asked(i: int) -> bool:      # asked between forwards: also the progress /health reports
+            self.last_step_time = time.monotonic()
+            return cancelled(i)
+        out = score(self.model, self.mask_id, requests, cancelled=asked)
         self.last_step_time = time.monotonic()
         return out
-
-    def _tick(self) -> bool:
-        self.last_step_time = time.monotonic()
-        return False
 
     @torch.inference_mode()
     def generate(self, requests: list[Request], *, early_exit: bool = True,
