@@ -3,8 +3,15 @@ device (`--simulate-device BASE,PER_ROW`: no model, each batch sleeps BASE + PER
 
   # (a) the balancer's own throughput and added latency with instant workers, side by side with nginx
   python bench/balancer_bench.py proxy --workers 2 --connections 256 --duration 10 --rounds 4
+  # (a') the same, with a second tree's workers and balancer in the same run (a before/after comparison)
+  git worktree add /tmp/before <commit>
+  python bench/balancer_bench.py proxy --compare-tree /tmp/before --http-processes 1 --nginx-processes 1 --rounds 6
   # (b) scaling over 1, 2, 4, 8 workers at saturation on a simulated device (40 ms + 3 ms x rows)
   python bench/balancer_bench.py scaling --counts 1,2,4,8 --cost 0.04,0.003 --batch-size 16
+
+Each proxy round also reads the CPU time (user + system, from psutil) that the front process (balancer or nginx,
+with its child processes) and the workers spent during the round, divided by the round's requests: on a shared
+machine that is a steadier figure than req/s.
 
 Load comes from wrk (Debian package `wrk`) when installed, else from an aiohttp client in this process.
 nginx (Debian `nginx-light`) is a plain reverse proxy (least_conn, keepalive) over the workers' /v1/completions.
@@ -56,9 +63,9 @@ class Procs:
         self.procs: list[subprocess.Popen] = []
         self.logdir = logdir
 
-    def start(self, args: list[str], name: str) -> subprocess.Popen:
+    def start(self, args: list[str], name: str, cwd: Path = ROOT) -> subprocess.Popen:
         f = open(self.logdir / f"{name}.log", "wb")
-        p = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT)
+        p = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, start_new_session=True, cwd=cwd)
         self.procs.append(p)
         return p
 
@@ -74,13 +81,14 @@ class Procs:
         self.procs.clear()
 
 
-def start_workers(procs: Procs, n: int, cost: str, batch_size: int, max_wait: float) -> list[str]:
+def start_workers(procs: Procs, n: int, cost: str, batch_size: int, max_wait: float, tree: Path = ROOT,
+                  tag: str = "") -> list[str]:
     urls = []
     for i in range(n):
         port = free_port()
         procs.start([sys.executable, "-m", "common.cli", "worker", "--model-path", str(MODEL), "--port", str(port),
                      "--simulate-device", cost, "--batch-size", str(batch_size), "--max-wait-time", str(max_wait),
-                     "--max-queue", "100000", "--log-level", "warning"], f"worker{i}")
+                     "--max-queue", "100000", "--log-level", "warning"], f"worker{tag}{i}", tree)
         urls.append(f"http://127.0.0.1:{port}")
     for u in urls:
         wait_http(u + "/health", check=lambda d: d.get("status") == "ready")
@@ -88,12 +96,12 @@ def start_workers(procs: Procs, n: int, cost: str, batch_size: int, max_wait: fl
 
 
 def start_balancer(procs: Procs, urls: list[str], batch_size: int, wait: float, inflight: int,
-                   http_processes: int = 1) -> str:
+                   http_processes: int = 1, tree: Path = ROOT, tag: str = "") -> str:
     port = free_port()
     procs.start([sys.executable, "-m", "common.cli", "balancer", "--worker-urls", ",".join(urls), "--port", str(port),
                  "--batch-size", str(batch_size), "--batch-wait-time", str(wait), "--max-queue", "100000",
                  "--max-inflight-per-worker", str(inflight), "--http-processes", str(http_processes),
-                 "--log-level", "warning"], f"balancer-{http_processes}")
+                 "--log-level", "warning"], f"balancer{tag}-{http_processes}", tree)
     url = f"http://127.0.0.1:{port}"
     wait_http(url + "/health", check=lambda d: d.get("healthy_workers") == len(urls))
     wait_http(url + "/stats", check=lambda d: all(p["status"] == "ready" for p in d["http_processes"]))
@@ -181,6 +189,21 @@ def load(url: str, connections: int, duration: float, tmp: Path) -> dict:
     return load_python(url, connections, duration)
 
 
+def cpu_seconds(pids: list[int]) -> float:
+    """User + system CPU seconds of these processes and their children so far."""
+    import psutil
+    total = 0.0
+    for pid in pids:
+        try:
+            proc = psutil.Process(pid)
+            for q in [proc] + proc.children(recursive=True):
+                t = q.cpu_times()
+                total += t.user + t.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
 def proxy_bench(args) -> None:
     nginx_counts = [int(c) for c in args.nginx_processes.split(",")]
     http_counts = [int(c) for c in args.http_processes.split(",")]
@@ -188,30 +211,54 @@ def proxy_bench(args) -> None:
         tmp = Path(tmpd)
         procs = Procs(tmp)
         try:
+            def pid() -> int:
+                return procs.procs[-1].pid
             urls = start_workers(procs, args.workers, "0", args.worker_batch_size, args.worker_wait)
-            rows = [(f"nginx, {n} process{'es' if n > 1 else ''}", start_nginx(procs, urls, tmp, n))
-                    for n in nginx_counts]
-            rows += [(f"balancer, --http-processes {n}",
-                      start_balancer(procs, urls, args.batch_size, args.batch_wait, args.inflight, n))
-                     for n in http_counts]
+            wpids = [p.pid for p in procs.procs]
+            rows = []   # (name, url, front pids, worker pids)
+            for n in nginx_counts:
+                url = start_nginx(procs, urls, tmp, n)
+                rows.append((f"nginx, {n} process{'es' if n > 1 else ''}", url, [pid()], wpids))
+            for n in http_counts:
+                url = start_balancer(procs, urls, args.batch_size, args.batch_wait, args.inflight, n)
+                rows.append((f"balancer, --http-processes {n}", url, [pid()], wpids))
+            if args.compare_tree:
+                tree = Path(args.compare_tree).resolve()
+                first = len(procs.procs)
+                other = start_workers(procs, args.workers, "0", args.worker_batch_size, args.worker_wait, tree, "-b")
+                opids = [p.pid for p in procs.procs[first:]]
+                for n in http_counts:
+                    url = start_balancer(procs, other, args.batch_size, args.batch_wait, args.inflight, n, tree, "-b")
+                    rows.append((f"{tree.name}: balancer, -h-p {n}", url, [pid()], opids))
             print(f"{args.workers} instant workers (--simulate-device 0, worker batch {args.worker_batch_size}, "
                   f"wait {args.worker_wait}); balancer batch {args.batch_size}, wait {args.batch_wait}, in-flight/"
                   f"worker {args.inflight}; {args.connections} connections, {args.duration:g} s each; "
                   f"load: {'wrk' if shutil.which('wrk') else 'python aiohttp'}; {args.rounds} interleaved rounds "
                   f"(the order rotates, so drift on a shared machine hits every target)")
-            print(f"{'round':<6} {'target':<30} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'errors':>7}")
+            print(f"{'round':<6} {'target':<30} {'req/s':>9} {'p50 ms':>8} {'p99 ms':>8} {'errors':>7} "
+                  f"{'front us/req':>13} {'workers us/req':>15}")
             r = load(urls[0], args.connections, args.duration, tmp)
             print(f"{'-':<6} {'worker 0 direct':<30} {r['rps']:>9.0f} {r['p50_ms']:>8.1f} {r['p99_ms']:>8.1f} "
                   f"{r['errors']:>7}", flush=True)
-            rps = {name: [] for name, _ in rows}
+            rps = {row[0]: [] for row in rows}
+            cpu = {row[0]: [] for row in rows}
             for i in range(args.rounds):
                 k = i % len(rows)
-                for name, url in rows[k:] + rows[:k]:
-                    r = load(url, args.connections, args.duration, tmp)
+                for name, url, fpids, wp in rows[k:] + rows[:k]:
+                    if shutil.which("wrk"):
+                        load_wrk(url, args.connections, min(2.0, args.duration), tmp)      # warm-up
+                    f0, w0 = cpu_seconds(fpids), cpu_seconds(wp)
+                    r = load_wrk(url, args.connections, args.duration, tmp) if shutil.which("wrk") else load(
+                        url, args.connections, args.duration, tmp)
+                    n_req = max(1.0, r["rps"] * args.duration)
+                    fu, wu = (cpu_seconds(fpids) - f0) / n_req * 1e6, (cpu_seconds(wp) - w0) / n_req * 1e6
                     rps[name].append(r["rps"])
+                    cpu[name].append(fu)
                     print(f"{i + 1:<6} {name:<30} {r['rps']:>9.0f} {r['p50_ms']:>8.1f} {r['p99_ms']:>8.1f} "
-                          f"{r['errors']:>7}", flush=True)
+                          f"{r['errors']:>7} {fu:>13.0f} {wu:>15.0f}", flush=True)
             print("median req/s: " + ", ".join(f"{name} {statistics.median(v):.0f}" for name, v in rps.items()))
+            print("median front CPU us/request: " + ", ".join(f"{name} {statistics.median(v):.0f}"
+                                                             for name, v in cpu.items()))
             for b in rows[len(nginx_counts):]:
                 for n in rows[:len(nginx_counts)]:
                     ratios = [x / y for x, y in zip(rps[b[0]], rps[n[0]])]
@@ -260,6 +307,8 @@ def main() -> None:
     p.add_argument("--worker-wait", type=float, default=0.005)
     p.add_argument("--http-processes", default="1,2", help="balancer --http-processes values to compare")
     p.add_argument("--nginx-processes", default="1,2", help="nginx worker_processes values to compare")
+    p.add_argument("--compare-tree", help="another checkout of this project (e.g. a git worktree of an older commit): "
+                   "its own workers and balancer join the same interleaved rounds")
     s = sub.add_parser("scaling")
     s.add_argument("--counts", default="1,2,4,8")
     s.add_argument("--cost", default="0.04,0.003")

@@ -136,9 +136,11 @@ def meaningful(chunk: dict) -> bool:
 async def answer_single(source) -> tuple[web.Response, int]:
     """A non-streaming answer: the source's "response" (or "error") event."""
     result = None
-    async for _, event, status, data, _end in source:
+    async for _, event, status, data, end in source:
         if event in ("response", "error"):
             result = (data, status)
+        if end:
+            break           # no StopAsyncIteration round trip on the hot path
     if result is None:
         return json_response(error_body("the worker ended the request without an answer", "server_error"), 502), 502
     data, status = result
@@ -159,7 +161,7 @@ async def answer_stream(request: web.Request, source, responses: bool = False,
     resp = None
     held: list[tuple[int, dict]] = []
     status = 200
-    async for attempt, event, st, data, _end in source:
+    async for attempt, event, st, data, end in source:
         if held and attempt is not None and held[0][0] != attempt:
             held = []       # a re-dispatch: what the failed attempt held back is void
         if event == "error":
@@ -175,6 +177,8 @@ async def answer_stream(request: web.Request, source, responses: bool = False,
                     resp = await _open_stream(request, source, held, responses, opened)
                     held = []
                 await resp.write(sse(data, responses))
+        if end:
+            break
     if resp is None:
         resp = await _open_stream(request, source, held, responses, opened)
     if not responses:
