@@ -18,6 +18,7 @@ def fixture_path(name: str) -> Path:
 TINY_LLADA = fixture_path("tiny-llada")
 TINY_NEMOTRON = fixture_path("tiny-nemotron")
 TINY_LLADA_PEAKY = fixture_path("tiny-llada-peaky")
+TINY_DREAM = fixture_path("tiny-dream")
 
 
 @pytest.fixture(scope="session")
@@ -30,6 +31,18 @@ def llada_golden() -> dict:
 def nemotron_golden() -> dict:
     with open(fixture_path("tiny-nemotron-golden.json")) as f:
         return json.load(f)
+
+
+@pytest.fixture(scope="session")
+def dream_golden() -> dict:
+    with open(fixture_path("tiny-dream-golden.json")) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="session")
+def dream_engine():
+    from worker.engine import Engine
+    return Engine.from_pretrained(TINY_DREAM, device="cpu", dtype="float32")
 
 
 @pytest.fixture(scope="session")

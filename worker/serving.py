@@ -19,6 +19,7 @@ from common.protocol import (MAX_ROWS, APIError, DetokenizeRequest, ResponsesReq
                              parse_request, response, usage, usage_chunk)
 from common.openai_http import EventBox
 from worker.engine import Engine, GenerationParams, ParamError, Request, Result, StepHooks
+from worker.engine.algorithms import needs_rng
 from worker.responses import ResponsesEvents
 from worker.tokenizer import apply_chat_template, max_token_chars, text_decoder
 
@@ -542,7 +543,7 @@ class Batcher:
         otherwise). ``wait=False``: the row arrived as part of a batch formed upstream (the balancer's), so waiting
         ``max_wait_time`` for company would only add latency."""
         p = job.params
-        if p is not None and p.seed is None and (p.temperature > 0 or p.remasking == "random"):
+        if p is not None and p.seed is None and needs_rng(p):
             # A fixed seed per row makes a retried batch (after CUDA OOM) give the same tokens it already streamed.
             job.params = replace(p, seed=random.getrandbits(63))
         job.enqueued_at = time.monotonic()

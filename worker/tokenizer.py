@@ -8,11 +8,17 @@ from pathlib import Path
 from transformers import AutoTokenizer
 from transformers.utils import logging as hf_logging
 
+# Tokenizer classes that checkpoints name with remote code (``auto_map``) but that are a transformers class under
+# another name: Dream's tokenization_dream.DreamTokenizer is Qwen2's byte-level BPE (vocab.json + merges.txt).
+EQUIVALENT_TOKENIZERS = {"DreamTokenizer": "Qwen2Tokenizer"}
+
 # Tokens that end a turn in the chat formats we serve; their ids always come from the tokenizer itself.
 END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>")
 
 
 def load_tokenizer(path: str | os.PathLike):
+    """The checkpoint's tokenizer, without running its code (a class of EQUIVALENT_TOKENIZERS is loaded as the
+    transformers class it copies)."""
     # transformers warns that it does not know model_type "llada": we only want the tokenizer, so that is expected.
     import warnings
     level = hf_logging.get_verbosity()
@@ -20,9 +26,21 @@ def load_tokenizer(path: str | os.PathLike):
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)     # transformers' notes on config fields it renamed
+            cls = _tokenizer_class(path)
+            if cls in EQUIVALENT_TOKENIZERS:
+                import transformers
+                return getattr(transformers, EQUIVALENT_TOKENIZERS[cls]).from_pretrained(str(path))
             return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
     finally:
         hf_logging.set_verbosity(level)
+
+
+def _tokenizer_class(path: str | os.PathLike) -> str | None:
+    f = Path(path) / "tokenizer_config.json"
+    try:
+        return json.loads(f.read_text()).get("tokenizer_class") if f.is_file() else None
+    except (OSError, ValueError, AttributeError):
+        return None
 
 
 def _ids(value) -> list[int]:

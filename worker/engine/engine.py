@@ -119,7 +119,7 @@ class Engine:
         plans = [self.plan(r.prompt_ids, r.params) for r in requests]
         rows = []
         for i, (req, pl) in enumerate(zip(requests, plans)):
-            needs_rng = req.params.temperature > 0 or req.params.remasking == "random"
+            needs_rng = algorithms.needs_rng(pl.params)
             rows.append(Row(index=i, prompt=list(req.prompt_ids), plan=pl,
                             generator=self._generator(req.params.seed) if needs_rng else None))
         fin = _TimedFinisher(self, self.mask_id, self.stop_ids, early_exit, hooks)

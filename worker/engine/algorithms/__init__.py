@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from typing import Callable
 
 from ..params import GenerationParams, ParamError
 
@@ -13,6 +14,25 @@ class ParamInfo:
     name: str
     default: object
     description: str
+    choices: tuple | None = None      # the accepted values (strings)
+    kind: str | None = None           # "int" / "number" when the default (None) does not say; None is then accepted
+
+
+def _bad_value(info: ParamInfo, value) -> str | None:
+    """Why ``value`` is not acceptable for an ``algorithm_params`` entry, or None."""
+    if info.choices is not None:
+        return None if value in info.choices else f"one of {', '.join(map(str, info.choices))}"
+    default = info.default
+    if value is None and default is None:
+        return None
+    kind = info.kind or ("bool" if isinstance(default, bool) else "int" if isinstance(default, int) else "number")
+    if kind == "bool":
+        return None if isinstance(value, bool) else "boolean"
+    if kind == "int":
+        ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 1 << 16
+        return None if ok else "non-negative integer"
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+    return None if ok else "non-negative number"
 
 
 COMMON_PARAMS = (
@@ -41,6 +61,8 @@ class Algorithm:
     extra_params: tuple[ParamInfo, ...] = field(default_factory=tuple)   # go in ``algorithm_params``
     defaults: dict = field(default_factory=dict)                         # common parameters' own defaults here
     cfg: bool = True                                                     # supports cfg_scale > 0
+    check: Callable[[GenerationParams], GenerationParams] | None = None  # the algorithm's own rules, after defaults
+    stochastic: Callable[[GenerationParams], bool] | None = None         # draws random numbers beyond temperature
 
     def normalize(self, p: GenerationParams) -> GenerationParams:
         """Apply this algorithm's defaults and check its parameters (raises ParamError)."""
@@ -53,21 +75,13 @@ class Algorithm:
                              f"{', '.join(sorted(known)) or 'none'}")
         extra = {name: p.extra.get(name, info.default) for name, info in known.items()}
         for name, value in extra.items():
-            default = known[name].default
-            if isinstance(default, bool):
-                ok = isinstance(value, bool)
-            elif isinstance(default, int):
-                ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 1 << 16
-            else:
-                ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) \
-                    and value >= 0
-            if not ok:
-                kind = "boolean" if isinstance(default, bool) else "non-negative " + (
-                    "integer" if isinstance(default, int) else "number")
-                raise ParamError("algorithm_params", f"{self.name}: {name} must be a {kind}, got {value!r}")
+            why = _bad_value(known[name], value)
+            if why is not None:
+                raise ParamError("algorithm_params", f"{self.name}: {name} must be a {why}, got {value!r}")
         changes = {k: v for k, v in self.defaults.items() if getattr(p, k) is None and
                    not (k == "threshold" and p.factor is not None)}
-        return replace(p, extra=extra, **changes)
+        p = replace(p, extra=extra, **changes)
+        return self.check(p) if self.check is not None else p
 
     def describe(self) -> dict:
         return {
@@ -75,7 +89,8 @@ class Algorithm:
             "families": list(self.families),
             "parameters": {p.name: {"default": self.defaults.get(p.name, p.default), "description": p.description}
                            for p in self.params},
-            "algorithm_params": {p.name: {"default": p.default, "description": p.description}
+            "algorithm_params": {p.name: {"default": p.default, "description": p.description,
+                                          **({"choices": list(p.choices)} if p.choices else {})}
                                  for p in self.extra_params},
             "cfg_scale_supported": self.cfg,
         }
@@ -89,6 +104,14 @@ def register(alg: Algorithm) -> Algorithm:
     return alg
 
 
+def needs_rng(p: GenerationParams) -> bool:
+    """Whether a row with these parameters draws random numbers (so it needs a seed to be reproducible)."""
+    if p.temperature > 0 or p.remasking == "random":
+        return True
+    alg = REGISTRY.get(p.algorithm)
+    return alg is not None and alg.stochastic is not None and alg.stochastic(p)
+
+
 def get(name: str, family: str) -> Algorithm:
     alg = REGISTRY.get(name)
     if alg is None or family not in alg.families:
@@ -98,4 +121,4 @@ def get(name: str, family: str) -> Algorithm:
     return alg
 
 
-from . import basic, cached, dinfer, nemotron  # noqa: E402,F401  (they register themselves)
+from . import basic, cached, dinfer, dream, nemotron  # noqa: E402,F401  (they register themselves)

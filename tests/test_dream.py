@@ -1,0 +1,159 @@
+"""Dream beside LLaDA and Nemotron: the native model against the reference logits, the dream sampler against every
+golden case of Fast-dLLM's dream/model/generation_utils.py (alone, batched with mixed lengths and parameters, through
+`dllm-serve generate` and through a worker), the tokenizer without remote code, detection and parameter checks."""
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from common.cli import main as cli
+from tests.conftest import TINY_DREAM, TINY_LLADA, TINY_NEMOTRON
+from tests.helpers import get_json, post_json, start_worker
+from worker.engine import ALGORITHMS, GenerationParams, ParamError, Request
+from worker.models import FAMILIES, detect_family, load_model
+
+EXTRA = ("alg", "alg_temp", "top_p", "top_k")
+
+
+def whole(golden):
+    return [c for c in golden["cases"] if c["reference"] == "generation_utils.diffusion_generate"]
+
+
+def params(c, **kw):
+    return GenerationParams(gen_length=c["gen"], steps=c["steps"], algorithm="dream",
+                            temperature=c.get("temperature", 0.0), seed=c.get("seed"),
+                            extra={k: c[k] for k in EXTRA if c.get(k) is not None}, **kw)
+
+
+def test_family_detection_and_registry():
+    assert detect_family(TINY_DREAM) == "dream"
+    assert detect_family(TINY_LLADA) == "llada" and detect_family(TINY_NEMOTRON) == "nemotron"
+    f = FAMILIES["dream"]
+    assert f.default_algorithm == "dream" and not f.scoring
+    assert ALGORITHMS["dream"].families == ("dream",)
+
+
+def test_forward_matches_reference_logits(dream_golden):
+    m = load_model(TINY_DREAM, "cpu", "float32")
+    ids = torch.tensor([dream_golden["logits_input"]])
+    with torch.inference_mode():
+        got = m.logits(m(ids, torch.arange(ids.shape[1])[None]))[0]
+    assert (got - torch.tensor(dream_golden["logits"])).abs().max() < 1e-5
+
+
+def test_every_golden_case_is_exact_alone(dream_engine, dream_golden):
+    cases = whole(dream_golden)
+    assert len(cases) == 56 and {c["alg"] for c in cases} == {"origin", "maskgit_plus", "topk_margin", "entropy"}
+    for c in cases:
+        r = dream_engine.generate([Request(c["prompt"], params(c))], early_exit=False)[0]
+        assert r.canvas == c["output"] and r.nfe == c["nfe"], c
+
+
+def test_batched_with_mixed_lengths_and_parameters(dream_engine, dream_golden):
+    """Every case in one batch: prompts of 3 to 12 tokens, 16 to 32 new tokens, 8 to 24 steps, four algs, seeded
+    rows (each draws from its own generator, so it matches the reference run alone after torch.manual_seed)."""
+    cases = whole(dream_golden)
+    together = dream_engine.generate([Request(c["prompt"], params(c)) for c in cases], early_exit=False)
+    for c, r in zip(cases, together):
+        assert r.canvas == c["output"] and r.nfe == c["nfe"], c
+    # and in another order, with a LLaDA-only parameter set elsewhere failing nothing
+    rev = dream_engine.generate([Request(c["prompt"], params(c)) for c in reversed(cases)], early_exit=False)
+    assert [r.canvas for r in rev] == [c["output"] for c in reversed(cases)]
+
+
+def test_early_exit_gives_the_same_answer_with_less_work(dream_engine, dream_golden):
+    stops = set(dream_engine.stop_ids)
+    for c in whole(dream_golden)[:20]:
+        r = dream_engine.generate([Request(c["prompt"], params(c))])[0]
+        cut = next((i for i, t in enumerate(c["output"]) if t in stops), len(c["output"]))
+        assert r.token_ids == c["output"][:cut] and r.nfe <= c["nfe"]
+
+
+def test_unseeded_random_rows_get_a_seed_and_seeds_reproduce(dream_engine):
+    p = GenerationParams(gen_length=16, steps=8, algorithm="dream", temperature=1.0, extra={"alg": "origin"})
+    a = dream_engine.generate([Request([5, 6, 7], p), Request([5, 6, 7], p)], early_exit=False)
+    assert a[0].canvas != a[1].canvas          # two unseeded rows draw differently
+    s = GenerationParams(gen_length=16, steps=8, algorithm="dream", temperature=1.0, seed=9, extra={"alg": "origin"})
+    b = dream_engine.generate([Request([5, 6, 7], s), Request([1, 2, 3, 4], p), Request([5, 6, 7], s)],
+                              early_exit=False)
+    assert b[0].canvas == b[2].canvas
+
+
+def test_parameter_errors_name_the_parameter(dream_engine):
+    def err(**kw):
+        extra = kw.pop("extra", {})
+        with pytest.raises(ParamError) as e:
+            dream_engine.plan([1, 2, 3], GenerationParams(gen_length=8, algorithm="dream", extra=extra, **kw))
+        return e.value
+    assert err(extra={"alg": "greedy"}).param == "algorithm_params"
+    assert "one of origin, maskgit_plus" in err(extra={"alg": "greedy"}).message
+    assert err(extra={"top_p": 1.5}).param == "algorithm_params"
+    assert err(extra={"top_k": 0}).param == "algorithm_params"
+    assert err(extra={"eps": 0}).param == "algorithm_params"
+    assert err(extra={"block_size": 4}).param == "algorithm_params"
+    assert err(threshold=0.9).param == "threshold"
+    assert err(cfg_scale=1.0).param == "cfg_scale"
+    assert err(remasking="random").param == "remasking"
+    with pytest.raises(ParamError, match="generation_algorithm"):
+        dream_engine.plan([1, 2, 3], GenerationParams(gen_length=8, algorithm="basic"))
+    # steps are not capped at the generation length, and blocks do not apply
+    pl = dream_engine.plan([1, 2, 3], GenerationParams(gen_length=8, steps=24, algorithm="dream"))
+    assert pl.params.steps == 24 and pl.block_length == 8 and pl.canvas_length == 8
+
+
+def test_tokenizer_without_remote_code(dream_engine):
+    """tokenizer_config.json names tokenization_dream.DreamTokenizer (remote code); it is Qwen2's byte-level BPE,
+    loaded as transformers' Qwen2Tokenizer (ids checked against DreamTokenizer itself: tests/fixtures/README.md)."""
+    tok = dream_engine.tokenizer
+    vocab = tok.get_vocab()
+    assert dream_engine.mask_id == vocab["<|mask|>"] == 290
+    assert dream_engine.stop_ids == sorted({vocab["<|endoftext|>"], vocab["<|im_end|>"]}) == [286, 288]
+    assert tok("hello the world").input_ids == [257, 280, 111, 258, 266, 278, 108, 100]
+    from worker.tokenizer import apply_chat_template
+    ids = apply_chat_template(tok, [{"role": "user", "content": "hi"}])
+    assert tok.decode(ids) == ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nhi"
+                               "<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_cli_generate_reproduces_golden_cases(dream_golden, tmp_path):
+    cases = whole(dream_golden)
+    lines = [json.dumps({"prompt_ids": c["prompt"], "gen_length": c["gen"], "steps": c["steps"],
+                         "temperature": c.get("temperature", 0.0), "seed": c.get("seed"),
+                         "algorithm_params": {k: c[k] for k in EXTRA if c.get(k) is not None}}) for c in cases]
+    f = tmp_path / "requests.jsonl"
+    f.write_text("\n".join(lines) + "\n")
+    res = CliRunner().invoke(cli, ["generate", "--model-path", str(TINY_DREAM), "--requests", str(f), "--device",
+                                   "cpu", "--no-early-exit"])
+    assert res.exit_code == 0, res.output
+    got = [json.loads(line) for line in res.stdout.splitlines()]
+    assert [g["canvas"] for g in got] == [c["output"] for c in cases]
+    assert [g["nfe"] for g in got] == [c["nfe"] for c in cases]
+
+
+@pytest.mark.slow
+def test_worker_serves_the_family(tmp_path, dream_golden):
+    w = start_worker(tmp_path, TINY_DREAM)
+    try:
+        w.wait_ready()
+        models = get_json(w.url + "/v1/models")[1]["data"][0]
+        assert models["family"] == "dream" and get_json(w.url + "/health")[1]["family"] == "dream"
+        algos = get_json(w.url + "/generation/algorithms")[1]
+        assert algos["default_algorithm"] == "dream" and "dream" in {a["name"] for a in algos["algorithms"]}
+        for c in whole(dream_golden)[::3]:
+            body = {"prompt": c["prompt"], "max_tokens": c["gen"], "steps": c["steps"], "seed": c.get("seed"),
+                    "temperature": c.get("temperature", 0.0), "return_token_ids": True, "ignore_eos": True,
+                    "algorithm_params": {k: c[k] for k in EXTRA if c.get(k) is not None}}
+            status, r = post_json(w.url + "/v1/completions", body)
+            assert status == 200 and r["choices"][0]["token_ids"] == c["output"], (c, r)
+        status, r = post_json(w.url + "/v1/chat/completions",
+                              {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 16})
+        assert status == 200 and r["model"] == "tiny-dream"
+        status, r = post_json(w.url + "/v1/completions", {"prompt": "hi", "max_tokens": 4,
+                                                          "algorithm_params": {"alg": "nope"}})
+        assert status == 400 and r["error"]["param"] == "algorithm_params"
+        status, r = post_json(w.url + "/v1/completions", {"prompt": "hi", "max_tokens": 0, "echo": True,
+                                                          "logprobs": 1})
+        assert status == 400 and "dream" in r["error"]["message"]
+    finally:
+        w.stop()

@@ -1,0 +1,199 @@
+"""``dream``: Dream's reference sampler (``DreamGenerationMixin.diffusion_generate`` / ``_sample`` in
+NVlabs/Fast-dLLM ``dream/model/generation_utils.py``, the same as HKUNLP/Dream's), each row with its own prompt
+length and parameters at any batch size.
+
+The row is the prompt followed by ``max_tokens`` masks, decoded as one sequence (no blocks) in ``steps`` steps; every
+step is one forward of the whole row and reads the token at position j from the logits of position j - 1 (Dream's
+shifted logits; position 0 keeps its own). With ``timesteps = linspace(1, eps, steps + 1)`` and m the row's masked
+positions, step i commits ``int(m * (1 - t[i+1] / t[i]))`` of them (all at the last step):
+
+- ``alg: origin``: each masked position independently with probability ``1 - t[i+1] / t[i]`` (uniform draws), its
+  token sampled from the step's distribution;
+- ``maskgit_plus`` / ``topk_margin`` / ``entropy``: the ones with the highest confidence (the probability of the
+  proposed token / the gap between the two most likely tokens / the negative entropy), by ``torch.topk`` over the
+  row; with ``alg_temp > 0`` drawn instead from ``softmax(confidence / alg_temp)`` without replacement.
+
+``temperature``, ``top_p`` and ``top_k`` shape the distribution as the reference's ``sample_tokens`` does (divide,
+nucleus and top-k filtering with the dtype's lowest value, softmax, then the argmax or a categorical draw).
+Randomness (``origin``, ``temperature > 0``, ``alg_temp > 0``) comes from the row's own generator, seeded by
+``seed``: a seeded row draws exactly what the reference draws after ``torch.manual_seed(seed)`` at batch size 1.
+Masks inside the prompt are decoded too, as the reference does (infilling)."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+
+from ..params import GenerationParams, ParamError
+from ..rows import Canvas, Finisher, Row
+from . import Algorithm, ParamInfo, register
+
+ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
+
+
+def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Nucleus filtering as the reference's ``top_p_logits``: keep the most likely tokens up to cumulative
+    probability ``top_p`` (the first always), the rest set to the dtype's lowest value."""
+    sorted_logits, order = torch.sort(logits, descending=True)
+    over = torch.cumsum(F.softmax(sorted_logits, dim=-1), dim=-1) > top_p
+    over[..., 1:] = over[..., :-1].clone()
+    over[..., 0] = False
+    drop = torch.zeros_like(logits, dtype=torch.bool).scatter_(-1, order, over)
+    return logits.masked_fill(drop, torch.finfo(logits.dtype).min)
+
+
+def top_k_filter(logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The reference's ``top_k_logits``: below the k-th largest logit -> the dtype's lowest value."""
+    kth = torch.topk(logits, min(top_k, logits.size(-1)))[0][..., -1, None]
+    return logits.masked_fill(logits < kth, torch.finfo(logits.dtype).min)
+
+
+def sample_tokens(logits: torch.Tensor, p: GenerationParams, generator: torch.Generator | None,
+                  confidence: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(confidence, x0) for logits [N, V], as the reference's ``sample_tokens``; ``confidence``: "probability",
+    "margin" or "neg_entropy"."""
+    top_p, top_k = p.extra["top_p"], p.extra["top_k"]
+    if p.temperature > 0:
+        logits = logits / p.temperature
+    if top_p is not None and top_p < 1:
+        logits = top_p_filter(logits, top_p)
+    if top_k is not None:
+        logits = top_k_filter(logits, top_k)
+    probs = torch.softmax(logits, dim=-1)
+    if p.temperature > 0:
+        # torch.distributions.Categorical(probs).sample(): the normalised probabilities through multinomial
+        x0 = torch.multinomial(probs / probs.sum(-1, keepdim=True), 1, True, generator=generator)[:, 0]
+        conf = torch.gather(probs, -1, x0[:, None])[:, 0]
+    else:
+        conf, x0 = probs.max(dim=-1)
+    if confidence == "margin":
+        top2 = torch.sort(probs, dim=-1, descending=True)[0]
+        conf = top2[:, 0] - top2[:, 1]
+    elif confidence == "neg_entropy":
+        conf = torch.sum(probs * torch.log(probs + 1e-10), dim=-1)
+    return conf, x0
+
+
+CONFIDENCE = {"maskgit_plus": "probability", "topk_margin": "margin", "entropy": "neg_entropy"}
+
+
+def total_steps(row: Row) -> int:
+    return row.params.steps or row.plan.gen_length
+
+
+def decide(row: Row, logits: torch.Tensor, where: torch.Tensor, length: int, timesteps: torch.Tensor
+           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One step of one row: ``logits`` [m, V] at its masked positions ``where`` (indices into the row, ascending),
+    ``length`` the row's length. Returns (positions to write, their tokens)."""
+    p, g, i = row.params, row.generator, row.step
+    last = i >= total_steps(row) - 1
+    ratio = 1 - timesteps[i + 1] / timesteps[i]          # 0-d float32, as the reference's ``1 - s / t``
+    alg = p.extra["alg"]
+    if alg == "origin":
+        draw = torch.rand(where.shape[0], device=logits.device, generator=g) < (1 if last else ratio)
+        _, x0 = sample_tokens(logits[draw], p, g, "probability")
+        return where[draw], x0
+    conf, x0 = sample_tokens(logits, p, g, CONFIDENCE[alg])
+    m = torch.tensor(where.shape[0], device=logits.device) / 1      # the reference's mask_index.sum() / batch
+    n = int(m) if last else int(m * ratio)
+    if n <= 0:
+        return where[:0], x0[:0]
+    full = torch.full((1, length), float("-inf"), dtype=conf.dtype, device=conf.device)
+    full[0, where] = conf
+    alg_temp = p.extra["alg_temp"]
+    if alg_temp is None or alg_temp == 0:
+        pick = torch.topk(full, n)[1][0]
+    else:
+        pick = torch.multinomial(F.softmax(full / alg_temp, dim=-1), num_samples=n, generator=g)[0]
+    token = torch.full((length,), -1, dtype=torch.long, device=x0.device)
+    token[where] = x0
+    return pick, token[pick]
+
+
+def run(engine, rows: list[Row], fin: Finisher) -> None:
+    model, mask_id, dev = engine.model, engine.mask_id, engine.model.device
+    canvas = Canvas(rows, mask_id, engine.pad_id, dev)
+    steps = {r.index: torch.linspace(1, r.params.extra["eps"], total_steps(r) + 1, device=dev) for r in rows}
+    while canvas.rows:
+        keep = [b for b, r in enumerate(canvas.rows) if not fin.cancelled(r)]
+        if len(keep) < len(canvas.rows):
+            canvas.keep(keep)
+            if not canvas.rows:
+                break
+        x, W = canvas.x, canvas.x.shape[1]
+        hidden = model(x, canvas.pos, canvas.mask)
+        off = torch.tensor(canvas.offsets, device=dev)
+        col = torch.arange(W, device=dev)
+        masked = (x == mask_id) & (col[None, :] >= off[:, None])
+        bi, ci = masked.nonzero(as_tuple=True)
+        src = torch.where(ci > off[bi], ci - 1, ci)        # shifted logits: position j reads position j - 1
+        logits = model.logits(hidden[bi, src])
+        counts = masked.sum(1).tolist()
+        start = 0
+        for b, r in enumerate(canvas.rows):
+            n = counts[b]
+            if n:
+                o = canvas.offsets[b]
+                cols, tokens = decide(r, logits[start:start + n], ci[start:start + n] - o, W - o, steps[r.index])
+                x[b, cols + o] = tokens
+            start += n
+        gens = canvas.read_gens()
+        done = []
+        for b, r in enumerate(canvas.rows):
+            r.nfe += 1
+            r.step += 1
+            fin.update(r, gens[r.index], r.step >= total_steps(r))
+            if r.done:
+                done.append(b)
+        if done:
+            canvas.keep([b for b in range(len(canvas.rows)) if b not in done])
+
+
+def check(p: GenerationParams) -> GenerationParams:
+    """Dream's own parameter rules (after the generic algorithm_params checks)."""
+    if p.threshold is not None or p.factor is not None:
+        raise ParamError("threshold" if p.threshold is not None else "factor",
+                         "dream decodes with its alg schedule; for parallel decoding with a threshold use "
+                         "generation_algorithm dream_cache (Fast-dLLM's Dream caches)")
+    if p.remasking != "low_confidence":
+        raise ParamError("remasking", "dream has no remasking option: algorithm_params.alg chooses the positions")
+    e = p.extra
+    if e["top_p"] is not None and not 0 < e["top_p"] <= 1:
+        raise ParamError("algorithm_params", f"dream: top_p must be in (0, 1], got {e['top_p']!r}")
+    if e["top_k"] is not None and e["top_k"] < 1:
+        raise ParamError("algorithm_params", f"dream: top_k must be at least 1, got {e['top_k']!r}")
+    if not 0 < e["eps"] < 1:
+        raise ParamError("algorithm_params", f"dream: eps must be in (0, 1), got {e['eps']!r}")
+    # one sequence, no blocks: the whole generation is the block, and steps are not capped at its length
+    return replace(p, block_length=p.gen_length)
+
+
+def stochastic(p: GenerationParams) -> bool:
+    return p.extra.get("alg", "entropy") == "origin" or bool(p.extra.get("alg_temp"))
+
+
+DREAM_PARAMS = (
+    ParamInfo("alg", "entropy", "which masked positions each step commits: origin (each with the schedule's "
+              "probability, random), maskgit_plus (most probable token), topk_margin (largest gap between the two "
+              "most likely tokens), entropy (lowest entropy; the Dream README's setting)", choices=ALGS),
+    ParamInfo("alg_temp", 0.0, "> 0: draw the committed positions from softmax(confidence / alg_temp) instead of "
+              "taking the top ones"),
+    ParamInfo("top_p", None, "nucleus filtering before the softmax (null: off)", kind="number"),
+    ParamInfo("top_k", None, "top-k filtering before the softmax (null: off)", kind="int"),
+    ParamInfo("eps", 1e-3, "the schedule's last timestep (timesteps = linspace(1, eps, steps + 1))"),
+)
+
+register(Algorithm(
+    name="dream",
+    description="Dream reference sampler (diffusion_generate): the whole generation as one sequence, shifted "
+                "logits, steps committing int(m * (1 - s/t)) masked positions chosen by alg (origin, maskgit_plus, "
+                "topk_margin, entropy), with temperature, top_p, top_k and alg_temp as the reference applies them",
+    exact=True, run=run, families=("dream",), cfg=False,
+    params=(
+        ParamInfo("steps", None, "denoising steps (default: one per token; not capped: each step is one forward)"),
+        ParamInfo("temperature", 0.0, "0 = the most likely token; > 0 divides the logits and samples"),
+        ParamInfo("seed", None, "per-request seed for every random draw (origin, temperature, alg_temp)"),
+    ),
+    extra_params=DREAM_PARAMS, check=check, stochastic=stochastic,
+))

@@ -1,0 +1,196 @@
+"""Dream (Dream-org/Dream-v0-Instruct-7B / -Base-7B, apple/DiffuCoder-7B: ``DreamModel``): a Qwen2.5 decoder stack
+used as a bidirectional mask predictor whose logits are *shifted*: the token at position j is read from the logits
+of position j - 1 (the decoding algorithms do the shift: worker/engine/algorithms/dream.py). Layout and settings of
+the test checkpoint: tests/fixtures/README.md (tiny-dream).
+
+Per layer, as Fast-dLLM's ``dream/model/modeling_dream.py`` computes it: ``h = input_layernorm(x)``; q/k/v
+projections with biases; rotate-half RoPE with float32 tables cast to the model dtype; grouped-query attention (SDPA,
+no mask between real tokens); ``x + o_proj``; then ``x + down(silu(gate(h)) * up(h))`` with
+``h = post_attention_layernorm(x)``. Final ``norm`` and ``lm_head`` (tied to ``embed_tokens`` when
+``tie_word_embeddings``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from .checkpoint import CheckpointError, check_shapes, load_state_dict, read_config, tensor_shapes
+from .family import Family
+from .layers import KVCache, LayerKV, RMSNorm, apply_rope, attention, compile_dense, dense_tail, rope_tables
+
+
+@dataclass(frozen=True)
+class DreamConfig:
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    vocab_size: int
+    rope_theta: float
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    mask_token_id: int | None
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_heads
+
+    @property
+    def embedding_size(self) -> int:
+        return self.vocab_size
+
+    @classmethod
+    def from_dict(cls, c: dict) -> "DreamConfig":
+        missing = [k for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                               "vocab_size") if k not in c]
+        if missing:
+            raise CheckpointError(f"config.json lacks Dream fields: {', '.join(missing)}")
+        if c.get("use_sliding_window"):
+            raise CheckpointError("unsupported Dream config: use_sliding_window=true")
+        if c.get("rope_scaling"):
+            raise CheckpointError(f"unsupported Dream config: rope_scaling={c['rope_scaling']!r}")
+        if c.get("hidden_act", "silu") != "silu":
+            raise CheckpointError(f"unsupported Dream config: hidden_act={c['hidden_act']!r}")
+        heads = int(c["num_attention_heads"])
+        kv = int(c.get("num_key_value_heads") or heads)
+        hidden = int(c["hidden_size"])
+        if heads % kv or hidden % heads:
+            raise CheckpointError(f"unsupported Dream head layout: hidden_size={hidden}, num_attention_heads={heads}, "
+                                  f"num_key_value_heads={kv}")
+        return cls(hidden_size=hidden, num_layers=int(c["num_hidden_layers"]), num_heads=heads, num_kv_heads=kv,
+                   intermediate_size=int(c["intermediate_size"]), vocab_size=int(c["vocab_size"]),
+                   rope_theta=float(c.get("rope_theta", 10000.0)), rms_norm_eps=float(c.get("rms_norm_eps", 1e-6)),
+                   max_position_embeddings=int(c.get("max_position_embeddings", 32768)),
+                   tie_word_embeddings=bool(c.get("tie_word_embeddings", False)),
+                   mask_token_id=c.get("mask_token_id"))
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DreamConfig):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=True)
+        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=True)
+        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=True)
+        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=False)
+
+    def forward(self, x, cos, sin, mask, kv):
+        B, L, _ = x.shape
+        q = self.q_proj(x).view(B, L, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(B, L, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(B, L, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin, fp32=False), apply_rope(k, cos, sin, fp32=False)
+        if kv is not None:
+            k, v = kv(k, v)
+        return attention(q, k, v, mask).transpose(1, 2).reshape(B, L, -1)     # o_proj: in the layer's dense tail
+
+
+class MLP(nn.Module):
+    """The SwiGLU weights (the layer's dense tail computes it)."""
+
+    def __init__(self, cfg: DreamConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+
+class Layer(nn.Module):
+    def __init__(self, cfg: DreamConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+        self.dense = dense_tail          # or a Compiled one (DreamModel.compile_dense)
+
+    def forward(self, x, cos, sin, mask, kv=None):
+        a = self.self_attn(self.input_layernorm(x), cos, sin, mask, kv)
+        n, m = self.post_attention_layernorm, self.mlp
+        return self.dense(x, a, self.self_attn.o_proj.weight, n.weight, n.eps, m.gate_proj.weight, m.up_proj.weight,
+                          m.down_proj.weight)
+
+
+class Decoder(nn.Module):
+    def __init__(self, cfg: DreamConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DreamModel(nn.Module):
+    """The :class:`~worker.models.family.DiffusionLM` interface: ``forward`` gives final hidden states (unshifted),
+    ``logits`` applies the head."""
+    family = "dream"
+
+    def __init__(self, cfg: DreamConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = Decoder(cfg)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rope_cos: torch.Tensor | None = None
+        self.rope_sin: torch.Tensor | None = None
+
+    @property
+    def max_sequence_length(self) -> int:
+        return self.cfg.max_position_embeddings
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.embed_tokens.weight.dtype
+
+    def init_rope(self) -> None:
+        self.rope_cos, self.rope_sin = rope_tables(self.cfg.head_dim, self.cfg.max_position_embeddings,
+                                                   self.cfg.rope_theta, self.device)
+
+    def forward(self, ids, pos, mask=None, cache: KVCache | None = None, slots=None, window=None):
+        cos, sin = self.rope_cos[pos], self.rope_sin[pos]
+        x = self.model.embed_tokens(ids)
+        for i, layer in enumerate(self.model.layers):
+            kv = None if cache is None else LayerKV(cache, i, slots, window)
+            x = layer(x, cos, sin, mask, kv)
+        return self.model.norm(x)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return nn.functional.linear(h, w)
+
+    def compile_dense(self):
+        """torch.compile the dense half of every layer (eager fallback): see layers.Compiled."""
+        return compile_dense(self.model.layers)
+
+    def new_cache(self, slots: int, width: int) -> KVCache:
+        c = self.cfg
+        return KVCache(c.num_layers, slots, c.num_kv_heads, width, c.head_dim, self.dtype, self.device)
+
+
+def load(path: str | Path, device: torch.device, dtype: torch.dtype) -> DreamModel:
+    raw = read_config(path)
+    cfg = DreamConfig.from_dict(raw)
+    if not cfg.tie_word_embeddings and "lm_head.weight" not in tensor_shapes(path):
+        raise CheckpointError("the Dream checkpoint has no lm_head.weight and config.json does not set "
+                              "tie_word_embeddings")
+    with torch.device("meta"):
+        model = DreamModel(cfg)
+    names = dict(model.named_parameters())
+    check_shapes(path, {n: tuple(p.shape) for n, p in names.items()}, "Dream")
+    sd = load_state_dict(path, {n: n for n in names}, dtype, device)
+    model.load_state_dict(sd, strict=True, assign=True)
+    model.init_rope()
+    return model.eval().requires_grad_(False)
+
+
+FAMILY = Family(name="dream", title="Dream (DreamModel; also DiffuCoder)", architectures=("DreamModel",),
+                model_types=("Dream", "dream"),
+                tensors=("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.bias"), load=load,
+                default_algorithm="dream")
