@@ -70,13 +70,13 @@ def test_early_exit_gives_the_same_answer_with_less_work(dream_engine, dream_gol
         assert r.token_ids == c["output"][:cut] and r.nfe <= c["nfe"]
 
 
-def test_unseeded_random_rows_get_a_seed_and_seeds_reproduce(dream_engine):
-    p = GenerationParams(gen_length=16, steps=8, algorithm="dream", temperature=1.0, extra={"alg": "origin"})
-    a = dream_engine.generate([Request([5, 6, 7], p), Request([5, 6, 7], p)], early_exit=False)
-    assert a[0].canvas != a[1].canvas          # two unseeded rows draw differently
-    s = GenerationParams(gen_length=16, steps=8, algorithm="dream", temperature=1.0, seed=9, extra={"alg": "origin"})
-    b = dream_engine.generate([Request([5, 6, 7], s), Request([1, 2, 3, 4], p), Request([5, 6, 7], s)],
-                              early_exit=False)
+def test_unseeded_random_rows_get_a_seed_and_seeds_reproduce(dream_engine, dream_golden):
+    prompt = dream_golden["cases"][0]["prompt"]
+    p = GenerationParams(gen_length=16, steps=8, algorithm="dream", temperature=1.5, extra={"alg": "origin"})
+    a = dream_engine.generate([Request(prompt, p) for _ in range(4)], early_exit=False)
+    assert len({tuple(r.canvas) for r in a}) > 1          # unseeded rows draw differently
+    s = GenerationParams(gen_length=16, steps=8, algorithm="dream", temperature=1.5, seed=9, extra={"alg": "origin"})
+    b = dream_engine.generate([Request(prompt, s), Request([1, 2, 3, 4], p), Request(prompt, s)], early_exit=False)
     assert b[0].canvas == b[2].canvas
 
 
@@ -131,29 +131,93 @@ def test_cli_generate_reproduces_golden_cases(dream_golden, tmp_path):
     assert [g["nfe"] for g in got] == [c["nfe"] for c in cases]
 
 
+def cached(golden):
+    return [c for c in golden["cases"] if c["reference"] == "generation_utils_block.diffusion_generate"]
+
+
+def cache_params(c, **kw):
+    return GenerationParams(gen_length=c["gen"], block_length=c["block"], steps=c["steps"],
+                            algorithm="dream_dual_cache" if c["dual_cache"] else "dream_cache",
+                            threshold=c.get("threshold") if c["alg"] == "confidence_threshold" else None, **kw)
+
+
+def test_fast_dllm_dream_caches_are_exact_alone_and_batched(dream_engine, dream_golden):
+    cases = cached(dream_golden)
+    assert len(cases) == 20 and {c["dual_cache"] for c in cases} == {True, False}
+    for c in cases:
+        r = dream_engine.generate([Request(c["prompt"], cache_params(c))], early_exit=False)[0]
+        assert r.canvas == c["output"] and r.nfe == c["nfe"], c
+    # batched with each other and with whole-sequence dream rows (grouped by algorithm inside one engine batch)
+    mixed = cases + whole(dream_golden)[:8]
+    reqs = [Request(c["prompt"], cache_params(c) if "block" in c else params(c)) for c in mixed]
+    for c, r in zip(mixed, dream_engine.generate(reqs, early_exit=False)):
+        assert r.canvas == c["output"] and r.nfe == c["nfe"], c
+
+
+def test_caches_take_fewer_forward_tokens_than_the_whole_sequence(dream_engine, dream_golden):
+    """The threshold caches decode the same prompts with far fewer forwards than one-per-token, and their cached
+    steps forward a window, not the row (the token counts of the forwards are what a GPU pays for)."""
+    c = next(x for x in cached(dream_golden) if x["dual_cache"] and x["alg"] == "confidence_threshold")
+    r = dream_engine.generate([Request(c["prompt"], cache_params(c))], early_exit=False)[0]
+    blocks = c["gen"] // c["block"]
+    full_tokens = blocks * (len(c["prompt"]) + c["gen"])
+    window_tokens = (r.nfe - blocks) * c["block"]
+    assert r.nfe < c["gen"] and full_tokens + window_tokens < c["gen"] * (len(c["prompt"]) + c["gen"]) / 2
+
+
+def test_cache_early_exit_and_parameter_errors(dream_engine, dream_golden):
+    stops = set(dream_engine.stop_ids)
+    for c in cached(dream_golden):
+        r = dream_engine.generate([Request(c["prompt"], cache_params(c))])[0]
+        cut = next((i for i, t in enumerate(c["output"]) if t in stops), len(c["output"]))
+        assert r.token_ids == c["output"][:cut] and r.nfe <= c["nfe"]
+    for kw, param in (({"factor": 2.0}, "factor"), ({"remasking": "random"}, "remasking"),
+                      ({"extra": {"alg": "entropy"}}, "algorithm_params"), ({"cfg_scale": 1.0}, "cfg_scale")):
+        with pytest.raises(ParamError) as e:
+            dream_engine.plan([1, 2], GenerationParams(gen_length=8, algorithm="dream_cache", **kw))
+        assert e.value.param == param
+
+
 @pytest.mark.slow
-def test_worker_serves_the_family(tmp_path, dream_golden):
-    w = start_worker(tmp_path, TINY_DREAM)
+def test_worker_and_balancer_serve_the_family(tmp_path, dream_golden):
+    """Two workers on tiny-dream behind the balancer: every golden case (both references) sent at once through the
+    balancer's /v1/completions, so rows with different algorithms and parameters share batches."""
+    from concurrent.futures import ThreadPoolExecutor
+    from tests.helpers import Cluster
+    cl = Cluster(tmp_path, TINY_DREAM, n=2)
     try:
-        w.wait_ready()
+        cl.wait_ready()
+        w = cl.workers[0]
         models = get_json(w.url + "/v1/models")[1]["data"][0]
-        assert models["family"] == "dream" and get_json(w.url + "/health")[1]["family"] == "dream"
-        algos = get_json(w.url + "/generation/algorithms")[1]
-        assert algos["default_algorithm"] == "dream" and "dream" in {a["name"] for a in algos["algorithms"]}
-        for c in whole(dream_golden)[::3]:
-            body = {"prompt": c["prompt"], "max_tokens": c["gen"], "steps": c["steps"], "seed": c.get("seed"),
-                    "temperature": c.get("temperature", 0.0), "return_token_ids": True, "ignore_eos": True,
-                    "algorithm_params": {k: c[k] for k in EXTRA if c.get(k) is not None}}
-            status, r = post_json(w.url + "/v1/completions", body)
+        assert models["family"] == "dream" and get_json(cl.url + "/health")[1]["healthy_workers"] == 2
+        algos = get_json(cl.url + "/generation/algorithms")[1]
+        assert algos["default_algorithm"] == "dream"
+        assert {"dream", "dream_cache", "dream_dual_cache"} <= {a["name"] for a in algos["algorithms"]}
+
+        def body(c):
+            b = {"prompt": c["prompt"], "max_tokens": c["gen"], "steps": c["steps"], "return_token_ids": True,
+                 "ignore_eos": True, "seed": c.get("seed"), "temperature": c.get("temperature", 0.0)}
+            if "block" in c:
+                b.update(block_length=c["block"], generation_algorithm="dream_dual_cache" if c["dual_cache"]
+                         else "dream_cache", threshold=c.get("threshold") if c["alg"] == "confidence_threshold"
+                         else None)
+            else:
+                b.update(generation_algorithm="dream",
+                         algorithm_params={k: c[k] for k in EXTRA if c.get(k) is not None})
+            return b
+        cases = dream_golden["cases"]
+        with ThreadPoolExecutor(16) as ex:
+            answers = list(ex.map(lambda c: post_json(cl.url + "/v1/completions", body(c)), cases))
+        for c, (status, r) in zip(cases, answers):
             assert status == 200 and r["choices"][0]["token_ids"] == c["output"], (c, r)
-        status, r = post_json(w.url + "/v1/chat/completions",
+        status, r = post_json(cl.url + "/v1/chat/completions",
                               {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 16})
         assert status == 200 and r["model"] == "tiny-dream"
-        status, r = post_json(w.url + "/v1/completions", {"prompt": "hi", "max_tokens": 4,
-                                                          "algorithm_params": {"alg": "nope"}})
+        status, r = post_json(cl.url + "/v1/completions", {"prompt": "hi", "max_tokens": 4,
+                                                           "algorithm_params": {"alg": "nope"}})
         assert status == 400 and r["error"]["param"] == "algorithm_params"
-        status, r = post_json(w.url + "/v1/completions", {"prompt": "hi", "max_tokens": 0, "echo": True,
-                                                          "logprobs": 1})
+        status, r = post_json(cl.url + "/v1/completions", {"prompt": "hi", "max_tokens": 0, "echo": True,
+                                                           "logprobs": 1})
         assert status == 400 and "dream" in r["error"]["message"]
     finally:
-        w.stop()
+        cl.stop()

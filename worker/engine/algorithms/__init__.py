@@ -121,4 +121,4 @@ def get(name: str, family: str) -> Algorithm:
     return alg
 
 
-from . import basic, cached, dinfer, dream, nemotron  # noqa: E402,F401  (they register themselves)
+from . import basic, cached, dinfer, dream, dream_cache, nemotron  # noqa: E402,F401  (they register themselves)

@@ -82,14 +82,13 @@ def total_steps(row: Row) -> int:
     return row.params.steps or row.plan.gen_length
 
 
-def decide(row: Row, logits: torch.Tensor, where: torch.Tensor, length: int, timesteps: torch.Tensor
-           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One step of one row: ``logits`` [m, V] at its masked positions ``where`` (indices into the row, ascending),
-    ``length`` the row's length. Returns (positions to write, their tokens)."""
-    p, g, i = row.params, row.generator, row.step
-    last = i >= total_steps(row) - 1
+def decide(p: GenerationParams, g: torch.Generator | None, logits: torch.Tensor, where: torch.Tensor, length: int,
+           timesteps: torch.Tensor, i: int, total: int, alg: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Step ``i`` of ``total`` of the schedule: ``logits`` [m, V] at the masked positions ``where`` (ascending
+    indices into the reference's vector of ``length`` positions: the row, or a cached step's window). Returns
+    (positions to write, their tokens)."""
+    last = i >= total - 1
     ratio = 1 - timesteps[i + 1] / timesteps[i]          # 0-d float32, as the reference's ``1 - s / t``
-    alg = p.extra["alg"]
     if alg == "origin":
         draw = torch.rand(where.shape[0], device=logits.device, generator=g) < (1 if last else ratio)
         _, x0 = sample_tokens(logits[draw], p, g, "probability")
@@ -135,7 +134,8 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
             n = counts[b]
             if n:
                 o = canvas.offsets[b]
-                cols, tokens = decide(r, logits[start:start + n], ci[start:start + n] - o, W - o, steps[r.index])
+                cols, tokens = decide(r.params, r.generator, logits[start:start + n], ci[start:start + n] - o, W - o,
+                                      steps[r.index], r.step, total_steps(r), r.params.extra["alg"])
                 x[b, cols + o] = tokens
             start += n
         gens = canvas.read_gens()

@@ -1,0 +1,192 @@
+"""``dream_cache`` and ``dream_dual_cache``: Fast-dLLM's Dream caches (``dream/model/generation_utils_block.py``
+``_sample`` with ``dual_cache`` False / True), each row with its own prompt length and parameters at any batch size.
+
+The generation is split into blocks of ``block_length``. Each block starts with one full forward of the row, which
+stores every position's keys/values in the row's cache slot and commits the block's first position (the proposal
+from the shifted logits, whatever its confidence). The block's other steps forward a window and attend to the cached
+row with the window's fresh keys/values: ``dream_cache`` forwards the block and everything after it (the prefix is
+cached), ``dream_dual_cache`` the block only (prefix and suffix cached). Inside a window the logits are shifted
+within the window, as the reference does (the window's first position keeps its own). A step commits:
+
+- with ``threshold``: the most confident masked position of the block and every other one whose confidence
+  (probability of the proposal, softmax in the model's dtype) is at least the threshold, until the block has no mask;
+- otherwise the reference's entropy schedule: ``steps / blocks`` steps per block (the full forward is step 0),
+  step i committing ``int(m * (1 - t[i+1] / t[i]))`` of the block's m masked positions by lowest entropy (all at the
+  last step), ``alg_temp`` as in ``dream``.
+
+nfe counts every forward, the full ones included. Exact at temperature 0; with ``temperature > 0`` each row samples
+from its own generator only at the positions it decides (the reference draws for every position of every forward from
+the global generator), so seeded rows reproduce themselves, not the reference's draws."""
+from __future__ import annotations
+
+import torch
+
+from ..params import GenerationParams, ParamError
+from ..rows import Canvas, Finisher, Row, window_index
+from . import Algorithm, ParamInfo, register
+from .dream import DREAM_PARAMS, decide, sample_tokens
+
+
+def steps_per_block(row: Row) -> int:
+    """The reference's ``steps // num_blocks``, rounded up when it does not divide (the reference asserts it does);
+    not capped at the block length."""
+    steps = row.params.steps or row.plan.gen_length
+    return max(1, -(-steps // row.plan.num_blocks))
+
+
+def threshold_step(p: GenerationParams, g, logits: torch.Tensor, where: torch.Tensor, length: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fast-dLLM's Dream threshold rule over the ``length`` positions of the window: rank the block's masked
+    positions ``where`` by confidence with ``torch.topk``; keep the first and every other one not below the
+    threshold."""
+    conf, x0 = sample_tokens(logits, p, g, "probability")
+    full = torch.full((1, length), float("-inf"), dtype=conf.dtype, device=conf.device)
+    full[0, where] = conf
+    values, idx = torch.topk(full, where.shape[0])
+    keep = ~(values[0] < p.threshold)
+    keep[:1] = True
+    token = torch.full((length,), -1, dtype=torch.long, device=x0.device)
+    token[where] = x0
+    pick = idx[0][keep]
+    return pick, token[pick]
+
+
+def run_dream_cache(engine, rows: list[Row], fin: Finisher, dual: bool) -> None:
+    model, mask_id, dev = engine.model, engine.mask_id, engine.model.device
+    canvas = Canvas(rows, mask_id, engine.pad_id, dev)
+    cache = model.new_cache(len(rows), canvas.x.shape[1])
+    timesteps = {r.index: torch.linspace(1, r.params.extra["eps"], steps_per_block(r) + 1, device=dev) for r in rows}
+    for r in rows:
+        r.block, r.step = 0, 0          # step 0 = the block's full forward; then i = 1, 2, ... as the reference's
+
+    def finish_block(r: Row) -> bool:
+        """Move to the next block; True when the row has none left."""
+        if r.block + 1 >= r.plan.num_blocks:
+            return True
+        r.block, r.step = r.block + 1, 0
+        return False
+
+    while canvas.rows:
+        keep = [b for b, r in enumerate(canvas.rows) if not fin.cancelled(r)]
+        if len(keep) < len(canvas.rows):
+            cache.keep(keep, canvas.keep(keep))
+            if not canvas.rows:
+                break
+        active, x, W = canvas.rows, canvas.x, canvas.x.shape[1]
+        B = len(active)
+        starts = [canvas.gen_start(b) + r.block * r.plan.block_length for b, r in enumerate(active)]
+        full = [b for b, r in enumerate(active) if r.step == 0]
+        part = [b for b, r in enumerate(active) if r.step > 0]
+        stepped = set()
+
+        if full:      # block start: full forward into the cache; commit the block's first position
+            slots = None if len(full) == B else torch.tensor(full, device=dev)
+            sel = slice(None) if slots is None else slots
+            mask = None if canvas.mask is None else canvas.mask[sel]
+            hidden = model(x[sel], canvas.pos[sel], mask, cache=cache, slots=slots)
+            src = torch.tensor([starts[b] - 1 for b in full], device=dev)      # shifted logits
+            logits = model.logits(hidden[torch.arange(len(full), device=dev), src])
+            for i, b in enumerate(full):
+                _, x0 = sample_tokens(logits[i:i + 1], active[b].params, active[b].generator, "probability")
+                x[b, starts[b]] = x0[0]
+                active[b].step = 1
+
+        if part:      # inside the block: a window forward against the cached row
+            wins = [(starts[b], starts[b] + active[b].plan.block_length if dual else W) for b in part]
+            cols, valid = window_index(wins, dev)
+            slots = None if len(part) == B else torch.tensor(part, device=dev)
+            sel = slice(None) if slots is None else slots
+            ids = x[sel].gather(1, cols)
+            bi, wi = valid.nonzero(as_tuple=True)
+            mask = None if canvas.mask is None else canvas.mask[sel]
+            hidden = model(ids, canvas.pos[sel].gather(1, cols), mask, cache=cache, slots=slots,
+                           window=(bi, wi, cols[bi, wi]))
+            bl = [active[b].plan.block_length for b in part]
+            masked = [(ids[i, :bl[i]] == mask_id).nonzero(as_tuple=True)[0] for i in range(len(part))]
+            src_b = torch.cat([torch.full_like(m, i) for i, m in enumerate(masked)])
+            src_w = torch.cat([(m - 1).clamp(min=0) for m in masked])           # shifted within the window
+            logits = model.logits(hidden[src_b, src_w]) if len(src_b) else None
+            at = 0
+            for i, b in enumerate(part):
+                r, where = active[b], masked[i]
+                n, length = where.shape[0], wins[i][1] - wins[i][0]
+                lg = logits[at:at + n] if n else None
+                at += n
+                spb = steps_per_block(r)
+                if r.params.threshold is not None:
+                    if n:
+                        pick, tokens = threshold_step(r.params, r.generator, lg, where, length)
+                        x[b, starts[b] + pick] = tokens
+                else:
+                    if n:
+                        pick, tokens = decide(r.params, r.generator, lg, where, length, timesteps[r.index],
+                                              r.step, spb, "entropy")
+                        x[b, starts[b] + pick] = tokens
+                    r.step += 1
+                r.nfe += 1
+                if r.params.threshold is None and r.step == spb:
+                    r.step = -1        # the schedule is over: the block ends below, masks or not
+                stepped.add(b)
+
+        gens = canvas.read_gens()
+        done = []
+        for b, r in enumerate(active):
+            if b in full:
+                r.nfe += 1
+            s, e = r.block_range()
+            block_clear = mask_id not in gens[r.index][s:e]
+            schedule_done = False
+            # the reference checks the block after each cached step, and (entropy schedule) before one
+            if (b in stepped and (block_clear or r.step == -1)) or (
+                    b in full and r.params.threshold is None and steps_per_block(r) == 1):
+                schedule_done = finish_block(r)
+            fin.update(r, gens[r.index], schedule_done)
+            if r.done:
+                done.append(b)
+        if done:
+            keep = [b for b in range(B) if b not in done]
+            trim = canvas.keep(keep)
+            if canvas.rows:
+                cache.keep(keep, trim)
+
+
+def check(p: GenerationParams) -> GenerationParams:
+    if p.factor is not None:
+        raise ParamError("factor", "the Dream caches take threshold (parallel decoding) or steps, not factor")
+    if p.remasking != "low_confidence":
+        raise ParamError("remasking", "the Dream caches have no remasking option")
+    e = p.extra
+    if e["top_p"] is not None and not 0 < e["top_p"] <= 1:
+        raise ParamError("algorithm_params", f"top_p must be in (0, 1], got {e['top_p']!r}")
+    if e["top_k"] is not None and e["top_k"] < 1:
+        raise ParamError("algorithm_params", f"top_k must be at least 1, got {e['top_k']!r}")
+    if not 0 < e["eps"] < 1:
+        raise ParamError("algorithm_params", f"eps must be in (0, 1), got {e['eps']!r}")
+    return p
+
+
+CACHE_PARAMS = tuple(i for i in DREAM_PARAMS if i.name != "alg")
+COMMON = (
+    ParamInfo("steps", None, "without threshold: the entropy schedule's steps over the whole generation (default: one "
+              "per token), steps / blocks per block, the block's full forward included"),
+    ParamInfo("block_length", 32, "block size; max_tokens is rounded up to a multiple of it internally"),
+    ParamInfo("threshold", None, "parallel decoding: commit the most confident masked token of the block plus every "
+              "other one with confidence >= threshold (steps is then ignored)"),
+    ParamInfo("temperature", 0.0, "0 = the most likely token; > 0 divides the logits and samples"),
+    ParamInfo("seed", None, "per-request seed for temperature sampling and alg_temp"),
+)
+
+
+def stochastic(p: GenerationParams) -> bool:
+    return bool(p.extra.get("alg_temp"))
+
+
+for _name, _dual, _what in (("dream_cache", False, "block + suffix forwards against the cached prefix"),
+                            ("dream_dual_cache", True, "block-only forwards against the cached prefix and suffix")):
+    register(Algorithm(
+        name=_name,
+        description=f"Fast-dLLM's Dream cache: one full forward per block (committing its first token), then {_what}; "
+                    f"threshold parallel decoding, or the entropy schedule",
+        exact=True, run=(lambda dual: lambda engine, rows, fin: run_dream_cache(engine, rows, fin, dual))(_dual),
+        families=("dream",), cfg=False, params=COMMON, extra_params=CACHE_PARAMS, check=check, stochastic=stochastic,
+    ))
