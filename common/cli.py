@@ -91,11 +91,11 @@ def generate(model_path, prompt, chat, prompt_ids, gen_length, block_length, ste
         gen_length = gen_length or default_max_new_tokens(model_path, 128)
     except (ResolveError, CheckpointError) as e:
         raise click.ClickException(str(e))
-    block_length = block_length or min(32, gen_length)
     try:
         engine = Engine.from_pretrained(model_path, device=device, dtype=dtype, compile=with_compile)
     except (CheckpointError, ValueError, OSError) as e:
         raise click.ClickException(str(e))
+    block_length = block_length or engine.default_block_length or min(32, gen_length)
     defaults = dict(gen_length=gen_length, block_length=block_length, steps=steps,
                     algorithm=algorithm or DEFAULT_ALGORITHM[engine.family], temperature=temperature,
                     remasking=remasking, cfg_scale=cfg_scale, threshold=threshold, factor=factor, seed=seed)

@@ -19,6 +19,7 @@ TINY_LLADA = fixture_path("tiny-llada")
 TINY_NEMOTRON = fixture_path("tiny-nemotron")
 TINY_LLADA_PEAKY = fixture_path("tiny-llada-peaky")
 TINY_DREAM = fixture_path("tiny-dream")
+TINY_SDAR = fixture_path("tiny-sdar")
 
 
 @pytest.fixture(scope="session")
@@ -43,6 +44,18 @@ def dream_golden() -> dict:
 def dream_engine():
     from worker.engine import Engine
     return Engine.from_pretrained(TINY_DREAM, device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def sdar_golden() -> dict:
+    with open(fixture_path("tiny-sdar-golden.json")) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="session")
+def sdar_engine():
+    from worker.engine import Engine
+    return Engine.from_pretrained(TINY_SDAR, device="cpu", dtype="float32")
 
 
 @pytest.fixture(scope="session")

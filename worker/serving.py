@@ -154,7 +154,8 @@ class Serving:
         d = self.defaults
         limit = self.engine.max_sequence_length - len(ids)
         max_new = req.max_new_tokens
-        block = req.block_length or d.block_length
+        # the request's, else the block size the checkpoint was trained with (SDAR), else the server's default
+        block = req.block_length or self.engine.default_block_length or d.block_length
         if max_new is None:
             if limit < 1:
                 raise APIError(400, f"the prompt ({len(ids)} tokens) fills the model's context "
@@ -167,7 +168,7 @@ class Serving:
             if -(-max_new // b) * b > limit:
                 max_new = (limit // b) * b
         p = GenerationParams(
-            gen_length=max_new, block_length=min(block, max_new), steps=req.steps,
+            gen_length=max_new, block_length=block, steps=req.steps,
             algorithm=req.generation_algorithm or d.algorithm,
             temperature=req.temperature or 0.0, remasking=req.remasking or "low_confidence",
             cfg_scale=req.cfg_scale or 0.0, threshold=req.threshold, factor=req.factor,

@@ -74,12 +74,21 @@ class Engine:
 
     def plan(self, prompt_ids: list[int], params: GenerationParams) -> Plan:
         """Validate a request and apply its algorithm's defaults; raises ParamError naming the parameter."""
-        params = algorithms.get(params.algorithm, self.family).normalize(params)
+        alg = algorithms.get(params.algorithm, self.family)
+        params = alg.normalize(params)
         vocab = self.model.cfg.embedding_size
         bad = [t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < vocab)]
         if bad:
             raise ParamError("prompt", f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
-        return plan(params, len(prompt_ids), self.max_sequence_length)
+        pl = plan(params, len(prompt_ids), self.max_sequence_length)
+        if alg.check_plan is not None:
+            alg.check_plan(pl, self.max_sequence_length)
+        return pl
+
+    @property
+    def default_block_length(self) -> int | None:
+        """The block size the checkpoint was trained with (config.json ``block_size``: SDAR), if it names one."""
+        return getattr(self.model.cfg, "block_size", None)
 
     def _generator(self, seed: int | None) -> torch.Generator:
         g = torch.Generator(device=self.device)

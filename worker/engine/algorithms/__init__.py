@@ -63,6 +63,7 @@ class Algorithm:
     cfg: bool = True                                                     # supports cfg_scale > 0
     check: Callable[[GenerationParams], GenerationParams] | None = None  # the algorithm's own rules, after defaults
     stochastic: Callable[[GenerationParams], bool] | None = None         # draws random numbers beyond temperature
+    check_plan: Callable | None = None                                   # (plan, max positions): its own length rule
 
     def normalize(self, p: GenerationParams) -> GenerationParams:
         """Apply this algorithm's defaults and check its parameters (raises ParamError)."""
@@ -121,4 +122,4 @@ def get(name: str, family: str) -> Algorithm:
     return alg
 
 
-from . import basic, cached, dinfer, dream, dream_cache, nemotron  # noqa: E402,F401  (they register themselves)
+from . import basic, cached, dinfer, dream, dream_cache, nemotron, sdar  # noqa: E402,F401  (they register themselves)

@@ -1,0 +1,241 @@
+"""``sdar``: SDAR's block diffusion (JetAstra/SDAR ``generate.py`` ``block_diffusion_generate``) with an exact KV
+cache, each row with its own prompt length, block length and parameters at any batch size.
+
+A row's sequence (prompt, then masks up to a multiple of ``block_length``) is cut into blocks counted from position 0.
+Attention is block-causal. The prompt's whole blocks are prefilled into the row's cache slot in one forward; then
+each block from the one holding the end of the prompt is denoised: every step forwards the block alone, attending to
+the cached blocks before it and to itself, samples a token and its probability at each of the block's positions, and
+commits positions by ``remasking_strategy``:
+
+- ``low_confidence_dynamic`` (the default): every masked position whose probability exceeds ``threshold`` when there
+  are at least the step's scheduled count of them, else the scheduled count of the most probable;
+- ``low_confidence_static``: the scheduled count of the most probable masked positions;
+- ``sequential``: the scheduled count of positions from the first masked one.
+
+The schedule spreads ``block_length`` over ``denoising_steps`` (the remainder to the first steps). When the block has
+no mask, one more forward stores its keys/values in the cache (counted in nfe, as every forward). A stored block
+never changes again (later blocks never attend back into it differently), so the cache is exact, not an
+approximation. Tokens come from ``torch.multinomial`` over the softmax after ``temperature``, ``top_k``, ``top_p``
+(the reference always samples; ``temperature: 0`` means its greedy setting, ``top_k: 1``), drawn from the row's own
+generator for all of the block's positions each step, so a seeded row reproduces the reference run alone after
+``torch.manual_seed(seed)``. As in the reference, a step whose scheduled count exceeds the block's masked positions
+also rewrites some unmasked positions of the block (prompt tokens in the first block included); a block becomes final
+when stored, so answers stream and end (early exit) only at block boundaries."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+
+from ..params import GenerationParams, ParamError, Plan
+from ..rows import Finisher, Row, window_index
+from . import Algorithm, ParamInfo, register
+
+STRATEGIES = ("low_confidence_dynamic", "low_confidence_static", "sequential")
+
+
+def transfer_schedule(block_length: int, steps: int) -> list[int]:
+    base, rem = divmod(block_length, steps)
+    return [base + (1 if i < rem else 0) for i in range(steps)]
+
+
+def sample(logits: torch.Tensor, p: GenerationParams, g: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens, their probabilities) at every position, as the reference's ``sample_with_temperature_topk_topp``."""
+    temperature, top_k = (1.0, 1) if p.temperature == 0 else (p.temperature, p.extra["top_k"])
+    top_p = p.extra["top_p"]
+    if temperature != 1.0:
+        logits = logits / temperature
+    if top_k > 0:
+        kth = torch.topk(logits, top_k)[0][..., -1, None]
+        logits = torch.where(logits < kth, torch.full_like(logits, float("-inf")), logits)
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        over = torch.cumsum(F.softmax(sorted_logits, dim=-1), dim=-1) > top_p
+        over[..., 1:] = over[..., :-1].clone()
+        over[..., 0] = False
+        drop = torch.scatter(torch.full_like(logits, False, dtype=torch.bool), -1, order, over)
+        logits = logits.masked_fill(drop, float("-inf"))
+    probs = F.softmax(logits, dim=-1)
+    token = torch.multinomial(probs, num_samples=1, generator=g)
+    return token[:, 0], torch.gather(probs, -1, token)[:, 0]
+
+
+def choose(strategy: str, masked: torch.Tensor, prob: torch.Tensor, n: int, threshold: float) -> torch.Tensor:
+    """Which of the block's positions this step writes (bool [block_length])."""
+    out = torch.zeros_like(masked)
+    if strategy == "sequential":
+        first = int(masked.nonzero()[0, 0])
+        out[first:first + n] = True
+        return out
+    conf = torch.where(masked, prob, float("-inf"))
+    if strategy == "low_confidence_dynamic":
+        high = conf > threshold
+        if int(high.sum()) >= n:
+            return high
+    out[torch.topk(conf, n)[1]] = True
+    return out
+
+
+class _State:
+    """Where a row is: prefilling, denoising block ``block`` at ``step``, or storing it."""
+    __slots__ = ("phase", "block", "step", "total", "final")
+
+    def __init__(self, row: Row, bl: int):
+        P = row.plan.prompt_length
+        self.total = -(-(P + row.plan.gen_length) // bl) * bl         # positions, whole blocks
+        self.block = P // bl
+        self.phase = "prefill" if self.block > 0 else "denoise"
+        self.step = 0
+        self.final = self.block * bl                                    # positions before it never change again
+
+
+def run(engine, rows: list[Row], fin: Finisher) -> None:
+    model, mask_id, dev = engine.model, engine.mask_id, engine.model.device
+    bls = {r.index: r.params.block_length for r in rows}      # not capped at max_tokens: blocks count from 0
+    state = {r.index: _State(r, bls[r.index]) for r in rows}
+    W = max(s.total for s in state.values())
+    x = torch.full((len(rows), W), engine.pad_id, dtype=torch.long)
+    for b, r in enumerate(rows):
+        x[b, :len(r.prompt)] = torch.tensor(r.prompt)
+        x[b, len(r.prompt):state[r.index].total] = mask_id
+    x = x.to(dev)
+    cache = model.new_cache(len(rows), W)
+    active = list(rows)
+    kcol = torch.arange(W, device=dev)
+
+    def drop(keep: list[int]) -> None:
+        nonlocal x, active
+        if not keep:
+            active = []
+        elif len(keep) < len(active):
+            idx = torch.tensor(keep, dtype=torch.long, device=dev)
+            x = x.index_select(0, idx)
+            cache.keep(keep, 0)
+            active = [active[b] for b in keep]
+
+    while active:
+        drop([b for b, r in enumerate(active) if not fin.cancelled(r)])
+        if not active:
+            break
+        spans, at = [], []
+        for r in active:
+            s, bl = state[r.index], bls[r.index]
+            if s.phase == "prefill":
+                spans.append((0, s.block * bl))
+            elif r.params.extra["kv_cache"]:
+                spans.append((s.block * bl, (s.block + 1) * bl))
+            else:          # the comparison without a cache: every forward recomputes the prefix
+                spans.append((0, (s.block + 1) * bl))
+            at.append(spans[-1][1] - bl - spans[-1][0])    # window index of the block's first position
+        cols, valid = window_index(spans, dev)
+        bl_t = torch.tensor([bls[r.index] for r in active], device=dev)[:, None]
+        tot = torch.tensor([state[r.index].total for r in active], device=dev)[:, None]
+        # block-causal: a query sees the keys of its own block and the blocks before it
+        mask = ((kcol[None, None, :] // bl_t[:, :, None]) <= (cols // bl_t)[:, :, None]) & (kcol[None, None, :] <
+                                                                                          tot[:, :, None])
+        bi, wi = valid.nonzero(as_tuple=True)
+        hidden = model(x.gather(1, cols), cols, mask[:, None], cache=cache, window=(bi, wi, cols[bi, wi]))
+        den = [b for b, r in enumerate(active) if state[r.index].phase == "denoise"]
+        if den:
+            K = max(bls[active[b].index] for b in den)
+            idx = torch.tensor([[min(at[b] + j, at[b] + bls[active[b].index] - 1) for j in range(K)] for b in den],
+                               device=dev)
+            logits = model.logits(hidden[torch.tensor(den, device=dev)[:, None], idx])
+        xc = None
+        for i, b in enumerate(den):
+            r = active[b]
+            s, bl, p = state[r.index], bls[r.index], r.params
+            start = s.block * bl
+            cur = x[b, start:start + bl]
+            masked = cur == mask_id
+            token, prob = sample(logits[i, :bl], p, r.generator)
+            sched = transfer_schedule(bl, p.extra["denoising_steps"])
+            write = choose(p.extra["remasking_strategy"], masked, prob, sched[s.step], p.threshold)
+            x[b, start:start + bl] = torch.where(write, token, cur)
+            s.step += 1
+        if den:
+            xc = x.cpu()
+        done = []
+        for b, r in enumerate(active):
+            s, bl = state[r.index], bls[r.index]
+            r.nfe += 1
+            schedule_done = False
+            if s.phase == "prefill":
+                s.phase = "denoise"
+            elif s.phase == "store":
+                if (s.block + 1) * bl >= s.total:
+                    schedule_done = True
+                else:
+                    s.block, s.step, s.phase = s.block + 1, 0, "denoise"
+            else:
+                start = s.block * bl
+                left = xc[b, start:start + bl].eq(mask_id).any().item()
+                # the reference has no step left for a block still masked (it would fail): store it as it is
+                if not left or s.step >= r.params.extra["denoising_steps"]:
+                    s.phase, s.final = "store", start + bl
+                    if not r.params.extra["kv_cache"]:       # nothing to store: on to the next block
+                        if (s.block + 1) * bl >= s.total:
+                            schedule_done = True
+                        else:
+                            s.block, s.step, s.phase = s.block + 1, 0, "denoise"
+            P = r.plan.prompt_length
+            view = x[b, P:s.total].tolist() if xc is None else xc[b, P:s.total].tolist()
+            # the block being denoised is not final yet (a step may still rewrite it): shown as masks
+            gen = view[:max(0, s.final - P)] + [mask_id] * (s.total - max(s.final, P))
+            fin.update(r, gen if not schedule_done else view, schedule_done)
+            if r.done:
+                done.append(b)
+        if done:
+            drop([b for b in range(len(active)) if b not in done])
+
+
+def check(p: GenerationParams) -> GenerationParams:
+    if p.factor is not None:
+        raise ParamError("factor", "sdar takes threshold (low_confidence_dynamic) and denoising_steps, not factor")
+    if p.remasking != "low_confidence":
+        raise ParamError("remasking", "sdar chooses positions by algorithm_params.remasking_strategy")
+    if p.steps is not None:
+        raise ParamError("steps", "sdar counts its steps per block: algorithm_params.denoising_steps")
+    e = p.extra
+    if not 0 < e["top_p"] <= 1:
+        raise ParamError("algorithm_params", f"sdar: top_p must be in (0, 1], got {e['top_p']!r}")
+    steps = e["denoising_steps"] or p.block_length
+    if steps < 1:
+        raise ParamError("algorithm_params", f"sdar: denoising_steps must be at least 1, got {steps!r}")
+    threshold = 0.85 if p.threshold is None else p.threshold
+    return replace(p, threshold=threshold, extra={**e, "denoising_steps": steps})
+
+
+def check_plan(pl: Plan, max_positions: int) -> None:
+    """The whole blocks of prompt + generation must fit the model's positions."""
+    bl = pl.params.block_length
+    total = -(-(pl.prompt_length + pl.gen_length) // bl) * bl
+    if total > max_positions:
+        raise ParamError("max_tokens", f"prompt ({pl.prompt_length} tokens) + generation ({pl.gen_length}) in whole "
+                         f"blocks of {bl} ({total} positions) exceeds the model's maximum sequence "
+                         f"length {max_positions}")
+
+
+register(Algorithm(
+    name="sdar",
+    description="SDAR block diffusion (block_diffusion_generate): block-causal attention with an exact KV cache, "
+                "prompt blocks prefilled once, each block denoised by remasking_strategy then stored",
+    exact=True, run=run, families=("sdar",), cfg=False, check=check, check_plan=check_plan,
+    stochastic=lambda p: True,
+    params=(
+        ParamInfo("block_length", None, "block size (default: the checkpoint's block_size, else the server's)"),
+        ParamInfo("threshold", 0.85, "low_confidence_dynamic: commit every masked position above it"),
+        ParamInfo("temperature", 0.0, "0 = SDAR's greedy setting (top_k 1); > 0 divides the logits"),
+        ParamInfo("seed", None, "per-request seed for the sampling"),
+    ),
+    extra_params=(
+        ParamInfo("remasking_strategy", "low_confidence_dynamic", "how a step chooses the positions to commit",
+                  choices=STRATEGIES),
+        ParamInfo("denoising_steps", None, "steps per block (default: block_length)", kind="int"),
+        ParamInfo("top_k", 0, "top-k filtering (0: off)"),
+        ParamInfo("top_p", 1.0, "nucleus filtering (1: off)"),
+        ParamInfo("kv_cache", True, "false: recompute the prefix in every forward instead of caching it (the same "
+                  "tokens at a higher cost; for comparison)"),
+    ),
+))
