@@ -3,9 +3,11 @@
   python bench/algorithms_bench.py --model-path tests/fixtures/tiny-llada            # CPU, the fixture
   python bench/algorithms_bench.py --shape llada-8b --device cuda --gen-length 256 --block-length 32
   python bench/algorithms_bench.py --model-path tests/fixtures/tiny-nemotron --only nemotron,basic,dual_cache
+  python bench/algorithms_bench.py --model-path tests/fixtures/tiny-sdar --block-length 4    # kv_cache on / off
 
 Early exit is off (the whole canvas is decoded, as the reference does), so random-weight models measure the full
-work. ``tok/fwd`` = generated tokens per forward pass of a row (gen_length / nfe).
+work. ``tok/fwd`` = generated tokens per forward pass of a row (gen_length / nfe); ``fwd tok/row`` = the tokens a
+row put through the model in all its forwards (padding included), the measure of forward FLOPs.
 """
 from __future__ import annotations
 
@@ -33,6 +35,11 @@ SETTINGS = [
     ("dinfer_credit", {}),
     ("nemotron", {}),
     ("nemotron", {"threshold": 0.9}),
+    ("dream", {}),
+    ("dream_cache", {"threshold": 0.9}),
+    ("dream_dual_cache", {"threshold": 0.9}),
+    ("sdar", {}),
+    ("sdar", {"extra": {"kv_cache": False}}),
 ]
 
 
@@ -74,7 +81,10 @@ def main() -> None:
     label += " [compiled dense path]" if args.compile else ""
     print(f"{label} on {device} {dtype}; prompt {args.prompt_len}, gen {args.gen_length}, block {args.block_length}, "
           f"steps {args.steps or args.gen_length} for fixed-step algorithms; early exit off")
-    print(f"{'algorithm':<18} {'setting':<16} {'batch':>5} {'tokens/s':>10} {'nfe/row':>8} {'tok/fwd':>8} {'wall s':>8}")
+    print(f"{'algorithm':<18} {'setting':<16} {'batch':>5} {'tokens/s':>10} {'nfe/row':>8} {'tok/fwd':>8} {'wall s':>8} "
+          f"{'fwd tok/row':>11}")
+    forwarded = [0]
+    engine.model.register_forward_pre_hook(lambda m, a: forwarded.__setitem__(0, forwarded[0] + a[0].numel()))
     rows = []
     only = set(args.only.split(",")) if args.only else None
     from worker.engine import ALGORITHMS
@@ -87,17 +97,20 @@ def main() -> None:
             reqs = [Request(prompts[i], p) for i in range(bs)]
             engine.generate(reqs if args.compile else reqs[:1], early_exit=False)   # warm-up (compile: this shape)
             sync()
+            forwarded[0] = 0
             t = time.perf_counter()
             res = engine.generate(reqs, early_exit=False)
             sync()
             wall = time.perf_counter() - t
             nfe = sum(r.nfe for r in res) / bs
-            setting = ",".join(f"{k}={v}" for k, v in kw.items()) or "-"
+            flat = {**{k: v for k, v in kw.items() if k != "extra"}, **kw.get("extra", {})}
+            setting = ",".join(f"{k}={v}" for k, v in flat.items()) or "-"
             row = {"algorithm": alg, "setting": setting, "batch": bs, "tokens_per_s": bs * args.gen_length / wall,
-                   "nfe_per_row": nfe, "tokens_per_forward": args.gen_length / nfe, "wall_s": wall}
+                   "nfe_per_row": nfe, "tokens_per_forward": args.gen_length / nfe, "wall_s": wall,
+                   "forward_tokens_per_row": forwarded[0] / bs}
             rows.append(row)
             print(f"{alg:<18} {setting:<16} {bs:>5} {row['tokens_per_s']:>10.1f} {nfe:>8.1f} "
-                  f"{row['tokens_per_forward']:>8.2f} {wall:>8.2f}", flush=True)
+                  f"{row['tokens_per_forward']:>8.2f} {wall:>8.2f} {forwarded[0] / bs:>11.0f}", flush=True)
     if args.json:
         print(json.dumps(rows))
 
