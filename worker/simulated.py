@@ -30,6 +30,7 @@ class SimulatedEngine:
         self.last_step_time = time.monotonic()
 
     scoring = "the simulated device (a test double) has no model to score with"
+    default_block_length = None          # no checkpoint block size: the server's default applies
 
     def supports(self, algorithm) -> bool:
         return "llada" in algorithm.families      # requests are validated as for a LLaDA model
