@@ -63,8 +63,9 @@ def options(cls, *, only=None, exclude=(), prefix: str = "", overrides: dict | N
             kw = dict(default=default, show_default=m["show_default"] and default is not None, help=m["help"],
                       envvar=m["envvar"], metavar=m["metavar"], multiple=m["multiple"])
             required = f.default is MISSING and f.default_factory is MISSING
+            on_off = default is True and not m["multiple"]     # a switch that is on by default: --x/--no-x
             if isinstance(default, bool) and not m["multiple"]:
-                kw.update(is_flag=True, show_default=False)
+                kw.update(is_flag=True, show_default=on_off)
             elif m["type"] is not None:
                 kw["type"] = m["type"]
             if m["multiple"]:
@@ -74,7 +75,7 @@ def options(cls, *, only=None, exclude=(), prefix: str = "", overrides: dict | N
             if m["convert"] is not None:      # converted while parsing, so a bad value is a usage error naming it
                 kw["callback"] = lambda ctx, param, v, convert=m["convert"]: convert(v)
             over = dict(overrides.get(f.name, {}))
-            flags = over.pop("flags", (flag_of(f),))
+            flags = over.pop("flags", (flag_of(f) + "/--no-" + flag_of(f)[2:] if on_off else flag_of(f),))
             kw.update(over)
             func = click.option(*flags, prefix + f.name, **kw)(func)
         return func
@@ -88,17 +89,18 @@ def build(cls, values: dict, *, prefix: str = "", only=None, exclude=(), **fixed
 
 
 def to_args(cls, values: dict, only=None) -> list[str]:
-    """The command line that gives ``cls``'s settings these ``values`` (field name -> value; None and False are
-    left out: the option's default)."""
+    """The command line that gives ``cls``'s settings these ``values`` (field name -> value; None, and a switch at
+    its default, are left out)."""
     args = []
     for f in _settings(cls, only):
         if f.name not in values:
             continue
         v = values[f.name]
-        if v is None or v is False or (f.metadata["multiple"] and not v):
+        if isinstance(v, bool):
+            if v != bool(_default(f)):
+                args.append(flag_of(f) if v else "--no-" + flag_of(f)[2:])
             continue
-        if v is True:
-            args.append(flag_of(f))
+        if v is None or (f.metadata["multiple"] and not v):
             continue
         unparse = f.metadata["unparse"]
         args += [flag_of(f), unparse(v) if unparse else str(v)]

@@ -140,11 +140,14 @@ class FakeEngine:
     def __init__(self, limit):
         self.limit, self.calls = limit, []
 
-    def generate(self, reqs, hooks=None):
+    def generate(self, reqs, hooks=None, feed=None):
         self.calls.append(len(reqs))
         if len(reqs) > self.limit:
             raise torch.cuda.OutOfMemoryError("simulated")
-        return [Result(list(r.prompt_ids), "length", 1, list(r.prompt_ids), len(r.prompt_ids)) for r in reqs]
+        out = [Result(list(r.prompt_ids), "length", 1, list(r.prompt_ids), len(r.prompt_ids)) for r in reqs]
+        for i, r in enumerate(out if feed is not None else ()):     # continuous batching: answered as they end
+            feed.done(i, r)
+        return out
 
 
 @pytest.mark.parametrize("limit", [2, 0])

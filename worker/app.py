@@ -41,6 +41,9 @@ class Metrics:
                                        buckets=(.01, .05, .1, .5, 1, 2.5, 5, 10, 30, 60, 300))
         self.tokens = self.requests.counter("dllm_worker_completion_tokens", "Completion tokens returned")
         self.nfe = self.requests.counter("dllm_worker_forward_passes", "Row forward passes (nfe summed over rows)")
+        self.joined = self.requests.counter("dllm_worker_rows_joined", "Rows that joined a running batch "
+                                                                       "(continuous batching)")
+        self.retired = self.requests.counter("dllm_worker_rows_retired", "Rows that finished")
         Gauge("dllm_worker_queue_depth", "Rows waiting", registry=r).set_function(
             lambda: state.batcher.queue_depth if state.batcher else 0)
         Gauge("dllm_worker_running_rows", "Rows in the running batch", registry=r).set_function(
@@ -245,6 +248,7 @@ async def health(request: web.Request) -> web.Response:
         "busy": bool(b and b.busy),
         "running_batch_size": len(b.running) if b else 0,
         "queue_depth": b.queue_depth if b else 0,
+        **({k: v for k, v in b.rates().items() if k.endswith("_per_s")} if b else {}),
         "seconds_since_last_step": round(time.monotonic() - e.last_step_time, 3) if e else None,
         "model": state.model_name,
         "family": e.family if e else None,
@@ -293,6 +297,8 @@ async def batch_stats(request: web.Request) -> web.Response:
         "avg_batch_size": round(b.rows_processed / n, 3) if n else 0.0,
         "batch_size_histogram": {str(k): v for k, v in sorted(b.histogram.items())} if b else {},
         "dropped_before_start": b.dropped_before_start if b else 0,
+        "continuous_batching": c.continuous_batching, "max_batch_tokens": c.max_batch_tokens,
+        **(b.rates() if b else {}),
     })
 
 
@@ -312,7 +318,11 @@ async def generation_algorithms(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
-    body = generate_latest(request.app[STATE].metrics.registry)
+    state = request.app[STATE]
+    if state.batcher is not None:       # the batcher counts on its own; the exported counters follow at scrape
+        state.metrics.joined.value = state.batcher.rows_joined
+        state.metrics.retired.value = state.batcher.rows_retired
+    body = generate_latest(state.metrics.registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
@@ -328,7 +338,7 @@ async def _load(app: web.Application) -> None:
         if c.simulate_device is not None:
             from worker.simulated import SimulatedEngine
             engine = await asyncio.get_running_loop().run_in_executor(
-                None, lambda: SimulatedEngine(c.model_path, *c.simulate_device))
+                None, lambda: SimulatedEngine(c.model_path, *c.simulate_device, per_step=c.simulate_per_step))
         else:
             engine = await asyncio.get_running_loop().run_in_executor(
                 None, lambda: Engine.from_pretrained(c.model_path, device=c.device, dtype=c.dtype,
@@ -345,7 +355,9 @@ async def _load(app: web.Application) -> None:
         state.status, state.error = "failed", f"{type(e).__name__}: {e}"
         app[LOAD_FAILED].set()
         return
-    batcher = Batcher(engine, batch_size=c.batch_size, max_wait_time=c.max_wait_time, max_queue=c.max_queue)
+    batcher = Batcher(engine, batch_size=c.batch_size, max_wait_time=c.max_wait_time, max_queue=c.max_queue,
+                      continuous=c.continuous_batching, max_batch_tokens=c.max_batch_tokens,
+                      switch_wait=c.switch_wait)
     batcher.on_batch = lambda n, secs: (state.metrics.batch_size.observe(n), state.metrics.batch_seconds.observe(secs))
     batcher.start()
     state.engine, state.batcher = engine, batcher

@@ -42,6 +42,15 @@ class WorkerConfig:
     max_wait_time: float = setting(0.05, "Seconds a forming batch waits for more requests, from its first request.",
                                    type=click.FloatRange(0))
     max_queue: int = setting(256, "Rows waiting beyond which requests get 429.", type=click.IntRange(1))
+    continuous_batching: bool = setting(True, "Rows join the running batch between denoising steps (FIFO, same "
+                                              "algorithm, within --batch-size and --max-batch-tokens) and leave it "
+                                              "when done; off: a batch runs to its end before the next starts.")
+    max_batch_tokens: int = setting(0, "Canvas tokens (prompt + max_tokens in whole blocks) of the rows in a batch, "
+                                       "at most (0: no limit beyond --batch-size); bounds device memory.",
+                                    type=click.IntRange(0))
+    switch_wait: float = setting(1.0, "Continuous batching: seconds a queued likelihood-scoring request (which runs "
+                                      "in batches of its own) lets generation rows join the running batch ahead of "
+                                      "it; then the batch drains and it goes next.", type=click.FloatRange(0))
     device: str = setting("auto", "cuda, cuda:N, cpu or auto.")
     dtype: str = setting("auto", "auto: bfloat16 on a GPU, float32 on the CPU.", type=click.Choice(DTYPES))
     compile: bool = setting(False, "torch.compile the dense half of every block (output projection, RMSNorm, SwiGLU "
@@ -78,3 +87,6 @@ class WorkerConfig:
         None, "Test double: no model; each batch sleeps BASE + PER_ROW x rows seconds and echoes the prompt (load and "
               "scaling tests). The model path still provides the tokenizer.", metavar="BASE,PER_ROW",
         convert=cost_model, unparse=lambda v: f"{v[0]},{v[1]}")
+    simulate_per_step: bool = setting(False, "With --simulate-device: BASE + PER_ROW x rows is the cost of one "
+                                             "denoising step and each row takes its schedule's steps, joining and "
+                                             "leaving between steps (continuous batching benchmarks).")

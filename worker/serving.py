@@ -11,6 +11,7 @@ import asyncio
 import collections
 import logging
 import random
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
@@ -504,15 +505,39 @@ class Job:
                                       # ScoreResult
 
 
+def canvas_tokens(job: Job) -> int:
+    """A row's canvas in tokens (prompt + max_tokens in whole blocks): what it holds of the device's memory."""
+    p = job.params
+    if p is None:
+        return len(job.prompt_ids)
+    block = max(1, min(p.block_length, p.gen_length))
+    return len(job.prompt_ids) + -(-p.gen_length // block) * block
+
+
 class Batcher:
+    """The worker's queue and its device thread. With ``continuous`` (the default) rows also join the running batch
+    between denoising steps (worker/engine/engine.py ``Feed``), in queue order, while they fit ``batch_size`` rows
+    and ``max_batch_tokens`` canvas tokens; a row whose algorithm is not running starts its own group beside the
+    others (the groups take their steps in turn). Scoring rows run in batches of their own: one queued lets
+    generation rows join ahead of it for at most ``switch_wait`` seconds, then the batch drains and it goes next.
+    Finished rows leave the batch and are answered at once."""
+
     def __init__(self, engine: Engine, *, batch_size: int = 8, max_wait_time: float = 0.05, max_queue: int = 1024,
-                 loop: asyncio.AbstractEventLoop | None = None):
+                 loop: asyncio.AbstractEventLoop | None = None, continuous: bool = True, max_batch_tokens: int = 0,
+                 switch_wait: float = 1.0):
         self.engine = engine
         self.batch_size = batch_size
         self.max_wait_time = max_wait_time
         self.max_queue = max_queue
+        self.continuous = continuous
+        self.max_batch_tokens = max_batch_tokens       # 0: no limit
+        self.switch_wait = switch_wait                 # seconds a row of another algorithm lets rows join ahead of it
         self.pending: collections.deque[Job] = collections.deque()
+        self._lock = threading.Lock()     # ``pending`` is also taken from by the device thread (joining rows)
         self.running: list[Job] = []
+        self.rows_joined = 0              # rows that joined a running batch
+        self.rows_retired = 0             # rows that finished (every row, joined or not)
+        self.events: collections.deque[tuple[float, str]] = collections.deque()   # (time, "joined"|"retired"), 60 s
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="device")
         self._task: asyncio.Task | None = None
@@ -550,7 +575,8 @@ class Batcher:
         job.enqueued_at = time.monotonic()
         job.start_by = job.enqueued_at + (self.max_wait_time if wait else 0.0)
         job.queued = True
-        self.pending.append(job)
+        with self._lock:
+            self.pending.append(job)
         self._wake.set()
 
     def cancel(self, job: Job) -> None:
@@ -565,6 +591,16 @@ class Batcher:
     @property
     def queue_depth(self) -> int:
         return len(self.pending) - self._cancelled_queued
+
+    def rates(self, window: float = 60.0) -> dict:
+        """Rows running now, and rows joined / retired per second over the last ``window`` seconds."""
+        now = time.monotonic()
+        while self.events and now - self.events[0][0] > window:
+            self.events.popleft()
+        joined = sum(1 for _, k in self.events if k == "joined")
+        return {"rows_running": len(self.running), "rows_joined_per_s": round(joined / window, 3),
+                "rows_retired_per_s": round((len(self.events) - joined) / window, 3),
+                "rows_joined": self.rows_joined, "rows_retired": self.rows_retired}
 
     @property
     def busy(self) -> bool:
@@ -596,12 +632,19 @@ class Batcher:
                     break
                 self._drop_cancelled()
             self._drop_cancelled()
-            batch = [self.pending.popleft() for _ in range(min(self.batch_size, len(self.pending)))]
+            batch, tokens = [], 0
+            with self._lock:
+                while self.pending and len(batch) < self.batch_size:
+                    need = canvas_tokens(self.pending[0])
+                    if batch and self.max_batch_tokens and tokens + need > self.max_batch_tokens:
+                        break
+                    batch.append(self.pending.popleft())
+                    tokens += need
             if not batch:
                 continue
             for j in batch:
                 j.queued = False
-            self.running = batch
+            self.running = list(batch)
             t = time.monotonic()
             try:
                 outcome = await asyncio.get_running_loop().run_in_executor(self._executor, self._run, batch)
@@ -616,21 +659,20 @@ class Batcher:
             if self.on_batch:
                 self.on_batch(len(batch), time.monotonic() - t)
             for job, kind, payload in outcome:      # after the statistics, so a client sees them counted
+                self._retired(job)
                 job.sink(job.index, kind, payload)
 
     def _drop_cancelled(self) -> None:
         """Drop rows cancelled while waiting; each still gets its terminal event (never computed, nfe 0)."""
         if self._cancelled_queued:
-            keep = []
-            for j in self.pending:
-                if j.cancelled:
-                    j.queued = False
-                    self.dropped_before_start += 1
-                    j.sink(j.index, "done", Result([], "cancelled", 0, [], len(j.prompt_ids)))
-                else:
-                    keep.append(j)
-            self._cancelled_queued = 0
-            self.pending = collections.deque(keep)
+            with self._lock:
+                dropped = [j for j in self.pending if j.cancelled]
+                self.pending = collections.deque(j for j in self.pending if not j.cancelled)
+                self._cancelled_queued = 0
+            for j in dropped:
+                j.queued = False
+                self.dropped_before_start += 1
+                j.sink(j.index, "done", Result([], "cancelled", 0, [], len(j.prompt_ids)))
 
     # ------------------------------------------------------------ device thread
     def _emit(self, job: Job, kind: str, payload) -> None:
@@ -647,25 +689,49 @@ class Batcher:
             out = self._score(scoring)
             return out + (self._run(jobs) if jobs else [])
 
+        feed = _Feed(self, jobs) if self.continuous else None
+        rows = feed.jobs if feed is not None else jobs        # grows as rows join
+
         def progress(i, ids):
-            if jobs[i].wants_progress:
-                self._emit(jobs[i], "progress", ids)
-        hooks = StepHooks(on_progress=progress, is_cancelled=lambda i: jobs[i].cancelled)
+            if rows[i].wants_progress:
+                self._emit(rows[i], "progress", ids)
+        hooks = StepHooks(on_progress=progress, is_cancelled=lambda i: rows[i].cancelled)
         try:
-            results: list[Result] = self.engine.generate([Request(j.prompt_ids, j.params) for j in jobs], hooks=hooks)
+            results: list[Result] = self.engine.generate([Request(j.prompt_ids, j.params) for j in jobs], hooks=hooks,
+                                                         **({"feed": feed} if feed is not None else {}))
         except torch.cuda.OutOfMemoryError:
             torch.cuda.empty_cache()
-            if len(jobs) == 1:
-                log.error("CUDA out of memory on a single row (prompt %d tokens)", len(jobs[0].prompt_ids))
-                return [(jobs[0], "error", (503, "the GPU ran out of memory on this request alone; "
+            left = feed.unfinished() if feed is not None else jobs     # rows already answered keep their answer
+            if len(left) == 1:
+                log.error("CUDA out of memory on a single row (prompt %d tokens)", len(left[0].prompt_ids))
+                return [(left[0], "error", (503, "the GPU ran out of memory on this request alone; "
                                                  "try a shorter prompt or fewer max_tokens"))]
-            half = len(jobs) // 2
-            log.warning("CUDA out of memory on a batch of %d: retrying as %d + %d", len(jobs), half, len(jobs) - half)
-            return self._run(jobs[:half]) + self._run(jobs[half:])
-        except Exception as e:  # a bug: report to every row of this batch, keep serving
-            log.exception("engine failure on a batch of %d", len(jobs))
-            return [(j, "error", (500, f"internal error during generation: {type(e).__name__}: {e}")) for j in jobs]
+            half = len(left) // 2
+            log.warning("CUDA out of memory on a batch of %d: retrying as %d + %d", len(left), half, len(left) - half)
+            return self._run(left[:half]) + self._run(left[half:]) if left else []
+        except Exception as e:  # a bug: report to every row of this batch not yet answered, keep serving
+            log.exception("engine failure on a batch of %d", len(rows))
+            left = feed.unfinished() if feed is not None else jobs
+            return [(j, "error", (500, f"internal error during generation: {type(e).__name__}: {e}")) for j in left]
+        if feed is not None:      # every row was answered as it finished; one that was not is a bug, never silent
+            left = feed.unfinished()
+            if left:
+                log.error("%d joined rows were not answered by the engine", len(left))
+            return [(j, "error", (500, "internal error: the engine ended without answering this row"))
+                    for j in left]
         return [(j, "done", r) for j, r in zip(jobs, results)]
+
+    def _joined(self, job: Job) -> None:        # on the event loop
+        self.running.append(job)
+        self.rows_joined += 1
+        self.rows_processed += 1
+        self.events.append((time.monotonic(), "joined"))
+
+    def _retired(self, job: Job) -> None:       # on the event loop
+        if job in self.running:
+            self.running.remove(job)
+        self.rows_retired += 1
+        self.events.append((time.monotonic(), "retired"))
 
     def _score(self, jobs: list[Job]) -> list[tuple[Job, str, object]]:
         """Device thread: the scoring rows of a batch, their forwards shared (worker.engine.likelihood)."""
@@ -683,3 +749,56 @@ class Batcher:
             return [(j, "error", (500, f"internal error during scoring: {type(e).__name__}: {e}")) for j in jobs]
         return [(j, "done", r if r is not None else Result([], "cancelled", 0, [], len(j.prompt_ids)))
                 for j, r in zip(jobs, results)]
+
+
+class _Feed:
+    """The engine's Feed for one batch (device thread): rows join from the head of the queue, finished rows are
+    answered at once. Index i names ``jobs[i]``: the batch's rows first, then the joined ones."""
+
+    def __init__(self, batcher: Batcher, jobs: list[Job]):
+        self.b = batcher
+        self.jobs = list(jobs)
+        self.answered: set[int] = set()
+
+    def admit(self, rows: int, tokens: int) -> list[tuple[int, Request]]:
+        """Queued rows, in order, that fit ``batch_size`` rows and ``max_batch_tokens`` with the ``rows`` /
+        ``tokens`` running. Scoring rows never join (they run in batches of their own): they let generation rows
+        join ahead of them for ``switch_wait`` seconds, then the batch takes no more and drains."""
+        b = self.b
+        out, now = [], time.monotonic()
+        with b._lock:
+            taken = []
+            for j in b.pending:
+                if rows + len(taken) >= b.batch_size:
+                    break
+                if j.cancelled:
+                    continue
+                if j.score is not None:
+                    if now - j.enqueued_at > b.switch_wait:
+                        break
+                    continue
+                need = canvas_tokens(j)
+                if b.max_batch_tokens and tokens + need > b.max_batch_tokens:
+                    break           # in order: a later, smaller row does not overtake this one
+                tokens += need
+                taken.append(j)
+            if taken:
+                ids = {id(j) for j in taken}
+                b.pending = collections.deque(j for j in b.pending if id(j) not in ids)
+            for j in taken:
+                j.queued = False
+                out.append((len(self.jobs), Request(j.prompt_ids, j.params)))
+                self.jobs.append(j)
+                b._loop.call_soon_threadsafe(b._joined, j)
+        return out
+
+    def done(self, index: int, result: Result) -> None:
+        j = self.jobs[index]
+        self.answered.add(index)
+        loop = self.b._loop
+        loop.call_soon_threadsafe(self.b._retired, j)
+        loop.call_soon_threadsafe(j.sink, j.index, "done", result)
+
+    def unfinished(self) -> list[Job]:
+        return [j for i, j in enumerate(self.jobs) if i not in self.answered]
+

@@ -10,6 +10,7 @@ import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
@@ -120,33 +121,122 @@ class Engine:
         self.last_step_time = time.monotonic()
         return out
 
+    def row(self, index: int, req: Request, pl: Plan) -> Row:
+        return Row(index=index, prompt=list(req.prompt_ids), plan=pl,
+                   generator=self._generator(pl.params.seed) if algorithms.needs_rng(pl.params) else None)
+
     @torch.inference_mode()
-    def generate(self, requests: list[Request], *, early_exit: bool = True,
-                 hooks: StepHooks | None = None) -> list[Result]:
-        """Generate for every request in one batch (grouped by algorithm). Raises ParamError before any work if
-        a request is invalid; callers that must not fail the others validate with :meth:`plan` first."""
+    def generate(self, requests: list[Request], *, early_exit: bool = True, hooks: StepHooks | None = None,
+                 feed: "Feed | None" = None) -> list[Result]:
+        """Generate for every request in one batch. Raises ParamError before any work if a request is invalid;
+        callers that must not fail the others validate with :meth:`plan` first.
+
+        Rows are grouped by algorithm; each group's algorithm is a generator that yields after every step, and the
+        groups take their steps in turn (one forward each per round), so every algorithm's rows progress together.
+
+        Continuous batching: with a ``feed``, after every round ``feed.admit(running rows, running canvas tokens)``
+        gives new rows (pairs of index and Request, the index naming the row in ``hooks`` and ``feed.done``): each
+        joins its algorithm's running group between steps (``Algorithm.joins``), starts a group when none of its
+        algorithm runs, or waits for the end of its group (algorithms that do not take joining rows); every row is
+        handed to ``feed.done(index, Result)`` the moment it finishes. A row's tokens and nfe never depend on the
+        rows around it, so joining is exact (tests/test_continuous.py)."""
         plans = [self.plan(r.prompt_ids, r.params) for r in requests]
-        rows = []
-        for i, (req, pl) in enumerate(zip(requests, plans)):
-            needs_rng = algorithms.needs_rng(pl.params)
-            rows.append(Row(index=i, prompt=list(req.prompt_ids), plan=pl,
-                            generator=self._generator(req.params.seed) if needs_rng else None))
-        fin = _TimedFinisher(self, self.mask_id, self.stop_ids, early_exit, hooks)
-        groups: dict[str, list[Row]] = {}
+        rows = [self.row(i, req, pl) for i, (req, pl) in enumerate(zip(requests, plans))]
+        _Batch(self, early_exit, hooks, feed).run(rows)
+        return [result(r) for r in rows]
+
+
+class _Group:
+    """One algorithm's rows in a batch: its Finisher, its step generator, the rows waiting to join it."""
+
+    def __init__(self, batch: "_Batch", alg, rows: list[Row]):
+        self.alg = alg
+        self.fin = _TimedFinisher(batch.engine, batch.engine.mask_id, batch.engine.stop_ids, batch.early_exit,
+                                  batch.hooks, batch.feed, self)
+        self.inbox: list[Row] = []
+        self.running = list(rows)
+        self.steps = alg.run(batch.engine, rows, self.fin)
+
+
+class _Batch:
+    """Drives a batch's algorithm groups step by step, in turn, and admits rows from the feed between rounds."""
+
+    def __init__(self, engine: "Engine", early_exit: bool, hooks, feed):
+        self.engine, self.early_exit, self.hooks, self.feed = engine, early_exit, hooks, feed
+        self.groups: dict[str, _Group] = {}
+        self.waiting: dict[str, list[Row]] = {}      # rows of an algorithm that takes none while its group runs
+
+    def start(self, name: str, rows: list[Row]) -> None:
+        self.groups[name] = _Group(self, algorithms.get(name, self.engine.family), rows)
+
+    def run(self, rows: list[Row]) -> None:
+        by_alg: dict[str, list[Row]] = {}
         for r in rows:
-            groups.setdefault(r.params.algorithm, []).append(r)
-        for name, group in groups.items():
-            algorithms.get(name, self.family).run(self, group, fin)
-        return [Result(r.tokens, r.finish_reason or "length", r.nfe, r.canvas, r.plan.prompt_length) for r in rows]
+            by_alg.setdefault(r.params.algorithm, []).append(r)
+        for name, group in by_alg.items():
+            self.start(name, group)
+        while self.groups:
+            for name in list(self.groups):
+                try:
+                    next(self.groups[name].steps)
+                except StopIteration:      # rows that came for it after its last step start the next group
+                    rest = self.groups.pop(name).inbox + self.waiting.pop(name, [])
+                    if rest:
+                        self.start(name, rest)
+            if self.feed is not None:
+                self.admit()
+
+    def admit(self) -> None:
+        live = [r for g in self.groups.values() for r in g.running + g.inbox if not r.done]
+        live += [r for rs in self.waiting.values() for r in rs]
+        tokens = sum(r.plan.prompt_length + r.plan.canvas_length for r in live)
+        for index, req in self.feed.admit(len(live), tokens):
+            row = self.engine.row(index, req, self.engine.plan(req.prompt_ids, req.params))
+            name = req.params.algorithm
+            g = self.groups.get(name)
+            if g is None:
+                self.start(name, [row])
+            elif g.alg.joins:
+                g.inbox.append(row)
+            else:
+                self.waiting.setdefault(name, []).append(row)
+
+
+def result(r: Row) -> Result:
+    return Result(r.tokens, r.finish_reason or "length", r.nfe, r.canvas, r.plan.prompt_length)
+
+
+class Feed(Protocol):
+    """Where a running batch takes new rows from and hands finished ones to (the worker's queue)."""
+
+    def admit(self, rows: int, tokens: int) -> list[tuple[int, Request]]: ...
+
+    def done(self, index: int, result: Result) -> None: ...
 
 
 class _TimedFinisher(Finisher):
-    """Finisher that also stamps the engine's last-progress time (one update per row per step)."""
+    """Finisher that also stamps the engine's last-progress time (one update per row per step) and, in a batch with
+    a feed, hands each joining row to its group and each finished row to the feed at once."""
 
-    def __init__(self, engine: Engine, *args):
-        super().__init__(*args)
+    def __init__(self, engine: Engine, mask_id, stop_ids, early_exit, hooks, feed: Feed | None = None,
+                 group: _Group | None = None):
+        super().__init__(mask_id, stop_ids, early_exit, hooks)
         self.engine = engine
+        self.feed = feed
+        self.group = group
 
     def update(self, row, gen, schedule_done):
         self.engine.last_step_time = time.monotonic()
         super().update(row, gen, schedule_done)
+
+    def retired(self, row: Row) -> None:
+        if self.feed is not None:
+            self.feed.done(row.index, result(row))
+
+    def admit(self, running: list[Row]) -> list[Row]:
+        g = self.group
+        if g is None:
+            return []
+        new, g.inbox = g.inbox, []
+        g.running = list(running) + new
+        return new

@@ -100,12 +100,22 @@ class Finisher:
             row.tokens = window if cut is None else window[:cut]
             row.finish_reason = "length" if cut is None else "stop"
             row.canvas = list(gen)
+            self.retired(row)
 
     def cancelled(self, row: Row) -> bool:
         if self.hooks.is_cancelled is not None and self.hooks.is_cancelled(row.index):
             row.done, row.finish_reason = True, "cancelled"
+            self.retired(row)
             return True
         return False
+
+    def retired(self, row: Row) -> None:
+        """A row has finished (or was cancelled): with continuous batching its result leaves at once."""
+
+    def admit(self, running: list[Row]) -> list[Row]:
+        """Rows that join the running batch now (continuous batching; see worker/engine/engine.py), given the rows
+        running; none without a feed. Algorithms call it between steps, before building the step's forward."""
+        return []
 
 
 class Canvas:
@@ -155,6 +165,27 @@ class Canvas:
         self.offsets = [self.offsets[b] - trim for b in keep]
         self._index()
         return trim
+
+    def add(self, rows: list[Row]) -> int:
+        """Append rows (continuous batching); widens the canvas on the left when a new row is longer. Returns how
+        many columns were prepended (a KV cache laid out like the canvas follows with ``KVCache.grow``)."""
+        lengths = [r.plan.prompt_length + r.plan.canvas_length for r in rows]
+        old = self.x.shape[1]
+        width = max(old, max(lengths))
+        grow = width - old
+        x = torch.full((len(rows), width), self.pad_id, dtype=torch.long)
+        for b, (r, n) in enumerate(zip(rows, lengths)):
+            x[b, width - n: width - n + r.plan.prompt_length] = torch.tensor(r.prompt, dtype=torch.long)
+            x[b, width - n + r.plan.prompt_length:] = self.mask_id
+        if grow:
+            pad = torch.full((self.x.shape[0], grow), self.pad_id, dtype=torch.long, device=self.device)
+            self.x = torch.cat([pad, self.x], 1)
+            self.offsets = [o + grow for o in self.offsets]
+        self.x = torch.cat([self.x, x.to(self.device)])
+        self.rows += rows
+        self.offsets += [width - n for n in lengths]
+        self._index()
+        return grow
 
     def uncond(self, which: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Unconditional copies of rows ``which`` for classifier-free guidance: the prompt replaced by masks."""

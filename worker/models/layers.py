@@ -123,6 +123,16 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
 
+    def grow(self, slots: int, prepend: int, width: int) -> None:
+        """Add ``slots`` empty slots after the others and widen every row to ``width`` columns, ``prepend`` of them
+        on the left (continuous batching: rows join a running batch)."""
+        L, S, H, W, D = self.k.shape
+        for name in ("k", "v"):
+            t = getattr(self, name)
+            out = t.new_zeros((L, S + slots, H, width, D))
+            out[:, :S, :, prepend:prepend + W] = t
+            setattr(self, name, out)
+
     def keep(self, rows: list[int], trim: int) -> None:
         """Follow the canvas when it drops rows and trims ``trim`` columns of left padding."""
         idx = torch.tensor(rows, device=self.k.device)

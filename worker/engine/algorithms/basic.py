@@ -93,6 +93,13 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
             canvas.keep(keep)
             if not canvas.rows:
                 break
+        new = fin.admit(canvas.rows)           # continuous batching: rows join between steps
+        if new:
+            canvas.add(new)
+            gens = canvas.read_gens()
+            for r in new:
+                r.rule = fast_dllm_rule(r.params, Softmax.MODEL, Softmax.FLOAT64)
+                start_block(r, gens[r.index], mask_id)
         active = canvas.rows
         B = len(active)
         regions = [candidate_region(r, gens[r.index], mask_id) for r in active]
@@ -121,6 +128,7 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
         commit(canvas, logits, gidx, [e - s for s, e in regions], mask_id,
                [whole_sequence(r, reg) for r, reg in zip(active, regions)])
         gens, _ = step_done(canvas, fin, mask_id)
+        yield      # a step is done: the engine may run other groups' steps (continuous batching)
 
 
 register(Algorithm(
@@ -129,4 +137,5 @@ register(Algorithm(
                 "step; with threshold/factor, Fast-dLLM parallel decoding without cache",
     exact=True,
     run=run,
+    joins=True,
 ))

@@ -47,19 +47,28 @@ def run_cached(engine, rows: list[Row], fin: Finisher, dual: bool, make_rule=fas
     canvas = Canvas(rows, mask_id, engine.pad_id, model.device)
     cache = model.new_cache(len(rows), canvas.x.shape[1])
     gens = canvas.read_gens()
-    for r in rows:
-        r.rule = make_rule(r.params)
-        start_block(r, gens[r.index], mask_id)
-        # Fast-dLLM's loops run at least one cached step per block, even when the block-start step committed the
-        # whole block (that step commits nothing but counts in nfe). Replicated for the reference's nfe without early
-        # exit; with early exit a finished block moves on at once (the tokens are the same).
-        r.min_block_steps = 2 if extra_cached_step and not fin.early_exit else 1
+    def setup(new: list[Row]) -> None:
+        for r in new:
+            r.rule = make_rule(r.params)
+            start_block(r, gens[r.index], mask_id)
+            # Fast-dLLM's loops run at least one cached step per block, even when the block-start step committed the
+            # whole block (that step commits nothing but counts in nfe). Replicated for the reference's nfe without
+            # early exit; with early exit a finished block moves on at once (the tokens are the same).
+            r.min_block_steps = 2 if extra_cached_step and not fin.early_exit else 1
+
+    setup(rows)
     while canvas.rows:
         keep = [b for b, r in enumerate(canvas.rows) if not fin.cancelled(r)]
         if len(keep) < len(canvas.rows):
             cache.keep(keep, canvas.keep(keep))
             if not canvas.rows:
                 break
+        new = fin.admit(canvas.rows)           # continuous batching: joining rows start with a full forward
+        if new:
+            prepend = canvas.add(new)
+            cache.grow(len(new), prepend, canvas.x.shape[1])
+            gens = canvas.read_gens()
+            setup(new)
         active = canvas.rows
         B = len(active)
         full = [b for b, r in enumerate(active) if _full_step(r)]
@@ -125,6 +134,7 @@ def run_cached(engine, rows: list[Row], fin: Finisher, dual: bool, make_rule=fas
         gens, dropped = step_done(canvas, fin, mask_id)
         if dropped and dropped[0]:
             cache.keep(*dropped)
+        yield      # a step is done: the engine may run other groups' steps (continuous batching)
 
 register(Algorithm(
     name="prefix_cache",
@@ -132,7 +142,7 @@ register(Algorithm(
                 "cached prefix; with threshold/factor, Fast-dLLM parallel decoding",
     exact=True,
     run=lambda engine, rows, fin: run_cached(engine, rows, fin, dual=False),
-    cfg=False,
+    cfg=False, joins=True,
 ))
 register(Algorithm(
     name="dual_cache",
@@ -140,5 +150,5 @@ register(Algorithm(
                 "prefix and suffix; with threshold/factor, Fast-dLLM parallel decoding",
     exact=True,
     run=lambda engine, rows, fin: run_cached(engine, rows, fin, dual=True),
-    cfg=False,
+    cfg=False, joins=True,
 ))

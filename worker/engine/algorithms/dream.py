@@ -120,6 +120,11 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
             canvas.keep(keep)
             if not canvas.rows:
                 break
+        new = fin.admit(canvas.rows)           # continuous batching: rows join between steps
+        if new:
+            canvas.add(new)
+            steps.update({r.index: torch.linspace(1, r.params.extra["eps"], total_steps(r) + 1, device=dev)
+                          for r in new})
         x, W = canvas.x, canvas.x.shape[1]
         hidden = model(x, canvas.pos, canvas.mask)
         off = torch.tensor(canvas.offsets, device=dev)
@@ -148,6 +153,7 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
                 done.append(b)
         if done:
             canvas.keep([b for b in range(len(canvas.rows)) if b not in done])
+        yield      # a step is done: the engine may run other groups' steps (continuous batching)
 
 
 def check(p: GenerationParams) -> GenerationParams:
@@ -195,5 +201,5 @@ register(Algorithm(
         ParamInfo("temperature", 0.0, "0 = the most likely token; > 0 divides the logits and samples"),
         ParamInfo("seed", None, "per-request seed for every random draw (origin, temperature, alg_temp)"),
     ),
-    extra_params=DREAM_PARAMS, check=check, stochastic=stochastic,
+    extra_params=DREAM_PARAMS, check=check, stochastic=stochastic, joins=True,
 ))

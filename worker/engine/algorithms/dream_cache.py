@@ -148,6 +148,7 @@ def run_dream_cache(engine, rows: list[Row], fin: Finisher, dual: bool) -> None:
             trim = canvas.keep(keep)
             if canvas.rows:
                 cache.keep(keep, trim)
+        yield      # a step is done: the engine may run other groups' steps (continuous batching)
 
 
 def check(p: GenerationParams) -> GenerationParams:

@@ -117,6 +117,7 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
                     commit[r.index] = True
                 fin.update(r, gen, False)
         active = [r for r in active if not r.done]
+        yield      # a step is done: the engine may run other groups' steps (continuous batching)
 
 
 class _CacheView:

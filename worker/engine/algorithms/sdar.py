@@ -92,14 +92,23 @@ class _State:
 
 def run(engine, rows: list[Row], fin: Finisher) -> None:
     model, mask_id, dev = engine.model, engine.mask_id, engine.model.device
-    bls = {r.index: r.params.block_length for r in rows}      # not capped at max_tokens: blocks count from 0
-    state = {r.index: _State(r, bls[r.index]) for r in rows}
-    W = max(s.total for s in state.values())
-    x = torch.full((len(rows), W), engine.pad_id, dtype=torch.long)
-    for b, r in enumerate(rows):
-        x[b, :len(r.prompt)] = torch.tensor(r.prompt)
-        x[b, len(r.prompt):state[r.index].total] = mask_id
-    x = x.to(dev)
+    bls: dict[int, int] = {}
+    state: dict[int, _State] = {}
+
+    def layout(new: list[Row], width: int) -> torch.Tensor:
+        """Rows' sequences left-aligned (position = column), padded to ``width``."""
+        for r in new:
+            bls[r.index] = r.params.block_length          # not capped at max_tokens: blocks count from 0
+            state[r.index] = _State(r, bls[r.index])
+        t = torch.full((len(new), width), engine.pad_id, dtype=torch.long)
+        for b, r in enumerate(new):
+            t[b, :len(r.prompt)] = torch.tensor(r.prompt)
+            t[b, len(r.prompt):state[r.index].total] = mask_id
+        return t.to(dev)
+
+    W = max(-(-(r.plan.prompt_length + r.plan.gen_length) // r.params.block_length) * r.params.block_length
+            for r in rows)
+    x = layout(rows, W)
     cache = model.new_cache(len(rows), W)
     active = list(rows)
     kcol = torch.arange(W, device=dev)
@@ -118,6 +127,16 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
         drop([b for b, r in enumerate(active) if not fin.cancelled(r)])
         if not active:
             break
+        new = fin.admit(active)                # continuous batching: a joining row starts with its prefill
+        if new:
+            width = max(W, max(-(-(r.plan.prompt_length + r.plan.gen_length) // r.params.block_length)
+                               * r.params.block_length for r in new))
+            if width > W:
+                x = torch.cat([x, torch.full((x.shape[0], width - W), engine.pad_id, dtype=torch.long, device=dev)], 1)
+            x = torch.cat([x, layout(new, width)])
+            cache.grow(len(new), 0, width)
+            W, kcol = width, torch.arange(width, device=dev)
+            active = active + new
         spans, at = [], []
         for r in active:
             s, bl = state[r.index], bls[r.index]
@@ -188,6 +207,7 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
                 done.append(b)
         if done:
             drop([b for b in range(len(active)) if b not in done])
+        yield      # a step is done: the engine may run other groups' steps (continuous batching)
 
 
 def check(p: GenerationParams) -> GenerationParams:
@@ -222,7 +242,7 @@ register(Algorithm(
     description="SDAR block diffusion (block_diffusion_generate): block-causal attention with an exact KV cache, "
                 "prompt blocks prefilled once, each block denoised by remasking_strategy then stored",
     exact=True, run=run, families=("sdar",), cfg=False, check=check, check_plan=check_plan,
-    stochastic=lambda p: True,
+    stochastic=lambda p: True, joins=True,
     params=(
         ParamInfo("block_length", None, "block size (default: the checkpoint's block_size, else the server's)"),
         ParamInfo("threshold", 0.85, "low_confidence_dynamic: commit every masked position above it"),

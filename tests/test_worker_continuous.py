@@ -1,0 +1,120 @@
+"""Continuous batching in the worker's queue (issue 19): rows join the running batch between steps, FIFO, and are
+answered the moment they finish; static batching (--no-continuous-batching) for comparison. The simulated device
+(worker/simulated.py, per-step cost model) is the test double for timing; the tiny checkpoints for exactness."""
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tests.conftest import TINY_DREAM, TINY_LLADA
+from tests.helpers import get_json, post_json, start_worker
+from worker.engine import GenerationParams
+from worker.serving import Batcher, Job
+from worker.simulated import SimulatedEngine
+
+
+def job(prompt, gen, done, algorithm="basic", index=0):
+    p = GenerationParams(gen_length=gen, block_length=min(8, gen), steps=gen, algorithm=algorithm)
+    return Job(list(prompt), p, sink=lambda i, kind, payload: done.append((index, kind, time.monotonic())),
+               index=index)
+
+
+async def run_jobs(continuous, plan, step=0.002, switch_wait=1.0):
+    """``plan``: [(delay after the previous submit, prompt, gen, algorithm)]; returns (finish order, batcher)."""
+    engine = SimulatedEngine(str(TINY_LLADA), step, 0.0, per_step=True)
+    b = Batcher(engine, batch_size=8, max_wait_time=0.0, continuous=continuous, switch_wait=switch_wait)
+    b.start()
+    done = []
+    for i, (delay, prompt, gen, alg) in enumerate(plan):
+        await asyncio.sleep(delay)
+        b.submit(job(prompt, gen, done, alg, index=i), wait=False)
+    for _ in range(500):
+        if sum(kind == "done" for _, kind, _ in done) == len(plan):
+            break
+        await asyncio.sleep(0.01)
+    await b.close()
+    return [i for i, kind, _ in done if kind == "done"], b
+
+
+async def test_short_rows_join_a_long_batch_and_leave_first():
+    plan = [(0, [5, 6], 64, "basic"), (0.03, [7, 8], 8, "basic"), (0.0, [9], 8, "basic")]
+    order, b = await run_jobs(True, plan)
+    assert order[:2] == [1, 2] and order[2] == 0         # the short rows finished while the long one ran
+    assert b.rows_joined == 2 and b.rows_retired == 3 and b.batches_processed == 1
+    order, b = await run_jobs(False, plan)
+    assert order[0] == 0 and b.rows_joined == 0 and b.batches_processed == 2    # static: they waited for it
+
+
+async def test_rows_of_another_algorithm_join_beside_the_running_ones():
+    """A dual_cache row sent while a long basic batch runs starts its own group at once and finishes first."""
+    plan = [(0, [5, 6], 96, "basic"), (0.02, [7], 8, "dual_cache"), (0.0, [8], 8, "basic")]
+    order, b = await run_jobs(True, plan)
+    assert b.rows_joined == 2 and order[-1] == 0
+
+
+async def test_batch_size_and_token_budget_bound_the_running_batch():
+    engine = SimulatedEngine(str(TINY_LLADA), 0.002, 0.0, per_step=True)
+    b = Batcher(engine, batch_size=3, max_wait_time=0.0, max_batch_tokens=40)
+    b.start()
+    done, seen = [], []
+    orig = engine._steps
+
+    def watch(requests, plans, hooks, feed):
+        class Spy:
+            def admit(self, rows, tokens):
+                got = feed.admit(rows, tokens)
+                seen.append((rows + len(got), tokens + sum(len(r.prompt_ids) + r.params.gen_length for _, r in got)))
+                return got
+
+            def done(self, i, res):
+                feed.done(i, res)
+        return orig(requests, plans, hooks, Spy())
+    engine._steps = watch
+    for i in range(6):
+        b.submit(job([1, 2, 3, 4], 16, done, index=i), wait=False)      # 20 canvas tokens each
+        await asyncio.sleep(0.01)
+    for _ in range(500):
+        if sum(kind == "done" for _, kind, _ in done) == 6:
+            break
+        await asyncio.sleep(0.01)
+    await b.close()
+    assert sum(kind == "done" for _, kind, _ in done) == 6
+    assert max(r for r, _ in seen) <= 2 and max(t for _, t in seen) <= 40     # two rows of 20 tokens fit 40
+
+
+def golden_bodies(golden):
+    for c in golden["cases"]:
+        if c["reference"] != "generation_utils.diffusion_generate":
+            continue
+        yield c, {"prompt": c["prompt"], "max_tokens": c["gen"], "steps": c["steps"], "return_token_ids": True,
+                  "ignore_eos": True, "seed": c.get("seed"), "temperature": c.get("temperature", 0.0),
+                  "algorithm_params": {k: c[k] for k in ("alg", "alg_temp", "top_p", "top_k") if c.get(k) is not None}}
+
+
+@pytest.mark.slow
+def test_staggered_requests_through_a_worker_are_exact(tmp_path, dream_golden):
+    """Golden requests arriving one after another (a few milliseconds apart) at a worker whose batch runs while they
+    arrive: each joins the running batch and still equals the reference's output; the stats and metrics count it."""
+    w = start_worker(tmp_path, TINY_DREAM, "--batch-size", "6", "--max-wait-time", "0")
+    try:
+        w.wait_ready()
+        cases = list(golden_bodies(dream_golden))
+
+        def send(i):
+            time.sleep(0.004 * i)
+            return post_json(w.url + "/v1/completions", cases[i][1])
+        with ThreadPoolExecutor(8) as ex:
+            answers = list(ex.map(send, range(len(cases))))
+        for (c, _), (status, r) in zip(cases, answers):
+            assert status == 200 and r["choices"][0]["token_ids"] == c["output"], c
+        stats = get_json(w.url + "/batch/stats")[1]
+        assert stats["continuous_batching"] and stats["rows_joined"] > 0
+        assert stats["rows_retired"] == len(cases) and stats["rows_running"] == 0
+        assert get_json(w.url + "/health")[1]["rows_retired_per_s"] > 0
+        import urllib.request
+        text = urllib.request.urlopen(w.url + "/metrics").read().decode()
+        assert f"dllm_worker_rows_retired_total {float(len(cases))}" in text
+        assert "dllm_worker_rows_joined_total" in text
+    finally:
+        w.stop()
