@@ -120,10 +120,21 @@ def test_rows_of_several_algorithms_join_and_run_in_turn(llada_engine):
     check_against_alone(llada_engine, reqs[:2], later)
 
 
-def test_algorithms_that_do_not_join_wait_for_their_group(nemotron_engine):
-    """nemotron takes no joining rows: a second nemotron row waits for the first group to end, then runs exactly."""
-    p = GenerationParams(gen_length=8, block_length=4, algorithm="nemotron")
-    q = GenerationParams(gen_length=8, block_length=4, algorithm="basic")
-    feed = check_against_alone(nemotron_engine, [Request([1, 2, 3], p)], [(1, Request([4, 5], p)),
-                                                                          (1, Request([6, 7, 8], q))])
-    assert len(feed.results) == 3
+def test_nemotron_rows_join_exactly(nemotron_engine, nemotron_golden):
+    """Nemotron's layout aligns prompt ends: a joining row with a longer prompt shifts the running rows (and their
+    cache) right, and is prefilled into its own slot."""
+    from tests.test_nemotron import cases, params
+    all_cases = list(cases(nemotron_golden))
+    reqs = [Request(prompt, params(st)) for st, prompt, _ in all_cases]
+    feed = check_against_alone(nemotron_engine, reqs[:1], [(k, r) for k, r in zip(range(1, 40, 3), reqs[1:])])
+    for (i, _, _), (_, _, out) in zip(feed.joined, all_cases[1:]):
+        assert feed.results[i].canvas == out["output_ids"]
+
+
+def test_dream_cache_rows_join_exactly(dream_engine, dream_golden):
+    from tests.test_dream import cache_params, cached
+    cases = cached(dream_golden)
+    reqs = [Request(c["prompt"], cache_params(c)) for c in cases]
+    feed = check_against_alone(dream_engine, reqs[:2], [(k, r) for k, r in zip(range(1, 60, 3), reqs[2:])])
+    for (i, _, _), c in zip(feed.joined, cases[2:]):
+        assert feed.results[i].canvas == c["output"]

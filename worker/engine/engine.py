@@ -136,8 +136,8 @@ class Engine:
 
         Continuous batching: with a ``feed``, after every round ``feed.admit(running rows, running canvas tokens)``
         gives new rows (pairs of index and Request, the index naming the row in ``hooks`` and ``feed.done``): each
-        joins its algorithm's running group between steps (``Algorithm.joins``), starts a group when none of its
-        algorithm runs, or waits for the end of its group (algorithms that do not take joining rows); every row is
+        joins its algorithm's running group before that group's next step (every algorithm takes joining rows from
+        ``fin.admit`` at the top of its step loop) or starts a group when none of its algorithm runs; every row is
         handed to ``feed.done(index, Result)`` the moment it finishes. A row's tokens and nfe never depend on the
         rows around it, so joining is exact (tests/test_continuous.py)."""
         plans = [self.plan(r.prompt_ids, r.params) for r in requests]
@@ -164,7 +164,6 @@ class _Batch:
     def __init__(self, engine: "Engine", early_exit: bool, hooks, feed):
         self.engine, self.early_exit, self.hooks, self.feed = engine, early_exit, hooks, feed
         self.groups: dict[str, _Group] = {}
-        self.waiting: dict[str, list[Row]] = {}      # rows of an algorithm that takes none while its group runs
 
     def start(self, name: str, rows: list[Row]) -> None:
         self.groups[name] = _Group(self, algorithms.get(name, self.engine.family), rows)
@@ -180,7 +179,7 @@ class _Batch:
                 try:
                     next(self.groups[name].steps)
                 except StopIteration:      # rows that came for it after its last step start the next group
-                    rest = self.groups.pop(name).inbox + self.waiting.pop(name, [])
+                    rest = self.groups.pop(name).inbox
                     if rest:
                         self.start(name, rest)
             if self.feed is not None:
@@ -188,7 +187,6 @@ class _Batch:
 
     def admit(self) -> None:
         live = [r for g in self.groups.values() for r in g.running + g.inbox if not r.done]
-        live += [r for rs in self.waiting.values() for r in rs]
         tokens = sum(r.plan.prompt_length + r.plan.canvas_length for r in live)
         for index, req in self.feed.admit(len(live), tokens):
             row = self.engine.row(index, req, self.engine.plan(req.prompt_ids, req.params))
@@ -196,10 +194,8 @@ class _Batch:
             g = self.groups.get(name)
             if g is None:
                 self.start(name, [row])
-            elif g.alg.joins:
-                g.inbox.append(row)
             else:
-                self.waiting.setdefault(name, []).append(row)
+                g.inbox.append(row)
 
 
 def result(r: Row) -> Result:

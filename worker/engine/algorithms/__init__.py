@@ -64,7 +64,6 @@ class Algorithm:
     check: Callable[[GenerationParams], GenerationParams] | None = None  # the algorithm's own rules, after defaults
     stochastic: Callable[[GenerationParams], bool] | None = None         # draws random numbers beyond temperature
     check_plan: Callable | None = None                                   # (plan, max positions): its own length rule
-    joins: bool = False                         # takes new rows between steps (continuous batching)
 
     def normalize(self, p: GenerationParams) -> GenerationParams:
         """Apply this algorithm's defaults and check its parameters (raises ParamError)."""

@@ -137,5 +137,4 @@ register(Algorithm(
                 "step; with threshold/factor, Fast-dLLM parallel decoding without cache",
     exact=True,
     run=run,
-    joins=True,
 ))

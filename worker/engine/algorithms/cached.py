@@ -142,7 +142,7 @@ register(Algorithm(
                 "cached prefix; with threshold/factor, Fast-dLLM parallel decoding",
     exact=True,
     run=lambda engine, rows, fin: run_cached(engine, rows, fin, dual=False),
-    cfg=False, joins=True,
+    cfg=False,
 ))
 register(Algorithm(
     name="dual_cache",
@@ -150,5 +150,5 @@ register(Algorithm(
                 "prefix and suffix; with threshold/factor, Fast-dLLM parallel decoding",
     exact=True,
     run=lambda engine, rows, fin: run_cached(engine, rows, fin, dual=True),
-    cfg=False, joins=True,
+    cfg=False,
 ))

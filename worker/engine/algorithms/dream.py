@@ -201,5 +201,5 @@ register(Algorithm(
         ParamInfo("temperature", 0.0, "0 = the most likely token; > 0 divides the logits and samples"),
         ParamInfo("seed", None, "per-request seed for every random draw (origin, temperature, alg_temp)"),
     ),
-    extra_params=DREAM_PARAMS, check=check, stochastic=stochastic, joins=True,
+    extra_params=DREAM_PARAMS, check=check, stochastic=stochastic,
 ))

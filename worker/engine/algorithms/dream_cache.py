@@ -72,6 +72,12 @@ def run_dream_cache(engine, rows: list[Row], fin: Finisher, dual: bool) -> None:
             cache.keep(keep, canvas.keep(keep))
             if not canvas.rows:
                 break
+        new = fin.admit(canvas.rows)           # continuous batching: joining rows start with a full forward
+        if new:
+            cache.grow(len(new), canvas.add(new), canvas.x.shape[1])
+            for r in new:
+                timesteps[r.index] = torch.linspace(1, r.params.extra["eps"], steps_per_block(r) + 1, device=dev)
+                r.block, r.step = 0, 0
         active, x, W = canvas.rows, canvas.x, canvas.x.shape[1]
         B = len(active)
         starts = [canvas.gen_start(b) + r.block * r.plan.block_length for b, r in enumerate(active)]
@@ -190,4 +196,4 @@ for _name, _dual, _what in (("dream_cache", False, "block + suffix forwards agai
                     f"threshold parallel decoding, or the entropy schedule",
         exact=True, run=(lambda dual: lambda engine, rows, fin: run_dream_cache(engine, rows, fin, dual))(_dual),
         families=("dream",), cfg=False, params=COMMON, extra_params=CACHE_PARAMS, check=check, stochastic=stochastic,
-    ))
+        ))

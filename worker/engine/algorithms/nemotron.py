@@ -26,40 +26,59 @@ from . import Algorithm, ParamInfo, register
 
 def run(engine, rows: list[Row], fin: Finisher) -> None:
     model, mask_id, dev = engine.model, engine.mask_id, engine.model.device
-    B0 = len(rows)
-    P = max(r.plan.prompt_length for r in rows)
-    G = max(r.plan.canvas_length for r in rows)
-    W = P + G
-    x = torch.full((B0, W), engine.pad_id, dtype=torch.long)
-    offsets = []
-    for b, r in enumerate(rows):
-        o = P - r.plan.prompt_length
-        x[b, o:P] = torch.tensor(r.prompt)
-        x[b, P:P + r.plan.canvas_length] = mask_id
-        offsets.append(o)
-    x = x.to(dev)
-    col = torch.arange(W, device=dev)
-    off = torch.tensor(offsets, device=dev)
-    pos = (col[None, :] - off[:, None]).clamp(min=0)
-    cache = model.new_cache(B0, W)
+    B0, P, G = 0, 0, 0
+    x = torch.empty((0, 0), dtype=torch.long, device=dev)
+    offsets: list[int] = []
+    cache = model.new_cache(0, 0)
+    shift, ctx, slot, commit = [], {}, {}, {}
 
-    # Prefill: the prompts, each attending to its own prompt only (not counted in nfe).
-    pmask = None if not any(offsets) else (col[None, :P] >= off[:, None])[:, None, None, :]
-    hidden = model(x[:, :P], pos[:, :P], pmask, cache=cache)
-    shift = [bool(r.params.extra.get("shift_logits")) for r in rows]
-    ctx = {r.index: model.logits(hidden[b, P - 1]) for b, r in enumerate(rows) if shift[b]}
-    slot = {r.index: b for b, r in enumerate(rows)}
-    commit = {r.index: False for r in rows}
-    for r in rows:
-        r.block, r.step, r.block_masks = 0, 0, r.plan.block_length
-        # the reference's softmax in the logits' dtype, topk over the block
-        r.rule = fast_dllm_rule(r.params, Softmax.MODEL, Softmax.MODEL)
+    def place(new: list[Row]) -> None:
+        """Lay rows out (prompt ends at column P, generations after it; a longer prompt or generation widens the
+        layout and shifts the others, their cache with them), then prefill their prompts into their cache slots,
+        each attending to its own prompt only (not counted in nfe)."""
+        nonlocal B0, P, G, x, offsets, col, off, pos
+        P2 = max([P] + [r.plan.prompt_length for r in new])
+        G2 = max([G] + [r.plan.canvas_length for r in new])
+        grow = P2 - P
+        t = torch.full((len(new), P2 + G2), engine.pad_id, dtype=torch.long)
+        for b, r in enumerate(new):
+            t[b, P2 - r.plan.prompt_length:P2] = torch.tensor(r.prompt)
+            t[b, P2:P2 + r.plan.canvas_length] = mask_id
+        old = torch.full((B0, P2 + G2), engine.pad_id, dtype=torch.long, device=dev)
+        old[:, grow:grow + P + G] = x
+        x = torch.cat([old, t.to(dev)])
+        cache.grow(len(new), grow, P2 + G2)
+        offsets = [o + grow for o in offsets] + [P2 - r.plan.prompt_length for r in new]
+        P, G = P2, G2
+        col = torch.arange(P + G, device=dev)
+        off = torch.tensor(offsets, device=dev)
+        pos = (col[None, :] - off[:, None]).clamp(min=0)
+        sl = torch.arange(B0, B0 + len(new), device=dev)
+        noff = off[B0:]
+        pmask = None if not any(offsets[B0:]) else (col[None, :P] >= noff[:, None])[:, None, None, :]
+        hidden = model(x[sl, :P], pos[sl, :P], pmask, cache=cache, slots=None if B0 == 0 else sl)
+        for i, r in enumerate(new):
+            slot[r.index] = B0 + i
+            shift.append(bool(r.params.extra.get("shift_logits")))
+            if shift[-1]:
+                ctx[r.index] = model.logits(hidden[i, P - 1])
+            commit[r.index] = False
+            r.block, r.step, r.block_masks = 0, 0, r.plan.block_length
+            # the reference's softmax in the logits' dtype, topk over the block
+            r.rule = fast_dllm_rule(r.params, Softmax.MODEL, Softmax.MODEL)
+        B0 += len(new)
 
+    col = off = pos = None
+    place(rows)
     active = list(rows)
     while active:
         active = [r for r in active if not fin.cancelled(r)]
         if not active:
             break
+        new = fin.admit(active)                # continuous batching: a joining row is prefilled, then steps along
+        if new:
+            place(new)
+            active = active + new
         slots = [slot[r.index] for r in active]
         starts = [P + r.block * r.plan.block_length for r in active]
         ends = [s + r.plan.block_length for s, r in zip(starts, active)]
