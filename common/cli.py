@@ -230,7 +230,8 @@ def _gpu_ids(gpus: int | None, gpu_ids: str | None, workers: int | None = None) 
 # serve's own flags; every other option of serve is a setting of ServeConfig, BalancerConfig, BatchConfig,
 # HealthConfig or WorkerConfig, generated from it (common/config.py)
 SERVE_WORKER = ("default_algorithm", "default_max_tokens", "dtype", "score_mc_num", "score_batch_size",
-                "score_cfg_scale", "score_window", "served_model_name", "compile")
+                "score_cfg_scale", "score_window", "served_model_name", "compile", "continuous_batching",
+                "max_batch_tokens", "switch_wait")
 
 
 @main.command()

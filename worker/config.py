@@ -57,11 +57,13 @@ class WorkerConfig:
                                    "MLP); eager if compiling fails. Off by default: not yet measured on a GPU "
                                    "(docs/engine.md).")
     default_algorithm: str | None = setting(None, "Algorithm for requests that name none (default: the family's: "
-                                                  "basic for LLaDA, nemotron for Nemotron-Diffusion).")
+                                                  "basic for LLaDA, nemotron for Nemotron-Diffusion, dream for Dream, "
+                                                  "sdar for SDAR).")
     default_max_tokens: int | None = setting(None, "max_tokens when a request gives none (capped by the context "
                                                    "left; default: the checkpoint's generation_config.json "
                                                    "max_new_tokens, else 256).", type=click.IntRange(1))
-    default_block_length: int = setting(32, type=click.IntRange(1))
+    default_block_length: int = setting(32, "block_length when a request gives none and the checkpoint names no "
+                                            "block_size (SDAR's does).", type=click.IntRange(1))
     score_mc_num: int = setting(128, "Likelihood scoring (echo + logprobs): Monte Carlo samples per estimate when a "
                                      "request gives no mc_num (the reference eval_llada.py's default).",
                                 type=click.IntRange(1))
@@ -84,8 +86,9 @@ class WorkerConfig:
     drain_timeout: float = setting(60.0, "Seconds SIGTERM waits for running work before exiting.",
                                    type=click.FloatRange(0))
     simulate_device: tuple[float, float] | None = setting(
-        None, "Test double: no model; each batch sleeps BASE + PER_ROW x rows seconds and echoes the prompt (load and "
-              "scaling tests). The model path still provides the tokenizer.", metavar="BASE,PER_ROW",
+        None, "Test double: no model; each batch sleeps BASE + PER_ROW x rows seconds (each step: "
+              "--simulate-per-step) and echoes the prompt (load and scaling tests). The model path still provides "
+              "the tokenizer.", metavar="BASE,PER_ROW",
         convert=cost_model, unparse=lambda v: f"{v[0]},{v[1]}")
     simulate_per_step: bool = setting(False, "With --simulate-device: BASE + PER_ROW x rows is the cost of one "
                                              "denoising step and each row takes its schedule's steps, joining and "
