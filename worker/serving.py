@@ -694,7 +694,10 @@ class Batcher:
 
         def progress(i, ids):
             if rows[i].wants_progress:
-                self._emit(rows[i], "progress", ids)
+                if feed is not None:      # in order with the batch's other events
+                    feed.post(rows[i].sink, rows[i].index, "progress", ids)
+                else:
+                    self._emit(rows[i], "progress", ids)
         hooks = StepHooks(on_progress=progress, is_cancelled=lambda i: rows[i].cancelled)
         try:
             results: list[Result] = self.engine.generate([Request(j.prompt_ids, j.params) for j in jobs], hooks=hooks,
@@ -759,6 +762,25 @@ class _Feed:
         self.b = batcher
         self.jobs = list(jobs)
         self.answered: set[int] = set()
+        self._events: list = []            # (function, args) for the event loop, in order
+        self._posted = False               # a flush is scheduled
+        self._lock = threading.Lock()
+
+    def post(self, fn, *args) -> None:
+        """Run ``fn(*args)`` on the event loop, in order with the batch's other events; one wake-up of the loop
+        carries every event posted until it runs (not one per row)."""
+        with self._lock:
+            self._events.append((fn, args))
+            if self._posted:
+                return
+            self._posted = True
+        self.b._loop.call_soon_threadsafe(self._flush)
+
+    def _flush(self) -> None:
+        with self._lock:
+            events, self._events, self._posted = self._events, [], False
+        for fn, args in events:
+            fn(*args)
 
     def admit(self, rows: int, tokens: int) -> list[tuple[int, Request]]:
         """Queued rows, in order, that fit ``batch_size`` rows and ``max_batch_tokens`` with the ``rows`` /
@@ -789,15 +811,15 @@ class _Feed:
                 j.queued = False
                 out.append((len(self.jobs), Request(j.prompt_ids, j.params)))
                 self.jobs.append(j)
-                b._loop.call_soon_threadsafe(b._joined, j)
+        for j in taken:
+            self.post(b._joined, j)
         return out
 
     def done(self, index: int, result: Result) -> None:
         j = self.jobs[index]
         self.answered.add(index)
-        loop = self.b._loop
-        loop.call_soon_threadsafe(self.b._retired, j)
-        loop.call_soon_threadsafe(j.sink, j.index, "done", result)
+        self.post(self.b._retired, j)
+        self.post(j.sink, j.index, "done", result)
 
     def unfinished(self) -> list[Job]:
         return [j for i, j in enumerate(self.jobs) if i not in self.answered]
