@@ -537,7 +537,7 @@ class Batcher:
         self.running: list[Job] = []
         self.rows_joined = 0              # rows that joined a running batch
         self.rows_retired = 0             # rows that finished (every row, joined or not)
-        self.events: collections.deque[tuple[float, str]] = collections.deque()   # (time, "joined"|"retired"), 60 s
+        self._per_second: collections.deque[list] = collections.deque()   # [second, joined, retired], last 60 s
         self._wake = asyncio.Event()
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="device")
         self._task: asyncio.Task | None = None
@@ -592,15 +592,24 @@ class Batcher:
     def queue_depth(self) -> int:
         return len(self.pending) - self._cancelled_queued
 
-    def rates(self, window: float = 60.0) -> dict:
-        """Rows running now, and rows joined / retired per second over the last ``window`` seconds."""
-        now = time.monotonic()
-        while self.events and now - self.events[0][0] > window:
-            self.events.popleft()
-        joined = sum(1 for _, k in self.events if k == "joined")
-        return {"rows_running": len(self.running), "rows_joined_per_s": round(joined / window, 3),
-                "rows_retired_per_s": round((len(self.events) - joined) / window, 3),
+    def rates(self, window: int = 60) -> dict:
+        """Rows running now, and rows joined / retired per second over the last ``window`` seconds (up to 60)."""
+        now = int(time.monotonic())
+        recent = [b for b in self._per_second if now - b[0] < window]
+        return {"rows_running": len(self.running),
+                "rows_joined_per_s": round(sum(b[1] for b in recent) / window, 3),
+                "rows_retired_per_s": round(sum(b[2] for b in recent) / window, 3),
                 "rows_joined": self.rows_joined, "rows_retired": self.rows_retired}
+
+    def _count(self, which: int) -> None:
+        """One row joined (1) or retired (2), in this second's bucket (60 buckets kept: O(1) per row)."""
+        now = int(time.monotonic())
+        buckets = self._per_second
+        if not buckets or buckets[-1][0] != now:
+            buckets.append([now, 0, 0])
+            while now - buckets[0][0] >= 60:
+                buckets.popleft()
+        buckets[-1][which] += 1
 
     @property
     def busy(self) -> bool:
@@ -728,13 +737,13 @@ class Batcher:
         self.running.append(job)
         self.rows_joined += 1
         self.rows_processed += 1
-        self.events.append((time.monotonic(), "joined"))
+        self._count(1)
 
     def _retired(self, job: Job) -> None:       # on the event loop
         if job in self.running:
             self.running.remove(job)
         self.rows_retired += 1
-        self.events.append((time.monotonic(), "retired"))
+        self._count(2)
 
     def _score(self, jobs: list[Job]) -> list[tuple[Job, str, object]]:
         """Device thread: the scoring rows of a batch, their forwards shared (worker.engine.likelihood)."""
@@ -818,8 +827,11 @@ class _Feed:
     def done(self, index: int, result: Result) -> None:
         j = self.jobs[index]
         self.answered.add(index)
-        self.post(self.b._retired, j)
-        self.post(j.sink, j.index, "done", result)
+        self.post(self._answer, j, result)
+
+    def _answer(self, j: Job, result: Result) -> None:      # on the event loop
+        self.b._retired(j)
+        j.sink(j.index, "done", result)
 
     def unfinished(self) -> list[Job]:
         return [j for i, j in enumerate(self.jobs) if i not in self.answered]
