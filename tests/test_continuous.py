@@ -5,7 +5,6 @@ import random
 
 import pytest
 
-from tests.conftest import TINY_LLADA
 from worker.engine import GenerationParams, Request
 
 

@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 from common.cli import main as cli
 from tests.conftest import TINY_DREAM, TINY_LLADA, TINY_NEMOTRON
-from tests.helpers import get_json, post_json, start_worker
+from tests.helpers import get_json, post_json
 from worker.engine import ALGORITHMS, GenerationParams, ParamError, Request
 from worker.models import FAMILIES, detect_family, load_model
 
