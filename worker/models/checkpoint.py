@@ -171,6 +171,20 @@ def load_state_dict(path: str | os.PathLike, names: dict[str, str], dtype: torch
     return out
 
 
+def load_native(path: str | os.PathLike, make, family: str, device: torch.device, dtype: torch.dtype,
+                prefix: str = ""):
+    """Build ``make()`` on the meta device, check every parameter against the checkpoint (tensor ``prefix + name``),
+    read the weights straight into ``dtype`` on ``device``, build the RoPE tables: the model, in eval mode."""
+    with torch.device("meta"):
+        model = make()
+    names = [n for n, _ in model.named_parameters()]
+    check_shapes(path, {prefix + n: tuple(p.shape) for n, p in model.named_parameters()}, family)
+    model.load_state_dict(load_state_dict(path, {prefix + n: n for n in names}, dtype, device), strict=True,
+                          assign=True)
+    model.init_rope()
+    return model.eval().requires_grad_(False)
+
+
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
     if isinstance(dtype, torch.dtype):
         return dtype

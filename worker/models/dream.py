@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .checkpoint import CheckpointError, check_shapes, load_state_dict, read_config, tensor_shapes
+from .checkpoint import CheckpointError, load_native, read_config, tensor_shapes
 from .family import Family
-from .layers import KVCache, LayerKV, RMSNorm, apply_rope, attention, compile_dense, dense_tail, rope_tables
+from .layers import Decoder, DecoderLayer, DecoderLM, apply_rope, attention
 
 
 @dataclass(frozen=True)
@@ -90,104 +90,24 @@ class Attention(nn.Module):
         return attention(q, k, v, mask).transpose(1, 2).reshape(B, L, -1)     # o_proj: in the layer's dense tail
 
 
-class MLP(nn.Module):
-    """The SwiGLU weights (the layer's dense tail computes it)."""
-
-    def __init__(self, cfg: DreamConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-
-class Layer(nn.Module):
-    def __init__(self, cfg: DreamConfig):
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
-        self.dense = dense_tail          # or a Compiled one (DreamModel.compile_dense)
-
-    def forward(self, x, cos, sin, mask, kv=None):
-        a = self.self_attn(self.input_layernorm(x), cos, sin, mask, kv)
-        n, m = self.post_attention_layernorm, self.mlp
-        return self.dense(x, a, self.self_attn.o_proj.weight, n.weight, n.eps, m.gate_proj.weight, m.up_proj.weight,
-                          m.down_proj.weight)
-
-
-class Decoder(nn.Module):
-    def __init__(self, cfg: DreamConfig):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-
-class DreamModel(nn.Module):
+class DreamModel(DecoderLM):
     """The :class:`~worker.models.family.DiffusionLM` interface: ``forward`` gives final hidden states (unshifted),
     ``logits`` applies the head."""
     family = "dream"
 
     def __init__(self, cfg: DreamConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.model = Decoder(cfg)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rope_cos: torch.Tensor | None = None
-        self.rope_sin: torch.Tensor | None = None
-
-    @property
-    def max_sequence_length(self) -> int:
-        return self.cfg.max_position_embeddings
-
-    @property
-    def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
-
-    def init_rope(self) -> None:
-        self.rope_cos, self.rope_sin = rope_tables(self.cfg.head_dim, self.cfg.max_position_embeddings,
-                                                   self.cfg.rope_theta, self.device)
-
-    def forward(self, ids, pos, mask=None, cache: KVCache | None = None, slots=None, window=None):
-        cos, sin = self.rope_cos[pos], self.rope_sin[pos]
-        x = self.model.embed_tokens(ids)
-        for i, layer in enumerate(self.model.layers):
-            kv = None if cache is None else LayerKV(cache, i, slots, window)
-            x = layer(x, cos, sin, mask, kv)
-        return self.model.norm(x)
-
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return nn.functional.linear(h, w)
-
-    def compile_dense(self):
-        """torch.compile the dense half of every layer (eager fallback): see layers.Compiled."""
-        return compile_dense(self.model.layers)
-
-    def new_cache(self, slots: int, width: int) -> KVCache:
-        c = self.cfg
-        return KVCache(c.num_layers, slots, c.num_kv_heads, width, c.head_dim, self.dtype, self.device)
+        layers = [DecoderLayer(cfg.hidden_size, cfg.intermediate_size, cfg.rms_norm_eps, Attention(cfg))
+                  for _ in range(cfg.num_layers)]
+        super().__init__(cfg, Decoder(cfg.vocab_size, cfg.hidden_size, cfg.rms_norm_eps, layers),
+                         None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
 
 
 def load(path: str | Path, device: torch.device, dtype: torch.dtype) -> DreamModel:
-    raw = read_config(path)
-    cfg = DreamConfig.from_dict(raw)
+    cfg = DreamConfig.from_dict(read_config(path))
     if not cfg.tie_word_embeddings and "lm_head.weight" not in tensor_shapes(path):
         raise CheckpointError("the Dream checkpoint has no lm_head.weight and config.json does not set "
                               "tie_word_embeddings")
-    with torch.device("meta"):
-        model = DreamModel(cfg)
-    names = dict(model.named_parameters())
-    check_shapes(path, {n: tuple(p.shape) for n, p in names.items()}, "Dream")
-    sd = load_state_dict(path, {n: n for n in names}, dtype, device)
-    model.load_state_dict(sd, strict=True, assign=True)
-    model.init_rope()
-    return model.eval().requires_grad_(False)
+    return load_native(path, lambda: DreamModel(cfg), "Dream", device, dtype)
 
 
 FAMILY = Family(name="dream", title="Dream (DreamModel; also DiffuCoder)", architectures=("DreamModel",),

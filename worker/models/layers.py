@@ -167,3 +167,105 @@ class LayerKV:
         if self.slots is None:
             return ck, cv
         return ck.index_select(0, self.slots), cv.index_select(0, self.slots)
+
+
+# ---------------------------------------------------------------- the Qwen-style decoder (Nemotron, Dream, SDAR)
+class SwiGLU(nn.Module):
+    """The MLP weights ``gate_proj``, ``up_proj``, ``down_proj`` (the layer's dense tail computes it)."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+
+class DecoderLayer(nn.Module):
+    """``x + o_proj(attn(input_layernorm(x)))``, then ``x + down(silu(gate(h)) * up(h))`` with
+    ``h = post_attention_layernorm(x)``; ``attn`` is the family's attention module (it returns the heads' output
+    before ``o_proj``, which the dense tail applies)."""
+
+    def __init__(self, hidden: int, intermediate: int, eps: float, attn: nn.Module):
+        super().__init__()
+        self.input_layernorm = RMSNorm(hidden, eps)
+        self.self_attn = attn
+        self.post_attention_layernorm = RMSNorm(hidden, eps)
+        self.mlp = SwiGLU(hidden, intermediate)
+        self.dense = dense_tail          # or a Compiled one (compile_dense)
+
+    def forward(self, x, cos, sin, mask, kv=None):
+        a = self.self_attn(self.input_layernorm(x), cos, sin, mask, kv)
+        n, m = self.post_attention_layernorm, self.mlp
+        return self.dense(x, a, self.self_attn.o_proj.weight, n.weight, n.eps, m.gate_proj.weight, m.up_proj.weight,
+                          m.down_proj.weight)
+
+
+class Decoder(nn.Module):
+    """``embed_tokens``, the layers, the final ``norm``."""
+
+    def __init__(self, vocab: int, hidden: int, eps: float, layers: list[nn.Module]):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, hidden)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(hidden, eps)
+
+
+class DecoderLM(nn.Module):
+    """The DiffusionLM interface (worker/models/family.py) over a :class:`Decoder` and a head. A family sets the
+    checkpoint's names: ``decoder`` (the Decoder's attribute: "model", or "encoder" for Nemotron) and ``head`` (the
+    head's: "lm_head", "diffusion_head"; None when tied to ``embed_tokens``); its ``cfg`` has ``num_layers``,
+    ``num_kv_heads``, ``head_dim``, ``rope_theta``, ``max_position_embeddings``."""
+
+    decoder_name = "model"
+    head_name: str | None = "lm_head"
+
+    def __init__(self, cfg, decoder: Decoder, head: nn.Linear | None):
+        super().__init__()
+        self.cfg = cfg
+        setattr(self, self.decoder_name, decoder)
+        self.head_name = self.head_name if head is not None else None
+        if head is not None:
+            setattr(self, self.head_name, head)
+        self.rope_cos: torch.Tensor | None = None
+        self.rope_sin: torch.Tensor | None = None
+
+    @property
+    def decoder(self) -> Decoder:
+        return getattr(self, self.decoder_name)
+
+    @property
+    def max_sequence_length(self) -> int:
+        return self.cfg.max_position_embeddings
+
+    @property
+    def device(self) -> torch.device:
+        return self.decoder.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.decoder.embed_tokens.weight.dtype
+
+    def init_rope(self) -> None:
+        self.rope_cos, self.rope_sin = rope_tables(self.cfg.head_dim, self.cfg.max_position_embeddings,
+                                                   self.cfg.rope_theta, self.device)
+
+    def forward(self, ids, pos, mask=None, cache: "KVCache | None" = None, slots=None, window=None):
+        cos, sin = self.rope_cos[pos], self.rope_sin[pos]
+        d = self.decoder
+        x = d.embed_tokens(ids)
+        for i, layer in enumerate(d.layers):
+            kv = None if cache is None else LayerKV(cache, i, slots, window)
+            x = layer(x, cos, sin, mask, kv)
+        return d.norm(x)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        w = self.decoder.embed_tokens.weight if self.head_name is None else getattr(self, self.head_name).weight
+        return F.linear(h, w)
+
+    def compile_dense(self):
+        """torch.compile the dense half of every layer (eager fallback): see :class:`Compiled`."""
+        return compile_dense(self.decoder.layers)
+
+    def new_cache(self, slots: int, width: int) -> "KVCache":
+        c = self.cfg
+        return KVCache(c.num_layers, slots, c.num_kv_heads, width, c.head_dim, self.dtype, self.device)

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .checkpoint import CheckpointError, check_shapes, load_state_dict, read_config
+from .checkpoint import CheckpointError, load_native, read_config
 from .family import Family
 from .layers import KVCache, LayerKV, RMSNorm, apply_rope, attention, compile_dense, dense_tail, rope_tables
 
@@ -168,14 +168,7 @@ class LLaDAModel(nn.Module):
 
 def load(path: str | Path, device: torch.device, dtype: torch.dtype) -> LLaDAModel:
     cfg = LLaDAConfig.from_dict(read_config(path))
-    with torch.device("meta"):
-        model = LLaDAModel(cfg)
-    expected = {PREFIX + n: tuple(p.shape) for n, p in model.named_parameters()}
-    check_shapes(path, expected, "LLaDA")
-    sd = load_state_dict(path, {PREFIX + n: n for n in dict(model.named_parameters())}, dtype, device)
-    model.load_state_dict(sd, strict=True, assign=True)
-    model.init_rope()
-    return model.eval().requires_grad_(False)
+    return load_native(path, lambda: LLaDAModel(cfg), "LLaDA", device, dtype, prefix=PREFIX)
 
 
 FAMILY = Family(name="llada", title="LLaDA (LLaDAModelLM)", architectures=("LLaDAModelLM",), model_types=("llada",),

@@ -17,9 +17,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .checkpoint import CheckpointError, check_shapes, load_state_dict, read_config
+from .checkpoint import CheckpointError, load_native, read_config
 from .family import Family
-from .layers import KVCache, LayerKV, RMSNorm, apply_rope, compile_dense, dense_tail, rope_tables
+from .layers import Decoder, DecoderLayer, DecoderLM, RMSNorm, apply_rope
 
 
 @dataclass(frozen=True)
@@ -95,100 +95,21 @@ class Attention(nn.Module):
         return a.transpose(1, 2).reshape(B, L, -1)      # o_proj: in the layer's dense tail
 
 
-class MLP(nn.Module):
-    """The SwiGLU weights (the layer's dense tail computes it)."""
-
-    def __init__(self, cfg: SDARConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-
-
-class Layer(nn.Module):
-    def __init__(self, cfg: SDARConfig):
-        super().__init__()
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
-        self.dense = dense_tail          # or a Compiled one (SDARModel.compile_dense)
-
-    def forward(self, x, cos, sin, mask, kv=None):
-        a = self.self_attn(self.input_layernorm(x), cos, sin, mask, kv)
-        n, m = self.post_attention_layernorm, self.mlp
-        return self.dense(x, a, self.self_attn.o_proj.weight, n.weight, n.eps, m.gate_proj.weight, m.up_proj.weight,
-                          m.down_proj.weight)
-
-
-class Decoder(nn.Module):
-    def __init__(self, cfg: SDARConfig):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Layer(cfg) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-
-class SDARModel(nn.Module):
+class SDARModel(DecoderLM):
     """The :class:`~worker.models.family.DiffusionLM` interface; the caller's ``mask`` carries the block-causal
     attention."""
     family = "sdar"
 
     def __init__(self, cfg: SDARConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.model = Decoder(cfg)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rope_cos: torch.Tensor | None = None
-        self.rope_sin: torch.Tensor | None = None
-
-    @property
-    def max_sequence_length(self) -> int:
-        return self.cfg.max_position_embeddings
-
-    @property
-    def device(self) -> torch.device:
-        return self.model.embed_tokens.weight.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
-
-    def init_rope(self) -> None:
-        self.rope_cos, self.rope_sin = rope_tables(self.cfg.head_dim, self.cfg.max_position_embeddings,
-                                                   self.cfg.rope_theta, self.device)
-
-    def forward(self, ids, pos, mask=None, cache: KVCache | None = None, slots=None, window=None):
-        cos, sin = self.rope_cos[pos], self.rope_sin[pos]
-        x = self.model.embed_tokens(ids)
-        for i, layer in enumerate(self.model.layers):
-            kv = None if cache is None else LayerKV(cache, i, slots, window)
-            x = layer(x, cos, sin, mask, kv)
-        return self.model.norm(x)
-
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(h, w)
-
-    def compile_dense(self):
-        """torch.compile the dense half of every layer (eager fallback): see layers.Compiled."""
-        return compile_dense(self.model.layers)
-
-    def new_cache(self, slots: int, width: int) -> KVCache:
-        c = self.cfg
-        return KVCache(c.num_layers, slots, c.num_kv_heads, width, c.head_dim, self.dtype, self.device)
+        layers = [DecoderLayer(cfg.hidden_size, cfg.intermediate_size, cfg.rms_norm_eps, Attention(cfg))
+                  for _ in range(cfg.num_layers)]
+        super().__init__(cfg, Decoder(cfg.vocab_size, cfg.hidden_size, cfg.rms_norm_eps, layers),
+                         None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
 
 
 def load(path: str | Path, device: torch.device, dtype: torch.dtype) -> SDARModel:
     cfg = SDARConfig.from_dict(read_config(path))
-    with torch.device("meta"):
-        model = SDARModel(cfg)
-    names = dict(model.named_parameters())
-    check_shapes(path, {n: tuple(p.shape) for n, p in names.items()}, "SDAR")
-    sd = load_state_dict(path, {n: n for n in names}, dtype, device)
-    model.load_state_dict(sd, strict=True, assign=True)
-    model.init_rope()
-    return model.eval().requires_grad_(False)
+    return load_native(path, lambda: SDARModel(cfg), "SDAR", device, dtype)
 
 
 FAMILY = Family(name="sdar", title="SDAR (SDARForCausalLM)", architectures=("SDARForCausalLM",), model_types=("sdar",),

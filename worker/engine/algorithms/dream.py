@@ -156,6 +156,17 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
         yield      # a step is done: the engine may run other groups' steps (continuous batching)
 
 
+def check_sampling(p: GenerationParams) -> None:
+    """``top_p``, ``top_k`` and ``eps`` of the Dream algorithms (after the generic algorithm_params checks)."""
+    e = p.extra
+    if e["top_p"] is not None and not 0 < e["top_p"] <= 1:
+        raise ParamError("algorithm_params", f"{p.algorithm}: top_p must be in (0, 1], got {e['top_p']!r}")
+    if e["top_k"] is not None and e["top_k"] < 1:
+        raise ParamError("algorithm_params", f"{p.algorithm}: top_k must be at least 1, got {e['top_k']!r}")
+    if not 0 < e["eps"] < 1:
+        raise ParamError("algorithm_params", f"{p.algorithm}: eps must be in (0, 1), got {e['eps']!r}")
+
+
 def check(p: GenerationParams) -> GenerationParams:
     """Dream's own parameter rules (after the generic algorithm_params checks)."""
     if p.threshold is not None or p.factor is not None:
@@ -164,13 +175,7 @@ def check(p: GenerationParams) -> GenerationParams:
                          "generation_algorithm dream_cache (Fast-dLLM's Dream caches)")
     if p.remasking != "low_confidence":
         raise ParamError("remasking", "dream has no remasking option: algorithm_params.alg chooses the positions")
-    e = p.extra
-    if e["top_p"] is not None and not 0 < e["top_p"] <= 1:
-        raise ParamError("algorithm_params", f"dream: top_p must be in (0, 1], got {e['top_p']!r}")
-    if e["top_k"] is not None and e["top_k"] < 1:
-        raise ParamError("algorithm_params", f"dream: top_k must be at least 1, got {e['top_k']!r}")
-    if not 0 < e["eps"] < 1:
-        raise ParamError("algorithm_params", f"dream: eps must be in (0, 1), got {e['eps']!r}")
+    check_sampling(p)
     # one sequence, no blocks: the whole generation is the block, and steps are not capped at its length
     return replace(p, block_length=p.gen_length)
 

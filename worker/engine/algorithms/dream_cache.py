@@ -24,7 +24,7 @@ import torch
 from ..params import GenerationParams, ParamError
 from ..rows import Canvas, Finisher, Row, window_index
 from . import Algorithm, ParamInfo, register
-from .dream import DREAM_PARAMS, decide, sample_tokens
+from .dream import DREAM_PARAMS, check_sampling, decide, sample_tokens
 
 
 def steps_per_block(row: Row) -> int:
@@ -162,13 +162,7 @@ def check(p: GenerationParams) -> GenerationParams:
         raise ParamError("factor", "the Dream caches take threshold (parallel decoding) or steps, not factor")
     if p.remasking != "low_confidence":
         raise ParamError("remasking", "the Dream caches have no remasking option")
-    e = p.extra
-    if e["top_p"] is not None and not 0 < e["top_p"] <= 1:
-        raise ParamError("algorithm_params", f"top_p must be in (0, 1], got {e['top_p']!r}")
-    if e["top_k"] is not None and e["top_k"] < 1:
-        raise ParamError("algorithm_params", f"top_k must be at least 1, got {e['top_k']!r}")
-    if not 0 < e["eps"] < 1:
-        raise ParamError("algorithm_params", f"eps must be in (0, 1), got {e['eps']!r}")
+    check_sampling(p)
     return p
 
 
