@@ -137,3 +137,22 @@ def test_dream_cache_rows_join_exactly(dream_engine, dream_golden):
     feed = check_against_alone(dream_engine, reqs[:2], [(k, r) for k, r in zip(range(1, 60, 3), reqs[2:])])
     for (i, _, _), c in zip(feed.joined, cases[2:]):
         assert feed.results[i].canvas == c["output"]
+
+
+@pytest.mark.parametrize("alg", ["basic", "dual_cache", "prefix_cache", "dinfer_blockwise"])
+def test_cancelling_every_row_ends_the_batch_cleanly(llada_engine, alg):
+    """All clients gone at once: every row ends "cancelled" (the cached loops used to fail on an empty cache)."""
+    from worker.engine.rows import StepHooks
+    p = GenerationParams(gen_length=16, block_length=8, algorithm=alg)
+    gone = set()
+    hooks = StepHooks(is_cancelled=lambda i: i in gone, on_progress=lambda i, ids: gone.update({0, 1}))
+    out = llada_engine.generate([Request([1, 2, 3], p), Request([4, 5], p)], hooks=hooks, early_exit=False)
+    assert [r.finish_reason for r in out] == ["cancelled", "cancelled"]
+
+
+def test_dream_cache_rows_cancelled_together(dream_engine):
+    from worker.engine.rows import StepHooks
+    p = GenerationParams(gen_length=16, block_length=8, algorithm="dream_cache", threshold=0.9)
+    out = dream_engine.generate([Request([1, 2, 3], p), Request([4, 5], p)],
+                                hooks=StepHooks(is_cancelled=lambda i: True))
+    assert [r.finish_reason for r in out] == ["cancelled", "cancelled"]

@@ -204,3 +204,23 @@ def window_index(spans: list[tuple[int, int]], device) -> tuple[torch.Tensor, to
     cols = torch.tensor([[min(s + j, e - 1) for j in range(W)] for s, e in spans], device=device)
     valid = torch.tensor([[j < e - s for j in range(W)] for s, e in spans], device=device)
     return cols, valid
+
+
+def between_steps(canvas: Canvas, fin: Finisher, cache=None) -> list[Row] | None:
+    """The top of a step: drop the rows whose client has gone and add the rows joining the batch (continuous
+    batching), a KV cache laid out like the canvas following (``KVCache.keep`` / ``grow``). Returns the joining rows
+    (the caller sets them up), or None when no row is left."""
+    keep = [b for b, r in enumerate(canvas.rows) if not fin.cancelled(r)]
+    if len(keep) < len(canvas.rows):
+        trim = canvas.keep(keep)
+        if not canvas.rows:
+            return None
+        if cache is not None:
+            cache.keep(keep, trim)
+    new = fin.admit(canvas.rows)
+    if new:
+        prepend = canvas.add(new)
+        if cache is not None:
+            cache.grow(len(new), prepend, canvas.x.shape[1])
+    return new
+

@@ -135,7 +135,7 @@ class KVCache:
 
     def keep(self, rows: list[int], trim: int) -> None:
         """Follow the canvas when it drops rows and trims ``trim`` columns of left padding."""
-        idx = torch.tensor(rows, device=self.k.device)
+        idx = torch.tensor(rows, dtype=torch.long, device=self.k.device)
         self.k = self.k.index_select(1, idx)[:, :, :, trim:].contiguous()
         self.v = self.v.index_select(1, idx)[:, :, :, trim:].contiguous()
 

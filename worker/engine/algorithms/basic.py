@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..rows import Canvas, Finisher, Row
+from ..rows import Canvas, Finisher, Row, between_steps
 from ..sampling import Layout, Softmax, denoise, fast_dllm_rule
 from . import Algorithm, register
 
@@ -88,14 +88,10 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
         r.rule = fast_dllm_rule(r.params, Softmax.MODEL, Softmax.FLOAT64)
         start_block(r, gens[r.index], mask_id)
     while canvas.rows:
-        keep = [b for b, r in enumerate(canvas.rows) if not fin.cancelled(r)]
-        if len(keep) < len(canvas.rows):
-            canvas.keep(keep)
-            if not canvas.rows:
-                break
-        new = fin.admit(canvas.rows)           # continuous batching: rows join between steps
+        new = between_steps(canvas, fin)
+        if new is None:
+            break
         if new:
-            canvas.add(new)
             gens = canvas.read_gens()
             for r in new:
                 r.rule = fast_dllm_rule(r.params, Softmax.MODEL, Softmax.FLOAT64)

@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from ..rows import Canvas, Finisher, Row
+from ..rows import Canvas, Finisher, Row, between_steps, window_index
 from . import Algorithm, register
-from ..rows import window_index
 from ..sampling import Layout, Softmax, fast_dllm_rule
 from .basic import candidate_region, commit, start_block, step_done, whole_sequence
 
@@ -58,15 +57,10 @@ def run_cached(engine, rows: list[Row], fin: Finisher, dual: bool, make_rule=fas
 
     setup(rows)
     while canvas.rows:
-        keep = [b for b, r in enumerate(canvas.rows) if not fin.cancelled(r)]
-        if len(keep) < len(canvas.rows):
-            cache.keep(keep, canvas.keep(keep))
-            if not canvas.rows:
-                break
-        new = fin.admit(canvas.rows)           # continuous batching: joining rows start with a full forward
+        new = between_steps(canvas, fin, cache)     # joining rows start with a full forward
+        if new is None:
+            break
         if new:
-            prepend = canvas.add(new)
-            cache.grow(len(new), prepend, canvas.x.shape[1])
             gens = canvas.read_gens()
             setup(new)
         active = canvas.rows

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ..params import GenerationParams, ParamError
-from ..rows import Canvas, Finisher, Row
+from ..rows import Canvas, Finisher, Row, between_steps
 from . import Algorithm, ParamInfo, register
 
 ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
@@ -115,14 +115,10 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
     canvas = Canvas(rows, mask_id, engine.pad_id, dev)
     steps = {r.index: torch.linspace(1, r.params.extra["eps"], total_steps(r) + 1, device=dev) for r in rows}
     while canvas.rows:
-        keep = [b for b, r in enumerate(canvas.rows) if not fin.cancelled(r)]
-        if len(keep) < len(canvas.rows):
-            canvas.keep(keep)
-            if not canvas.rows:
-                break
-        new = fin.admit(canvas.rows)           # continuous batching: rows join between steps
+        new = between_steps(canvas, fin)
+        if new is None:
+            break
         if new:
-            canvas.add(new)
             steps.update({r.index: torch.linspace(1, r.params.extra["eps"], total_steps(r) + 1, device=dev)
                           for r in new})
         x, W = canvas.x, canvas.x.shape[1]

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..params import GenerationParams, ParamError
-from ..rows import Canvas, Finisher, Row, window_index
+from ..rows import Canvas, Finisher, Row, between_steps, window_index
 from . import Algorithm, ParamInfo, register
 from .dream import DREAM_PARAMS, check_sampling, decide, sample_tokens
 
@@ -67,14 +67,10 @@ def run_dream_cache(engine, rows: list[Row], fin: Finisher, dual: bool) -> None:
         return False
 
     while canvas.rows:
-        keep = [b for b, r in enumerate(canvas.rows) if not fin.cancelled(r)]
-        if len(keep) < len(canvas.rows):
-            cache.keep(keep, canvas.keep(keep))
-            if not canvas.rows:
-                break
-        new = fin.admit(canvas.rows)           # continuous batching: joining rows start with a full forward
+        new = between_steps(canvas, fin, cache)     # joining rows start with a full forward
+        if new is None:
+            break
         if new:
-            cache.grow(len(new), canvas.add(new), canvas.x.shape[1])
             for r in new:
                 timesteps[r.index] = torch.linspace(1, r.params.extra["eps"], steps_per_block(r) + 1, device=dev)
                 r.block, r.step = 0, 0
