@@ -488,7 +488,7 @@ class _Choice:
 
 
 # ---------------------------------------------------------------- the queue and the device thread
-@dataclass
+@dataclass(eq=False)      # a row is itself: identity, not field-by-field equality (queue and batch lookups)
 class Job:
     """One row: a prompt with its parameters. Events go to ``sink(index, kind, payload)`` on the event loop:
     ("progress", final_ids) while decoding, then ("done", Result) or ("error", (status, message))."""
@@ -644,11 +644,12 @@ class Batcher:
             batch, tokens = [], 0
             with self._lock:
                 while self.pending and len(batch) < self.batch_size:
-                    need = canvas_tokens(self.pending[0])
-                    if batch and self.max_batch_tokens and tokens + need > self.max_batch_tokens:
-                        break
+                    if self.max_batch_tokens:
+                        need = canvas_tokens(self.pending[0])
+                        if batch and tokens + need > self.max_batch_tokens:
+                            break
+                        tokens += need
                     batch.append(self.pending.popleft())
-                    tokens += need
             if not batch:
                 continue
             for j in batch:
@@ -808,10 +809,11 @@ class _Feed:
                     if now - j.enqueued_at > b.switch_wait:
                         break
                     continue
-                need = canvas_tokens(j)
-                if b.max_batch_tokens and tokens + need > b.max_batch_tokens:
-                    break           # in order: a later, smaller row does not overtake this one
-                tokens += need
+                if b.max_batch_tokens:
+                    need = canvas_tokens(j)
+                    if tokens + need > b.max_batch_tokens:
+                        break       # in order: a later, smaller row does not overtake this one
+                    tokens += need
                 taken.append(j)
             if taken:
                 ids = {id(j) for j in taken}
