@@ -20,6 +20,7 @@ TINY_NEMOTRON = fixture_path("tiny-nemotron")
 TINY_LLADA_PEAKY = fixture_path("tiny-llada-peaky")
 TINY_DREAM = fixture_path("tiny-dream")
 TINY_SDAR = fixture_path("tiny-sdar")
+TINY_LLADA_MOE = fixture_path("tiny-llada-moe")
 
 
 @pytest.fixture(scope="session")
@@ -83,3 +84,15 @@ def llada_engine():
 
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(scope="session")
+def moe_golden() -> dict:
+    with open(fixture_path("tiny-llada-moe-golden.json")) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="session")
+def moe_engine():
+    from worker.engine import Engine
+    return Engine.from_pretrained(TINY_LLADA_MOE, device="cpu", dtype="float32")

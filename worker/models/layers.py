@@ -102,6 +102,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fp32: bool
     return x * cos + rotate_half(x) * sin
 
 
+def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
+    """RoPE on the first ``rotary_dim`` channels of each head (the tables are ``rotary_dim`` wide), the rest passed
+    through, concatenated back as Hugging Face's ``partial_rotary_factor`` models do (tables cast to x's dtype)."""
+    return torch.cat((apply_rope(x[..., :rotary_dim], cos, sin, fp32=False), x[..., rotary_dim:]), dim=-1)
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """Bidirectional attention. q: [B, Hq, Lq, D]; k, v: [B, Hkv, Lk, D] with Hq a multiple of Hkv (kv head j
     serves query heads j*g .. j*g+g-1); mask: bool [B, 1, 1 or Lq, Lk], True where a key may be attended, or None."""
@@ -246,8 +252,9 @@ class DecoderLM(nn.Module):
         return self.decoder.embed_tokens.weight.dtype
 
     def init_rope(self) -> None:
-        self.rope_cos, self.rope_sin = rope_tables(self.cfg.head_dim, self.cfg.max_position_embeddings,
-                                                   self.cfg.rope_theta, self.device)
+        dim = getattr(self.cfg, "rotary_dim", None) or self.cfg.head_dim
+        self.rope_cos, self.rope_sin = rope_tables(dim, self.cfg.max_position_embeddings, self.cfg.rope_theta,
+                                                   self.device)
 
     def forward(self, ids, pos, mask=None, cache: "KVCache | None" = None, slots=None, window=None):
         cos, sin = self.rope_cos[pos], self.rope_sin[pos]

@@ -56,7 +56,7 @@ class Algorithm:
     description: str
     exact: bool                     # token-identical to the published reference loop
     run: object                     # callable(engine, rows, finisher) -> None
-    families: tuple[str, ...] = ("llada", "nemotron")
+    families: tuple[str, ...] = ("llada", "llada_moe", "nemotron")
     params: tuple[ParamInfo, ...] = COMMON_PARAMS
     extra_params: tuple[ParamInfo, ...] = field(default_factory=tuple)   # go in ``algorithm_params``
     defaults: dict = field(default_factory=dict)                         # common parameters' own defaults here
