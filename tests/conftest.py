@@ -21,6 +21,7 @@ TINY_LLADA_PEAKY = fixture_path("tiny-llada-peaky")
 TINY_DREAM = fixture_path("tiny-dream")
 TINY_SDAR = fixture_path("tiny-sdar")
 TINY_LLADA_MOE = fixture_path("tiny-llada-moe")
+TINY_LLADA2 = fixture_path("tiny-llada2")
 
 
 @pytest.fixture(scope="session")
@@ -96,3 +97,15 @@ def moe_golden() -> dict:
 def moe_engine():
     from worker.engine import Engine
     return Engine.from_pretrained(TINY_LLADA_MOE, device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def llada2_golden() -> dict:
+    with open(fixture_path("tiny-llada2-golden.json")) as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="session")
+def llada2_engine():
+    from worker.engine import Engine
+    return Engine.from_pretrained(TINY_LLADA2, device="cpu", dtype="float32")

@@ -19,7 +19,7 @@ class DiffusionLM(Protocol):
     (True = may attend) or None. With ``cache`` (a :class:`KVCache` from :meth:`new_cache`; rows ``slots`` of it, or
     all): without ``window`` the rows are whole canvas rows whose keys/values are stored; with
     ``window = (bi, wi, cols)`` the ids are windows whose valid positions' keys/values are written at cache columns
-    ``cols`` and which attend to the whole cached row. :meth:`logits` maps hidden states to vocabulary logits (called
+    ``cols`` and which attend to the whole cached row (``(bi, wi, cols, n)``: to its first ``n`` columns). :meth:`logits` maps hidden states to vocabulary logits (called
     on the positions needed only)."""
 
     cfg: Any

@@ -150,7 +150,9 @@ class LayerKV:
     """How one layer's forward uses the cache: ``fill`` stores the keys/values of whole rows (a full forward at a block
     start) and attends to them as a plain forward would; ``window`` writes the fresh keys/values of the window's valid
     positions (batch row ``bi``, window index ``wi`` -> cache column ``cols[bi, wi]``) and attends to the whole cache
-    row (prefix, the fresh window and, for the dual cache, the cached suffix)."""
+    row (prefix, the fresh window and, for the dual cache, the cached suffix), or to its first ``window[3]`` columns
+    when the window tuple has a fourth entry (block-causal loops: no key past the farthest window is visible, and
+    leaving them out keeps the keys the reference's own forward has, which bfloat16 attention is sensitive to)."""
 
     def __init__(self, cache: KVCache, layer: int, slots: torch.Tensor | None, window=None):
         self.cache, self.layer, self.slots, self.window = cache, layer, slots, window
@@ -166,10 +168,12 @@ class LayerKV:
                 ck.index_copy_(0, self.slots, k)
                 cv.index_copy_(0, self.slots, v)
             return k, v
-        bi, wi, cols = self.window
+        bi, wi, cols = self.window[:3]
         rows = bi if self.slots is None else self.slots[bi]
         ck[rows, :, cols] = k[bi, :, wi]
         cv[rows, :, cols] = v[bi, :, wi]
+        if len(self.window) > 3:        # attend to the first ``window[3]`` cache columns only
+            ck, cv = ck.narrow(2, 0, self.window[3]), cv.narrow(2, 0, self.window[3])
         if self.slots is None:
             return ck, cv
         return ck.index_select(0, self.slots), cv.index_select(0, self.slots)

@@ -122,4 +122,4 @@ def get(name: str, family: str) -> Algorithm:
     return alg
 
 
-from . import basic, cached, dinfer, dream, dream_cache, nemotron, sdar  # noqa: E402,F401  (they register themselves)
+from . import basic, cached, dinfer, dream, dream_cache, llada2, nemotron, sdar  # noqa: E402,F401  (they register themselves)

@@ -111,7 +111,6 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
     x = layout(rows, W)
     cache = model.new_cache(len(rows), W)
     active = list(rows)
-    kcol = torch.arange(W, device=dev)
 
     def drop(keep: list[int]) -> None:
         nonlocal x, active
@@ -135,7 +134,7 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
                 x = torch.cat([x, torch.full((x.shape[0], width - W), engine.pad_id, dtype=torch.long, device=dev)], 1)
             x = torch.cat([x, layout(new, width)])
             cache.grow(len(new), 0, width)
-            W, kcol = width, torch.arange(width, device=dev)
+            W = width
             active = active + new
         spans, at = [], []
         for r in active:
@@ -148,13 +147,15 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
                 spans.append((0, (s.block + 1) * bl))
             at.append(spans[-1][1] - bl - spans[-1][0])    # window index of the block's first position
         cols, valid = window_index(spans, dev)
+        keys = max(e for _, e in spans)             # no row sees a key past its window's end
+        kcol = torch.arange(keys, device=dev)
         bl_t = torch.tensor([bls[r.index] for r in active], device=dev)[:, None]
         tot = torch.tensor([state[r.index].total for r in active], device=dev)[:, None]
         # block-causal: a query sees the keys of its own block and the blocks before it
         mask = ((kcol[None, None, :] // bl_t[:, :, None]) <= (cols // bl_t)[:, :, None]) & (kcol[None, None, :] <
                                                                                           tot[:, :, None])
         bi, wi = valid.nonzero(as_tuple=True)
-        hidden = model(x.gather(1, cols), cols, mask[:, None], cache=cache, window=(bi, wi, cols[bi, wi]))
+        hidden = model(x.gather(1, cols), cols, mask[:, None], cache=cache, window=(bi, wi, cols[bi, wi], keys))
         den = [b for b, r in enumerate(active) if state[r.index].phase == "denoise"]
         if den:
             K = max(bls[active[b].index] for b in den)

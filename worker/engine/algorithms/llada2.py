@@ -1,0 +1,213 @@
+"""``llada2``: LLaDA2's block diffusion (the checkpoint's ``modeling_llada2_moe.py`` ``LLaDA2MoeModelLM.generate``)
+with an exact KV cache, each row with its own prompt length, block length and parameters at any batch size.
+
+A row's sequence (prompt, then masks up to a multiple of ``block_length``) is cut into blocks counted from position 0;
+attention is block-causal. Blocks are denoised in turn from the one holding the end of the prompt. Each step (while
+the block has a masked position) forwards the block, samples a token and its probability at each of its positions
+(``temperature`` 0: the softmax's argmax; else the logits divided by it, ``top_k`` / ``top_p`` filtering, one
+multinomial draw per position from the row's generator), and commits every masked position whose probability
+exceeds ``threshold`` when there are at least the step's scheduled count of them, else the scheduled count of the
+most probable (at most the masks left). The schedule spreads ``block_length`` over ``denoising_steps`` (capped at
+``gen_length // minimal_topk``; the remainder to the first steps).
+
+The reference recomputes the whole prefix in every forward. Here the first forward of a block also covers the block
+before it (or, for the first block, the prompt's whole blocks), writing their final keys/values into the row's cache
+slot; the block's other steps forward the block alone against the cache. A finished block's keys/values never change
+(no earlier position attends to it), so the cache is exact, and the forward count is the reference's: one per step.
+``kv_cache: false`` recomputes the prefix as the reference does (the same tokens; for comparison). A block becomes
+final when its masks are gone, so answers stream and end (early exit at a stop token, as the reference's ``eos_id``
+check after each block) only at block boundaries; with ``ignore_eos`` every block is generated (``eos_id=None``)."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.nn.functional as F
+
+from ..params import GenerationParams, ParamError
+from ..rows import Finisher, Row, window_index
+from . import Algorithm, ParamInfo, register
+from .sdar import check_plan, sample as sample_filtered, transfer_schedule
+
+
+def sample(logits: torch.Tensor, p: GenerationParams, g: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens, their probabilities) at every position, as the reference's ``_sample_with_temperature_topk_topp``."""
+    if p.temperature == 0:
+        probs = F.softmax(logits, dim=-1)
+        token = torch.argmax(probs, dim=-1, keepdim=True)
+        return token[:, 0], torch.gather(probs, -1, token)[:, 0]
+    return sample_filtered(logits, p, g)
+
+
+def choose(masked: torch.Tensor, prob: torch.Tensor, n: int, threshold: float) -> torch.Tensor:
+    """Which of the block's positions this step commits (bool [block_length])."""
+    conf = torch.where(masked, prob, float("-inf"))
+    high = conf > threshold
+    if int(high.sum()) >= n:
+        return high
+    out = torch.zeros_like(masked)
+    out[torch.topk(conf, min(n, int(masked.sum())))[1]] = True
+    return out
+
+
+class _State:
+    """The block a row is denoising, its step, and how far its sequence is final."""
+    __slots__ = ("block", "step", "total", "final", "stored")
+
+    def __init__(self, row: Row, bl: int):
+        P = row.plan.prompt_length
+        self.total = -(-(P + row.plan.gen_length) // bl) * bl         # positions, whole blocks
+        self.block = P // bl
+        self.step = 0
+        self.final = self.block * bl            # positions before it never change again
+        self.stored = 0                          # positions whose final keys/values are in the cache
+
+
+def run(engine, rows: list[Row], fin: Finisher) -> None:
+    model, mask_id, dev = engine.model, engine.mask_id, engine.model.device
+    bls: dict[int, int] = {}
+    state: dict[int, _State] = {}
+
+    def extent(r: Row) -> int:
+        bl = r.params.block_length
+        return -(-(r.plan.prompt_length + r.plan.gen_length) // bl) * bl
+
+    def layout(new: list[Row], width: int) -> torch.Tensor:
+        """Rows' sequences left-aligned (position = column), padded to ``width``."""
+        for r in new:
+            bls[r.index] = r.params.block_length          # not capped at max_tokens: blocks count from 0
+            state[r.index] = _State(r, bls[r.index])
+        t = torch.full((len(new), width), engine.pad_id, dtype=torch.long)
+        for b, r in enumerate(new):
+            t[b, :len(r.prompt)] = torch.tensor(r.prompt)
+            t[b, len(r.prompt):state[r.index].total] = mask_id
+        return t.to(dev)
+
+    W = max(extent(r) for r in rows)
+    x = layout(rows, W)
+    cache = model.new_cache(len(rows), W)
+    active = list(rows)
+
+    def drop(keep: list[int]) -> None:
+        nonlocal x, active
+        if not keep:
+            active = []
+        elif len(keep) < len(active):
+            idx = torch.tensor(keep, dtype=torch.long, device=dev)
+            x = x.index_select(0, idx)
+            cache.keep(keep, 0)
+            active = [active[b] for b in keep]
+
+    while active:
+        drop([b for b, r in enumerate(active) if not fin.cancelled(r)])
+        if not active:
+            break
+        new = fin.admit(active)                # continuous batching: a joining row starts at its first block
+        if new:
+            width = max(W, max(extent(r) for r in new))
+            if width > W:
+                x = torch.cat([x, torch.full((x.shape[0], width - W), engine.pad_id, dtype=torch.long, device=dev)], 1)
+            x = torch.cat([x, layout(new, width)])
+            cache.grow(len(new), 0, width)
+            W = width
+            active = active + new
+        spans, at = [], []
+        for r in active:
+            s, bl = state[r.index], bls[r.index]
+            start = s.stored if r.params.extra["kv_cache"] else 0
+            spans.append((start, (s.block + 1) * bl))
+            at.append(s.block * bl - start)          # window index of the block's first position
+        cols, valid = window_index(spans, dev)
+        bl_t = torch.tensor([bls[r.index] for r in active], device=dev)[:, None]
+        tot = torch.tensor([state[r.index].total for r in active], device=dev)[:, None]
+        keys = max(e for _, e in spans)             # no row sees a key past its window's end
+        kcol = torch.arange(keys, device=dev)
+        # block-causal: a query sees the keys of its own block and the blocks before it
+        mask = ((kcol[None, None, :] // bl_t[:, :, None]) <= (cols // bl_t)[:, :, None]) & (kcol[None, None, :] <
+                                                                                          tot[:, :, None])
+        bi, wi = valid.nonzero(as_tuple=True)
+        hidden = model(x.gather(1, cols), cols, mask[:, None], cache=cache, window=(bi, wi, cols[bi, wi], keys))
+        K = max(bls[r.index] for r in active)
+        idx = torch.tensor([[at[b] + min(j, bls[r.index] - 1) for j in range(K)] for b, r in enumerate(active)],
+                           device=dev)
+        logits = model.logits(hidden[torch.arange(len(active), device=dev)[:, None], idx]).float()
+        for b, r in enumerate(active):
+            s, bl, p = state[r.index], bls[r.index], r.params
+            start = s.block * bl
+            cur = x[b, start:start + bl]
+            token, prob = sample(logits[b, :bl], p, r.generator)
+            sched = transfer_schedule(bl, p.extra["denoising_steps"])
+            x[b, start:start + bl] = torch.where(choose(cur == mask_id, prob, sched[s.step], p.threshold), token, cur)
+        xc = x.cpu()
+        done = []
+        for b, r in enumerate(active):
+            s, bl = state[r.index], bls[r.index]
+            r.nfe += 1
+            s.stored = s.block * bl                   # the blocks before this one are in the cache now
+            s.step += 1
+            start = s.block * bl
+            schedule_done = False
+            # the reference checks for masks before each forward and runs at most denoising_steps of them
+            if not xc[b, start:start + bl].eq(mask_id).any().item() or s.step >= r.params.extra["denoising_steps"]:
+                s.final = start + bl
+                if s.final >= s.total:
+                    schedule_done = True
+                else:
+                    s.block, s.step = s.block + 1, 0
+            P = r.plan.prompt_length
+            view = xc[b, P:s.total].tolist()
+            # the block being denoised is not final yet: shown as masks
+            gen = view if schedule_done else view[:max(0, s.final - P)] + [mask_id] * (s.total - max(s.final, P))
+            fin.update(r, gen, schedule_done)
+            if r.done:
+                done.append(b)
+        if done:
+            drop([b for b in range(len(active)) if b not in done])
+        yield      # a step is done: the engine may run other groups' steps (continuous batching)
+
+
+def check(p: GenerationParams) -> GenerationParams:
+    if p.factor is not None:
+        raise ParamError("factor", "llada2 takes threshold and algorithm_params.denoising_steps, not factor")
+    if p.remasking != "low_confidence":
+        raise ParamError("remasking", "llada2 commits by confidence (threshold, then the most probable)")
+    if p.steps is not None:
+        raise ParamError("steps", "llada2 counts its steps per block: algorithm_params.denoising_steps")
+    e = p.extra
+    if not 0 < e["top_p"] <= 1:
+        raise ParamError("algorithm_params", f"llada2: top_p must be in (0, 1], got {e['top_p']!r}")
+    if e["minimal_topk"] < 1:
+        raise ParamError("algorithm_params", f"llada2: minimal_topk must be at least 1, got {e['minimal_topk']!r}")
+    steps = e["denoising_steps"] or p.block_length
+    if steps < 1:
+        raise ParamError("algorithm_params", f"llada2: denoising_steps must be at least 1, got {steps!r}")
+    steps = min(steps, p.gen_length // e["minimal_topk"])
+    if steps < 1:
+        raise ParamError("algorithm_params", f"llada2: max_tokens // minimal_topk must be at least 1")
+    threshold = 0.95 if p.threshold is None else p.threshold
+    return replace(p, threshold=threshold, extra={**e, "denoising_steps": steps})
+
+
+register(Algorithm(
+    name="llada2",
+    description="LLaDA2 block diffusion (LLaDA2MoeModelLM.generate): block-causal attention with an exact KV cache, "
+                "threshold decoding within each block",
+    exact=True, run=run, families=("llada2",), cfg=False, check=check, check_plan=check_plan,
+    stochastic=lambda p: p.temperature > 0,
+    params=(
+        ParamInfo("block_length", 32, "block size"),
+        ParamInfo("threshold", 0.95, "commit every masked position of the block whose probability exceeds it (at "
+                  "least the step's scheduled count)"),
+        ParamInfo("temperature", 0.0, "0 = greedy (argmax); > 0 divides the logits before top_k / top_p"),
+        ParamInfo("seed", None, "per-request seed for the sampling"),
+    ),
+    extra_params=(
+        ParamInfo("denoising_steps", None, "steps per block (default: block_length), capped at "
+                  "max_tokens // minimal_topk", kind="int"),
+        ParamInfo("minimal_topk", 1, "caps denoising_steps at max_tokens // minimal_topk"),
+        ParamInfo("top_k", 0, "top-k filtering (0: off)"),
+        ParamInfo("top_p", 1.0, "nucleus filtering (1: off)"),
+        ParamInfo("kv_cache", True, "false: recompute the prefix in every forward as the reference does (the same "
+                  "tokens at a higher cost; for comparison)"),
+    ),
+))
