@@ -4,6 +4,7 @@
   python bench/algorithms_bench.py --shape llada-8b --device cuda --gen-length 256 --block-length 32
   python bench/algorithms_bench.py --model-path tests/fixtures/tiny-nemotron --only nemotron,basic,dual_cache
   python bench/algorithms_bench.py --model-path tests/fixtures/tiny-sdar --block-length 4    # kv_cache on / off
+  python bench/algorithms_bench.py --model-path tests/fixtures/tiny-llada2 --block-length 8  # kv_cache on / off
 
 Early exit is off (the whole canvas is decoded, as the reference does), so random-weight models measure the full
 work. ``tok/fwd`` = generated tokens per forward pass of a row (gen_length / nfe); ``fwd tok/row`` = the tokens a
@@ -40,6 +41,8 @@ SETTINGS = [
     ("dream_dual_cache", {"threshold": 0.9}),
     ("sdar", {}),
     ("sdar", {"extra": {"kv_cache": False}}),
+    ("llada2", {}),
+    ("llada2", {"extra": {"kv_cache": False}}),
 ]
 
 

@@ -4,6 +4,7 @@
   python bench/engine_bench.py --shape llada-1b --gen-length 16 --steps 8 --batch-sizes 1,4
   python bench/engine_bench.py --shape llada-8b --device cuda --gen-length 256 --block-length 32
   python bench/engine_bench.py --memory --shape llada-1b      # peak host RSS while loading a bf16 checkpoint
+  python bench/engine_bench.py --memory --shape llada-moe-1b  # the same for a mixture-of-experts checkpoint
 
 Tokens/s counts generated tokens (gen_length per row, whole canvas, early exit off) over wall time; forward
 passes/s counts denoising steps (one batched forward each) over wall time.
@@ -31,8 +32,25 @@ SHAPES = {
                                                     # and head: the per-step confidence work shows, as on LLaDA-8B
 }
 
+MOE_SHAPES = {
+    # name: LLaDA-MoE config (the layout of inclusionAI/LLaDA-MoE-7B-A1B; 1.16B parameters: 64 experts of 512 in 8
+    # layers, the real vocabulary)
+    "llada-moe-1b": {"hidden_size": 1024, "num_hidden_layers": 8, "num_attention_heads": 16, "num_experts": 64,
+                     "num_experts_per_tok": 8, "expert_intermediate_size": 512, "vocab_size": 157184},
+}
+
+
+def moe_config(name: str) -> dict:
+    c = MOE_SHAPES[name]
+    return {"architectures": ["LLaDAMoEModelLM"], "model_type": "llada", **c, "num_key_value_heads":
+            c["num_attention_heads"], "moe_layer_freq": [1] * c["num_hidden_layers"], "qk_layernorm": True,
+            "rope_theta": 50000, "rms_norm_eps": 1e-5, "max_position_embeddings": 8192, "partial_rotary_factor": 1,
+            "eos_token_id": 156892, "pad_token_id": 156892, "mask_token_id": 156895}
+
 
 def shape_config(name: str) -> dict:
+    if name in MOE_SHAPES:
+        return moe_config(name)
     d, L, h, kv, mlp, v = SHAPES[name]
     return {"architectures": ["LLaDAModelLM"], "model_type": "llada", "d_model": d, "n_layers": L, "n_heads": h,
             "n_kv_heads": kv, "mlp_hidden_size": mlp, "vocab_size": v, "embedding_size": v, "rope_theta": 500000.0,
@@ -56,12 +74,16 @@ def random_engine(name: str, device: torch.device, dtype: torch.dtype):
 
 
 def write_checkpoint(name: str, dest: Path) -> int:
-    """Random bf16 weights of a named shape, in LLaDA's layout; returns the weights' size in bytes."""
+    """Random bf16 weights of a named shape, in its family's layout; returns the weights' size in bytes."""
     from safetensors.torch import save_file
     from worker.models.llada import PREFIX, LLaDAConfig, LLaDAModel
+    from worker.models.llada_moe import LLaDAMoEConfig, LLaDAMoEModel
     cfg = shape_config(name)
     with torch.device("meta"):
-        shapes = {PREFIX + n: p.shape for n, p in LLaDAModel(LLaDAConfig.from_dict(cfg)).named_parameters()}
+        if name in MOE_SHAPES:
+            shapes = {n: p.shape for n, p in LLaDAMoEModel(LLaDAMoEConfig.from_dict(cfg)).named_parameters()}
+        else:
+            shapes = {PREFIX + n: p.shape for n, p in LLaDAModel(LLaDAConfig.from_dict(cfg)).named_parameters()}
     dest.mkdir(parents=True, exist_ok=True)
     (dest / "config.json").write_text(json.dumps(cfg))
     total, shard, shards, size = 0, {}, [], 0
@@ -188,7 +210,7 @@ def throughput_bench(args) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model-path")
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="llada-1b")
+    ap.add_argument("--shape", choices=sorted(SHAPES) + sorted(MOE_SHAPES), default="llada-1b")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     ap.add_argument("--batch-sizes", default="1,4,8,16")
@@ -209,6 +231,8 @@ def main() -> None:
         measure_load(args.measure_load, args.device, args.dtype)
     elif args.memory:
         memory_bench(args)
+    elif args.shape in MOE_SHAPES and not args.model_path:
+        ap.error(f"--shape {args.shape} is for --memory (throughput: --model-path a checkpoint)")
     else:
         throughput_bench(args)
 

@@ -109,3 +109,9 @@ def llada2_golden() -> dict:
 def llada2_engine():
     from worker.engine import Engine
     return Engine.from_pretrained(TINY_LLADA2, device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def llada21_golden() -> dict:
+    with open(fixture_path("tiny-llada21-golden.json")) as f:
+        return json.load(f)

@@ -32,10 +32,22 @@ def same(r, c) -> bool:
     return r.canvas[:c["gen"]] == c["output"] and r.nfe == c["nfe"]
 
 
+def params21(c: dict, **kw) -> GenerationParams:
+    return GenerationParams(gen_length=c["gen"], block_length=c["block"], algorithm="llada21",
+                            threshold=c["threshold"], temperature=c.get("temperature", 0.0), seed=c.get("seed"),
+                            extra=extra21(c, **kw))
+
+
+def extra21(c: dict, **kw) -> dict:
+    return {"editing_threshold": c["editing_threshold"], "max_post_steps": c.get("max_post_steps", 16),
+            "num_to_transfer": c.get("num_to_transfer", 1), "top_k": c.get("top_k", 0), "top_p": c.get("top_p", 1.0),
+            **kw}
+
+
 def test_detection_ids_and_algorithms(llada2_engine):
     assert detect_family(TINY_LLADA2) == "llada2" and llada2_engine.family == "llada2"
     assert FAMILIES["llada2"].default_algorithm == "llada2" and ALGORITHMS["llada2"].families == ("llada2",)
-    assert [n for n, a in ALGORITHMS.items() if "llada2" in a.families] == ["llada2"]
+    assert sorted(n for n, a in ALGORITHMS.items() if "llada2" in a.families) == ["llada2", "llada21"]
     vocab = llada2_engine.tokenizer.get_vocab()
     assert llada2_engine.mask_id == vocab["<|mask|>"] == 290
     assert llada2_engine.stop_ids == sorted({vocab["<|endoftext|>"], vocab["<|role_end|>"]})
@@ -163,8 +175,46 @@ def test_cli_generate_reproduces_the_golden_cases(llada2_golden, tmp_path):
     assert [g["nfe"] for g in got] == [c["nfe"] for c in cases]
 
 
+def test_llada21_editing_cases_are_exact_alone_and_batched(llada2_engine, llada21_golden):
+    """LLaDA2.1's generate (token editing) on the same checkpoint."""
+    cases = llada21_golden["cases"]
+    assert len(cases) == 53 and any(c.get("max_post_steps") == 0 for c in cases)
+    assert [i for i, c in enumerate(cases)
+            if not same(llada2_engine.generate([Request(c["prompt"], params21(c))], early_exit=False)[0], c)] == []
+    order = list(range(len(cases)))
+    random.Random(6).shuffle(order)
+    res = llada2_engine.generate([Request(cases[i]["prompt"], params21(cases[i])) for i in order], early_exit=False)
+    assert [i for r, i in zip(res, order) if not same(r, cases[i])] == []
+    with pytest.raises(ParamError) as err:
+        llada2_engine.plan([1, 2], GenerationParams(gen_length=8, block_length=4, algorithm="llada21",
+                                                    extra={"denoising_steps": 4}))
+    assert err.value.param == "algorithm_params"
+
+
 @pytest.mark.slow
-def test_worker_and_balancer_serve_the_family(tmp_path, llada2_golden):
+def test_llada21_without_cache_early_exit_bfloat16_and_joining(llada2_engine, llada21_golden):
+    """The same goldens without the cache, with early exit (the reference's eos_early_stop), in bfloat16 and joining
+    a running batch."""
+    cases = llada21_golden["cases"]
+    assert [i for i, c in enumerate(cases) if not same(llada2_engine.generate(
+        [Request(c["prompt"], params21(c, kv_cache=False))], early_exit=False)[0], c)] == []
+    stops = set(llada2_engine.stop_ids)
+    for c in cases:
+        r = llada2_engine.generate([Request(c["prompt"], params21(c))])[0]
+        cut = next((i for i, t in enumerate(c["answer"]) if t in stops), len(c["answer"]))
+        assert r.token_ids == c["answer"][:cut], c
+    e = Engine.from_pretrained(TINY_LLADA2, device="cpu", dtype="bfloat16")
+    assert [i for i, c in enumerate(llada21_golden["bf16_cases"])
+            if not same(e.generate([Request(c["prompt"], params21(c))], early_exit=False)[0], c)] == []
+    reqs = [Request(c["prompt"], params21(c)) for c in cases[::4]]
+    feed = check_against_alone(llada2_engine, reqs[:2], [(k, r) for k, r in zip((1, 3, 3, 6, 9, 12, 16, 20, 25, 31,
+                                                                                  40), reqs[2:])])
+    for (i, _, _), c in zip(feed.joined, cases[::4][2:]):
+        assert same(feed.results[i], c)
+
+
+@pytest.mark.slow
+def test_worker_and_balancer_serve_the_family(tmp_path, llada2_golden, llada21_golden):
     from concurrent.futures import ThreadPoolExecutor
     from tests.helpers import Cluster
     cl = Cluster(tmp_path, TINY_LLADA2, n=2)
@@ -186,5 +236,11 @@ def test_worker_and_balancer_serve_the_family(tmp_path, llada2_golden):
         status, r = post_json(cl.url + "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                                                  "max_tokens": 8})
         assert status == 200 and r["model"] == "tiny-llada2"
+        c = llada21_golden["cases"][7]
+        status, r = post_json(cl.url + "/v1/completions", {
+            "prompt": c["prompt"], "max_tokens": c["gen"], "block_length": c["block"], "ignore_eos": True,
+            "threshold": c["threshold"], "generation_algorithm": "llada21", "algorithm_params": extra21(c),
+            "return_token_ids": True, "temperature": 0})
+        assert status == 200 and r["choices"][0]["token_ids"] == c["output"] and r["choices"][0]["nfe"] == c["nfe"]
     finally:
         cl.stop()

@@ -50,9 +50,34 @@ def choose(masked: torch.Tensor, prob: torch.Tensor, n: int, threshold: float) -
     return out
 
 
+def sample21(logits: torch.Tensor, p: GenerationParams, g: torch.Generator | None):
+    """LLaDA2.1's sampler: greedy is the logits' argmax (2.0 takes the softmax's)."""
+    if p.temperature == 0:
+        token = torch.argmax(logits, dim=-1, keepdim=True)
+        return token[:, 0], torch.gather(F.softmax(logits, dim=-1), -1, token)[:, 0]
+    return sample_filtered(logits, p, g)
+
+
+def step21(s: "_State", cur: torch.Tensor, logits: torch.Tensor, p: GenerationParams, r: Row, start: int,
+           mask_id: int) -> torch.Tensor:
+    """One LLaDA2.1 step on a block (``cur``): unmask by threshold (at least ``num_to_transfer``), and edit every
+    generated (not prompt, not masked) position whose new token differs with probability above
+    ``editing_threshold``. Returns the block's new tokens; sets ``s.post`` / ``s.idle`` for the end rule."""
+    masked = cur == mask_id
+    any_masked = bool(masked.any())
+    if not any_masked:
+        s.post += 1
+    token, prob = sample21(logits, p, r.generator)
+    write = choose(masked, prob, p.extra["num_to_transfer"], p.threshold) if any_masked else torch.zeros_like(masked)
+    generated = torch.arange(start, start + cur.shape[0], device=cur.device) >= r.plan.prompt_length
+    edit = ~masked & generated & (prob > p.extra["editing_threshold"]) & (token != cur)
+    s.idle = not any_masked and not bool(edit.any())
+    return torch.where(write | edit, token, cur)
+
+
 class _State:
     """The block a row is denoising, its step, and how far its sequence is final."""
-    __slots__ = ("block", "step", "total", "final", "stored")
+    __slots__ = ("block", "step", "total", "final", "stored", "post", "idle")
 
     def __init__(self, row: Row, bl: int):
         P = row.plan.prompt_length
@@ -61,6 +86,8 @@ class _State:
         self.step = 0
         self.final = self.block * bl            # positions before it never change again
         self.stored = 0                          # positions whose final keys/values are in the cache
+        self.post = 0                            # llada21: forwards of this block after its masks were gone
+        self.idle = False                        # llada21: the last step neither unmasked nor edited a position
 
 
 def run(engine, rows: list[Row], fin: Finisher) -> None:
@@ -135,6 +162,9 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
             s, bl, p = state[r.index], bls[r.index], r.params
             start = s.block * bl
             cur = x[b, start:start + bl]
+            if p.algorithm == "llada21":
+                x[b, start:start + bl] = step21(s, cur, logits[b, :bl], p, r, start, mask_id)
+                continue
             token, prob = sample(logits[b, :bl], p, r.generator)
             sched = transfer_schedule(bl, p.extra["denoising_steps"])
             x[b, start:start + bl] = torch.where(choose(cur == mask_id, prob, sched[s.step], p.threshold), token, cur)
@@ -147,13 +177,20 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
             s.step += 1
             start = s.block * bl
             schedule_done = False
-            # the reference checks for masks before each forward and runs at most denoising_steps of them
-            if not xc[b, start:start + bl].eq(mask_id).any().item() or s.step >= r.params.extra["denoising_steps"]:
+            masks_left = xc[b, start:start + bl].eq(mask_id).any().item()
+            if r.params.algorithm == "llada21":
+                # the reference's loop ends when a step after the masks neither unmasks nor edits, or before the
+                # forward that would exceed max_post_steps
+                block_done = s.idle or (not masks_left and s.post + 1 > r.params.extra["max_post_steps"])
+            else:
+                # the reference checks for masks before each forward and runs at most denoising_steps of them
+                block_done = not masks_left or s.step >= r.params.extra["denoising_steps"]
+            if block_done:
                 s.final = start + bl
                 if s.final >= s.total:
                     schedule_done = True
                 else:
-                    s.block, s.step = s.block + 1, 0
+                    s.block, s.step, s.post, s.idle = s.block + 1, 0, 0, False
             P = r.plan.prompt_length
             view = xc[b, P:s.total].tolist()
             # the block being denoised is not final yet: shown as masks
@@ -209,5 +246,45 @@ register(Algorithm(
         ParamInfo("top_p", 1.0, "nucleus filtering (1: off)"),
         ParamInfo("kv_cache", True, "false: recompute the prefix in every forward as the reference does (the same "
                   "tokens at a higher cost; for comparison)"),
+    ),
+))
+
+
+def check21(p: GenerationParams) -> GenerationParams:
+    for name, why in (("factor", "factor"), ("steps", "steps")):
+        if getattr(p, name) is not None:
+            raise ParamError(name, f"llada21 takes threshold, num_to_transfer and editing_threshold, not {why}")
+    if p.remasking != "low_confidence":
+        raise ParamError("remasking", "llada21 commits by confidence (threshold, then the most probable)")
+    e = p.extra
+    if not 0 < e["top_p"] <= 1:
+        raise ParamError("algorithm_params", f"llada21: top_p must be in (0, 1], got {e['top_p']!r}")
+    if e["num_to_transfer"] < 1:
+        raise ParamError("algorithm_params", f"llada21: num_to_transfer must be at least 1, got {e['num_to_transfer']!r}")
+    return replace(p, threshold=0.95 if p.threshold is None else p.threshold)
+
+
+register(Algorithm(
+    name="llada21",
+    description="LLaDA2.1 block diffusion with token editing (its generate): each block unmasked by threshold, then "
+                "generated tokens re-predicted and edited until a step changes nothing; exact KV cache",
+    exact=True, run=run, families=("llada2",), cfg=False, check=check21, check_plan=check_plan,
+    stochastic=lambda p: p.temperature > 0,
+    params=(
+        ParamInfo("block_length", 32, "block size"),
+        ParamInfo("threshold", 0.95, "unmask every masked position of the block whose probability exceeds it (at "
+                  "least num_to_transfer)"),
+        ParamInfo("temperature", 0.0, "0 = greedy (argmax of the logits); > 0 divides the logits before top_k / "
+                  "top_p"),
+        ParamInfo("seed", None, "per-request seed for the sampling"),
+    ),
+    extra_params=(
+        ParamInfo("editing_threshold", 0.9, "replace a generated token of the block by a different prediction whose "
+                  "probability exceeds it"),
+        ParamInfo("max_post_steps", 16, "at most this many editing steps after a block's masks are gone"),
+        ParamInfo("num_to_transfer", 1, "positions unmasked per step when none is above threshold"),
+        ParamInfo("top_k", 0, "top-k filtering (0: off)"),
+        ParamInfo("top_p", 1.0, "nucleus filtering (1: off)"),
+        ParamInfo("kv_cache", True, "false: recompute the prefix in every forward as the reference does"),
     ),
 ))
