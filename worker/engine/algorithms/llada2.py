@@ -220,7 +220,7 @@ def check(p: GenerationParams) -> GenerationParams:
         raise ParamError("algorithm_params", f"llada2: denoising_steps must be at least 1, got {steps!r}")
     steps = min(steps, p.gen_length // e["minimal_topk"])
     if steps < 1:
-        raise ParamError("algorithm_params", f"llada2: max_tokens // minimal_topk must be at least 1")
+        raise ParamError("algorithm_params", "llada2: max_tokens // minimal_topk must be at least 1")
     threshold = 0.95 if p.threshold is None else p.threshold
     return replace(p, threshold=threshold, extra={**e, "denoising_steps": steps})
 
