@@ -65,6 +65,23 @@ def test_config_errors_are_clear():
     assert (c.rotary_dim, c.head_dim, c.first_k_dense_replace, c.num_shared_experts) == (8, 16, 1, 1)
 
 
+def test_a_checkpoint_without_expert_bias_routes_with_zeros(tmp_path):
+    """The reference keeps expert_bias as a buffer of zeros when the checkpoint has none."""
+    from safetensors.torch import load_file, save_file
+    for f in TINY_LLADA2.iterdir():
+        if f.name != "model.safetensors":
+            (tmp_path / f.name).write_bytes(f.read_bytes())
+    t = load_file(TINY_LLADA2 / "model.safetensors")
+    t.pop("model.layers.1.mlp.gate.expert_bias")
+    save_file(t, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    m = load_model(tmp_path, "cpu", "float32")
+    gate = m.model.layers[1].mlp.gate
+    assert torch.equal(gate.expert_bias, torch.zeros(8)) and not gate.expert_bias.is_meta
+    ids = torch.tensor([[5, 6, 7, 290]])
+    with torch.inference_mode():
+        assert torch.isfinite(m.logits(m(ids, torch.arange(4)[None]))).all()
+
+
 def test_forward_matches_reference_logits(llada2_golden):
     m = load_model(TINY_LLADA2, "cpu", "float32")
     ids = torch.tensor([llada2_golden["logits_input"]])

@@ -16,14 +16,14 @@ outputs in float32, summed over the chosen experts, cast back; plus the ``shared
 ``norm`` and ``lm_head``."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .checkpoint import CheckpointError, load_native, read_config
+from .checkpoint import CheckpointError, load_native, read_config, tensor_shapes
 from .family import Family
 from .layers import DecoderLM, RMSNorm, SwiGLU, apply_partial_rope
 from .llada_moe import expert_mlp
@@ -54,6 +54,7 @@ class LLaDA2Config:
     rms_norm_eps: float
     max_position_embeddings: int
     tie_word_embeddings: bool
+    expert_bias: bool = True          # the checkpoint stores mlp.gate.expert_bias (else zeros, as the reference's buffer)
 
     @property
     def embedding_size(self) -> int:
@@ -110,7 +111,10 @@ class Router(nn.Module):
     def __init__(self, cfg: LLaDA2Config):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
-        self.expert_bias = nn.Parameter(torch.zeros(cfg.num_experts))
+        if cfg.expert_bias:
+            self.expert_bias = nn.Parameter(torch.zeros(cfg.num_experts))
+        else:
+            self.register_buffer("expert_bias", torch.zeros(cfg.num_experts), persistent=False)
         self.k, self.groups, self.topk_group = cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group
         self.scale = cfg.routed_scaling_factor
 
@@ -230,7 +234,15 @@ class LLaDA2Model(DecoderLM):
 
 def load(path: str | Path, device: torch.device, dtype: torch.dtype) -> LLaDA2Model:
     cfg = LLaDA2Config.from_dict(read_config(path))
-    return load_native(path, lambda: LLaDA2Model(cfg), "LLaDA2", device, dtype)
+    if cfg.first_k_dense_replace < cfg.num_layers:
+        bias = f"model.layers.{cfg.first_k_dense_replace}.mlp.gate.expert_bias"
+        cfg = replace(cfg, expert_bias=bias in tensor_shapes(path))
+    model = load_native(path, lambda: LLaDA2Model(cfg), "LLaDA2", device, dtype)
+    if not cfg.expert_bias:           # built on the meta device: real zeros now
+        for layer in model.model.layers:
+            if isinstance(layer.mlp, SparseMoE):
+                layer.mlp.gate.expert_bias = torch.zeros(cfg.num_experts, device=device, dtype=dtype)
+    return model
 
 
 FAMILY = Family(name="llada2", title="LLaDA2 (LLaDA2MoeModelLM)", architectures=("LLaDA2MoeModelLM",),
