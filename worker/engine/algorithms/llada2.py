@@ -25,8 +25,9 @@ import torch
 import torch.nn.functional as F
 
 from ..params import GenerationParams, ParamError
-from ..rows import Finisher, Row, window_index
+from ..rows import Finisher, Row
 from . import Algorithm, ParamInfo, register
+from .block_causal import BlockBatch
 from .sdar import check_plan, sample as sample_filtered, transfer_schedule
 
 
@@ -92,74 +93,25 @@ class _State:
 
 def run(engine, rows: list[Row], fin: Finisher) -> None:
     model, mask_id, dev = engine.model, engine.mask_id, engine.model.device
-    bls: dict[int, int] = {}
     state: dict[int, _State] = {}
+    batch = BlockBatch(engine, rows, lambda r: state.__setitem__(r.index, _State(r, r.params.block_length)))
 
-    def extent(r: Row) -> int:
-        bl = r.params.block_length
-        return -(-(r.plan.prompt_length + r.plan.gen_length) // bl) * bl
-
-    def layout(new: list[Row], width: int) -> torch.Tensor:
-        """Rows' sequences left-aligned (position = column), padded to ``width``."""
-        for r in new:
-            bls[r.index] = r.params.block_length          # not capped at max_tokens: blocks count from 0
-            state[r.index] = _State(r, bls[r.index])
-        t = torch.full((len(new), width), engine.pad_id, dtype=torch.long)
-        for b, r in enumerate(new):
-            t[b, :len(r.prompt)] = torch.tensor(r.prompt)
-            t[b, len(r.prompt):state[r.index].total] = mask_id
-        return t.to(dev)
-
-    W = max(extent(r) for r in rows)
-    x = layout(rows, W)
-    cache = model.new_cache(len(rows), W)
-    active = list(rows)
-
-    def drop(keep: list[int]) -> None:
-        nonlocal x, active
-        if not keep:
-            active = []
-        elif len(keep) < len(active):
-            idx = torch.tensor(keep, dtype=torch.long, device=dev)
-            x = x.index_select(0, idx)
-            cache.keep(keep, 0)
-            active = [active[b] for b in keep]
-
-    while active:
-        drop([b for b, r in enumerate(active) if not fin.cancelled(r)])
-        if not active:
-            break
-        new = fin.admit(active)                # continuous batching: a joining row starts at its first block
-        if new:
-            width = max(W, max(extent(r) for r in new))
-            if width > W:
-                x = torch.cat([x, torch.full((x.shape[0], width - W), engine.pad_id, dtype=torch.long, device=dev)], 1)
-            x = torch.cat([x, layout(new, width)])
-            cache.grow(len(new), 0, width)
-            W = width
-            active = active + new
+    while batch.between_steps(fin):
+        active = batch.active
         spans, at = [], []
         for r in active:
-            s, bl = state[r.index], bls[r.index]
+            s, bl = state[r.index], r.params.block_length
             start = s.stored if r.params.extra["kv_cache"] else 0
             spans.append((start, (s.block + 1) * bl))
             at.append(s.block * bl - start)          # window index of the block's first position
-        cols, valid = window_index(spans, dev)
-        bl_t = torch.tensor([bls[r.index] for r in active], device=dev)[:, None]
-        tot = torch.tensor([state[r.index].total for r in active], device=dev)[:, None]
-        keys = max(e for _, e in spans)             # no row sees a key past its window's end
-        kcol = torch.arange(keys, device=dev)
-        # block-causal: a query sees the keys of its own block and the blocks before it
-        mask = ((kcol[None, None, :] // bl_t[:, :, None]) <= (cols // bl_t)[:, :, None]) & (kcol[None, None, :] <
-                                                                                          tot[:, :, None])
-        bi, wi = valid.nonzero(as_tuple=True)
-        hidden = model(x.gather(1, cols), cols, mask[:, None], cache=cache, window=(bi, wi, cols[bi, wi], keys))
-        K = max(bls[r.index] for r in active)
-        idx = torch.tensor([[at[b] + min(j, bls[r.index] - 1) for j in range(K)] for b, r in enumerate(active)],
-                           device=dev)
+        hidden = batch.forward(spans)
+        K = max(r.params.block_length for r in active)
+        idx = torch.tensor([[at[b] + min(j, r.params.block_length - 1) for j in range(K)]
+                            for b, r in enumerate(active)], device=dev)
         logits = model.logits(hidden[torch.arange(len(active), device=dev)[:, None], idx]).float()
+        x = batch.x
         for b, r in enumerate(active):
-            s, bl, p = state[r.index], bls[r.index], r.params
+            s, bl, p = state[r.index], r.params.block_length, r.params
             start = s.block * bl
             cur = x[b, start:start + bl]
             if p.algorithm == "llada21":
@@ -171,7 +123,7 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
         xc = x.cpu()
         done = []
         for b, r in enumerate(active):
-            s, bl = state[r.index], bls[r.index]
+            s, bl = state[r.index], r.params.block_length
             r.nfe += 1
             s.stored = s.block * bl                   # the blocks before this one are in the cache now
             s.step += 1
@@ -199,7 +151,7 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
             if r.done:
                 done.append(b)
         if done:
-            drop([b for b in range(len(active)) if b not in done])
+            batch.keep([b for b in range(len(active)) if b not in done])
         yield      # a step is done: the engine may run other groups' steps (continuous batching)
 
 

@@ -29,8 +29,9 @@ import torch
 import torch.nn.functional as F
 
 from ..params import GenerationParams, ParamError, Plan
-from ..rows import Finisher, Row, window_index
+from ..rows import Finisher, Row
 from . import Algorithm, ParamInfo, register
+from .block_causal import BlockBatch
 
 STRATEGIES = ("low_confidence_dynamic", "low_confidence_static", "sequential")
 
@@ -92,53 +93,14 @@ class _State:
 
 def run(engine, rows: list[Row], fin: Finisher) -> None:
     model, mask_id, dev = engine.model, engine.mask_id, engine.model.device
-    bls: dict[int, int] = {}
     state: dict[int, _State] = {}
+    batch = BlockBatch(engine, rows, lambda r: state.__setitem__(r.index, _State(r, r.params.block_length)))
 
-    def layout(new: list[Row], width: int) -> torch.Tensor:
-        """Rows' sequences left-aligned (position = column), padded to ``width``."""
-        for r in new:
-            bls[r.index] = r.params.block_length          # not capped at max_tokens: blocks count from 0
-            state[r.index] = _State(r, bls[r.index])
-        t = torch.full((len(new), width), engine.pad_id, dtype=torch.long)
-        for b, r in enumerate(new):
-            t[b, :len(r.prompt)] = torch.tensor(r.prompt)
-            t[b, len(r.prompt):state[r.index].total] = mask_id
-        return t.to(dev)
-
-    W = max(-(-(r.plan.prompt_length + r.plan.gen_length) // r.params.block_length) * r.params.block_length
-            for r in rows)
-    x = layout(rows, W)
-    cache = model.new_cache(len(rows), W)
-    active = list(rows)
-
-    def drop(keep: list[int]) -> None:
-        nonlocal x, active
-        if not keep:
-            active = []
-        elif len(keep) < len(active):
-            idx = torch.tensor(keep, dtype=torch.long, device=dev)
-            x = x.index_select(0, idx)
-            cache.keep(keep, 0)
-            active = [active[b] for b in keep]
-
-    while active:
-        drop([b for b, r in enumerate(active) if not fin.cancelled(r)])
-        if not active:
-            break
-        new = fin.admit(active)                # continuous batching: a joining row starts with its prefill
-        if new:
-            width = max(W, max(-(-(r.plan.prompt_length + r.plan.gen_length) // r.params.block_length)
-                               * r.params.block_length for r in new))
-            if width > W:
-                x = torch.cat([x, torch.full((x.shape[0], width - W), engine.pad_id, dtype=torch.long, device=dev)], 1)
-            x = torch.cat([x, layout(new, width)])
-            cache.grow(len(new), 0, width)
-            W = width
-            active = active + new
+    while batch.between_steps(fin):       # a joining row starts with its prefill
+        active = batch.active
         spans, at = [], []
         for r in active:
-            s, bl = state[r.index], bls[r.index]
+            s, bl = state[r.index], r.params.block_length
             if s.phase == "prefill":
                 spans.append((0, s.block * bl))
             elif r.params.extra["kv_cache"]:
@@ -146,26 +108,17 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
             else:          # the comparison without a cache: every forward recomputes the prefix
                 spans.append((0, (s.block + 1) * bl))
             at.append(spans[-1][1] - bl - spans[-1][0])    # window index of the block's first position
-        cols, valid = window_index(spans, dev)
-        keys = max(e for _, e in spans)             # no row sees a key past its window's end
-        kcol = torch.arange(keys, device=dev)
-        bl_t = torch.tensor([bls[r.index] for r in active], device=dev)[:, None]
-        tot = torch.tensor([state[r.index].total for r in active], device=dev)[:, None]
-        # block-causal: a query sees the keys of its own block and the blocks before it
-        mask = ((kcol[None, None, :] // bl_t[:, :, None]) <= (cols // bl_t)[:, :, None]) & (kcol[None, None, :] <
-                                                                                          tot[:, :, None])
-        bi, wi = valid.nonzero(as_tuple=True)
-        hidden = model(x.gather(1, cols), cols, mask[:, None], cache=cache, window=(bi, wi, cols[bi, wi], keys))
+        hidden = batch.forward(spans)
         den = [b for b, r in enumerate(active) if state[r.index].phase == "denoise"]
         if den:
-            K = max(bls[active[b].index] for b in den)
-            idx = torch.tensor([[min(at[b] + j, at[b] + bls[active[b].index] - 1) for j in range(K)] for b in den],
-                               device=dev)
+            K = max(active[b].params.block_length for b in den)
+            idx = torch.tensor([[min(at[b] + j, at[b] + active[b].params.block_length - 1) for j in range(K)]
+                                for b in den], device=dev)
             logits = model.logits(hidden[torch.tensor(den, device=dev)[:, None], idx])
-        xc = None
+        x, xc = batch.x, None
         for i, b in enumerate(den):
             r = active[b]
-            s, bl, p = state[r.index], bls[r.index], r.params
+            s, bl, p = state[r.index], r.params.block_length, r.params
             start = s.block * bl
             cur = x[b, start:start + bl]
             masked = cur == mask_id
@@ -178,7 +131,7 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
             xc = x.cpu()
         done = []
         for b, r in enumerate(active):
-            s, bl = state[r.index], bls[r.index]
+            s, bl = state[r.index], r.params.block_length
             r.nfe += 1
             schedule_done = False
             if s.phase == "prefill":
@@ -207,7 +160,7 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
             if r.done:
                 done.append(b)
         if done:
-            drop([b for b in range(len(active)) if b not in done])
+            batch.keep([b for b in range(len(active)) if b not in done])
         yield      # a step is done: the engine may run other groups' steps (continuous batching)
 
 

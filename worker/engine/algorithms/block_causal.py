@@ -1,0 +1,79 @@
+"""The batch of a block-causal algorithm (``sdar``, ``llada2``, ``llada21``): each row's sequence (prompt, then masks
+up to a whole number of its blocks, counted from position 0) left-aligned in ``x`` so that position = column, one KV
+cache slot per row laid out the same way, rows leaving (cancelled, finished) and joining (continuous batching), and
+the window forward with the block-causal mask."""
+from __future__ import annotations
+
+import torch
+
+from ..rows import Finisher, Row, window_index
+
+
+def extent(r: Row) -> int:
+    """Positions of the row's whole blocks (prompt + generation rounded up to its block length)."""
+    bl = r.params.block_length
+    return -(-(r.plan.prompt_length + r.plan.gen_length) // bl) * bl
+
+
+class BlockBatch:
+    """``x`` [B, W] and ``cache`` for the ``active`` rows; ``setup(row)`` is called for every row as it arrives."""
+
+    def __init__(self, engine, rows: list[Row], setup):
+        self.engine, self.setup = engine, setup
+        self.dev = engine.model.device
+        self.W = max(extent(r) for r in rows)
+        self.x = self._layout(rows, self.W)
+        self.cache = engine.model.new_cache(len(rows), self.W)
+        self.active = list(rows)
+
+    def _layout(self, new: list[Row], width: int) -> torch.Tensor:
+        t = torch.full((len(new), width), self.engine.pad_id, dtype=torch.long)
+        for b, r in enumerate(new):
+            self.setup(r)
+            t[b, :len(r.prompt)] = torch.tensor(r.prompt)
+            t[b, len(r.prompt):extent(r)] = self.engine.mask_id
+        return t.to(self.dev)
+
+    def keep(self, keep: list[int]) -> None:
+        """Keep only the active rows at these batch indices (their cache slots follow)."""
+        if not keep:
+            self.active = []
+        elif len(keep) < len(self.active):
+            self.x = self.x.index_select(0, torch.tensor(keep, dtype=torch.long, device=self.dev))
+            self.cache.keep(keep, 0)
+            self.active = [self.active[b] for b in keep]
+
+    def between_steps(self, fin: Finisher) -> bool:
+        """Drop the cancelled rows, add the joining ones (each starts with its own first block); False when no row
+        is left."""
+        self.keep([b for b, r in enumerate(self.active) if not fin.cancelled(r)])
+        if not self.active:
+            return False
+        new = fin.admit(self.active)
+        if new:
+            width = max(self.W, max(extent(r) for r in new))
+            if width > self.W:
+                pad = torch.full((self.x.shape[0], width - self.W), self.engine.pad_id, dtype=torch.long,
+                                 device=self.dev)
+                self.x = torch.cat([self.x, pad], 1)
+            self.x = torch.cat([self.x, self._layout(new, width)])
+            self.cache.grow(len(new), 0, width)
+            self.W = width
+            self.active = self.active + new
+        return True
+
+    def forward(self, spans: list[tuple[int, int]]) -> torch.Tensor:
+        """One forward of every active row's window ``[start, end)`` (its positions' keys/values written into its
+        cache slot), block-causal: a query sees the keys of its own block and the blocks before it, none past the
+        farthest window's end. Returns hidden states [B, widest window, D]."""
+        dev = self.dev
+        cols, valid = window_index(spans, dev)
+        bl = torch.tensor([r.params.block_length for r in self.active], device=dev)[:, None]
+        tot = torch.tensor([extent(r) for r in self.active], device=dev)[:, None]
+        keys = max(e for _, e in spans)
+        kcol = torch.arange(keys, device=dev)
+        mask = ((kcol[None, None, :] // bl[:, :, None]) <= (cols // bl)[:, :, None]) & (kcol[None, None, :] <
+                                                                                      tot[:, :, None])
+        bi, wi = valid.nonzero(as_tuple=True)
+        return self.engine.model(self.x.gather(1, cols), cols, mask[:, None], cache=self.cache,
+                                 window=(bi, wi, cols[bi, wi], keys))
