@@ -26,7 +26,7 @@ from torch import nn
 from .checkpoint import CheckpointError, load_native, read_config, tensor_shapes
 from .family import Family
 from .layers import DecoderLM, RMSNorm, SwiGLU, apply_partial_rope
-from .llada_moe import expert_mlp
+from .llada_moe import expert_mlp, run_experts
 
 
 @dataclass(frozen=True)
@@ -150,12 +150,7 @@ class SparseMoE(nn.Module):
         shape = h.shape
         x = h.reshape(-1, shape[-1])
         chosen, w = self.gate(x)
-        flat = chosen.reshape(-1)                                   # token t's j-th expert at t * k + j
-        out = x.new_empty(flat.shape[0], x.shape[1])
-        for e in torch.unique(flat).tolist():
-            at = torch.nonzero(flat == e).flatten()
-            out[at] = expert_mlp(self.experts[e], x[at // chosen.shape[1]])
-        y = (out.view(*chosen.shape, -1).float() * w[..., None]).sum(dim=1).to(x.dtype).view(shape)
+        y = (run_experts(self.experts, x, chosen).float() * w[..., None]).sum(dim=1).to(x.dtype).view(shape)
         if self.shared_experts is not None:
             y = y + expert_mlp(self.shared_experts, h)
         return y

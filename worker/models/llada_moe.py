@@ -103,6 +103,26 @@ def expert_mlp(m: SwiGLU, x: torch.Tensor) -> torch.Tensor:
     return m.down_proj(F.silu(m.gate_proj(x)) * m.up_proj(x))
 
 
+def run_experts(experts: nn.ModuleList, x: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
+    """Every token's chosen experts applied to it: [T, k, D] for ``chosen`` [T, k]. The (token, expert) pairs are
+    sorted by expert so that each expert runs once on its tokens (one host sync for the counts, not one per
+    expert); a row's result does not depend on the other rows of its expert's batch."""
+    k = chosen.shape[1]
+    flat = chosen.reshape(-1)
+    order = flat.argsort()
+    counts = torch.bincount(flat, minlength=len(experts)).tolist()
+    xs = x[order // k]
+    ys = torch.empty_like(xs)
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            ys[start:start + n] = expert_mlp(experts[e], xs[start:start + n])
+            start += n
+    out = torch.empty_like(ys)
+    out[order] = ys
+    return out.view(x.shape[0], k, -1)
+
+
 class SparseMoE(nn.Module):
     """The router ``gate`` and the ``experts`` (checkpoint names ``mlp.gate.weight``,
     ``mlp.experts.{e}.{gate,up,down}_proj.weight``, ``mlp.expert_bias`` when enabled)."""
@@ -123,11 +143,13 @@ class SparseMoE(nn.Module):
             weights = weights + self.expert_bias
         weights, chosen = torch.topk(weights, self.top_k, dim=-1)
         weights = weights.to(x.dtype)
+        # the reference adds each expert's weighted output into zeros expert by expert, in index order: the same
+        # sums, token by token, over its experts sorted by index
+        chosen, slot = chosen.sort(dim=1)
+        y = run_experts(self.experts, x, chosen) * weights.gather(1, slot)[..., None]
         out = torch.zeros_like(x)
-        hit = F.one_hot(chosen, num_classes=len(self.experts)).permute(2, 1, 0)     # [experts, k, tokens]
-        for e in torch.nonzero(hit.flatten(1).any(1)).flatten().tolist():            # experts in index order
-            slot, tok = torch.where(hit[e])
-            out.index_add_(0, tok, expert_mlp(self.experts[e], x[tok]) * weights[tok, slot, None])
+        for j in range(self.top_k):
+            out = out + y[:, j]
         return out.view(shape)
 
 
