@@ -13,7 +13,7 @@ from common.cli import main as cli
 from tests.conftest import TINY_LLADA_MOE
 from tests.helpers import get_json, post_json
 from tests.test_continuous import check_against_alone
-from worker.engine import ALGORITHMS, GenerationParams, Request
+from worker.engine import ALGORITHMS, Engine, GenerationParams, Request
 from worker.models import FAMILIES, CheckpointError, detect_family, load_model
 from worker.models.llada_moe import LLaDAMoEConfig
 
@@ -81,6 +81,14 @@ def test_every_golden_case_alone_batched_and_in_the_reference_batches(moe_engine
         assert b["reference_alone_equal"]
         res = moe_engine.generate([Request(p, params(b)) for p in b["prompts"]], early_exit=False)
         assert [r.canvas for r in res] == b["outputs"]
+
+
+def test_bfloat16_cases_alone_are_exact(moe_golden):
+    e = Engine.from_pretrained(TINY_LLADA_MOE, device="cpu", dtype="bfloat16")
+    cases = moe_golden["bf16_cases"]
+    assert len(cases) == 12
+    assert [i for i, c in enumerate(cases)
+            if not same(e.generate([Request(c["prompt"], params(c))], early_exit=False)[0], c)] == []
 
 
 @pytest.mark.parametrize("alg", ["prefix_cache", "dual_cache", "dinfer_blockwise", "dinfer_credit",
