@@ -83,6 +83,7 @@ def test_every_golden_case_alone_batched_and_in_the_reference_batches(moe_engine
         assert [r.canvas for r in res] == b["outputs"]
 
 
+@pytest.mark.slow
 def test_bfloat16_cases_alone_are_exact(moe_golden):
     e = Engine.from_pretrained(TINY_LLADA_MOE, device="cpu", dtype="bfloat16")
     cases = moe_golden["bf16_cases"]
