@@ -24,94 +24,39 @@ TINY_LLADA_MOE = fixture_path("tiny-llada-moe")
 TINY_LLADA2 = fixture_path("tiny-llada2")
 
 
-@pytest.fixture(scope="session")
-def llada_golden() -> dict:
-    with open(fixture_path("tiny-llada-golden.json")) as f:
-        return json.load(f)
+def _golden(name: str):
+    """A session fixture with the parsed golden file ``name``."""
+    @pytest.fixture(scope="session")
+    def load() -> dict:
+        with open(fixture_path(name)) as f:
+            return json.load(f)
+    return load
 
 
-@pytest.fixture(scope="session")
-def nemotron_golden() -> dict:
-    with open(fixture_path("tiny-nemotron-golden.json")) as f:
-        return json.load(f)
+def _engine(path: Path):
+    """A session fixture with a float32 CPU engine on the checkpoint at ``path``."""
+    @pytest.fixture(scope="session")
+    def load():
+        from worker.engine import Engine
+        return Engine.from_pretrained(path, device="cpu", dtype="float32")
+    return load
 
 
-@pytest.fixture(scope="session")
-def dream_golden() -> dict:
-    with open(fixture_path("tiny-dream-golden.json")) as f:
-        return json.load(f)
+llada_golden = _golden("tiny-llada-golden.json")
+peaky_golden = _golden("tiny-llada-peaky-golden.json")
+nemotron_golden = _golden("tiny-nemotron-golden.json")
+dream_golden = _golden("tiny-dream-golden.json")
+sdar_golden = _golden("tiny-sdar-golden.json")
+moe_golden = _golden("tiny-llada-moe-golden.json")
+llada2_golden = _golden("tiny-llada2-golden.json")
+llada21_golden = _golden("tiny-llada21-golden.json")
 
-
-@pytest.fixture(scope="session")
-def dream_engine():
-    from worker.engine import Engine
-    return Engine.from_pretrained(TINY_DREAM, device="cpu", dtype="float32")
-
-
-@pytest.fixture(scope="session")
-def sdar_golden() -> dict:
-    with open(fixture_path("tiny-sdar-golden.json")) as f:
-        return json.load(f)
-
-
-@pytest.fixture(scope="session")
-def sdar_engine():
-    from worker.engine import Engine
-    return Engine.from_pretrained(TINY_SDAR, device="cpu", dtype="float32")
-
-
-@pytest.fixture(scope="session")
-def peaky_golden() -> dict:
-    with open(fixture_path("tiny-llada-peaky-golden.json")) as f:
-        return json.load(f)
-
-
-@pytest.fixture(scope="session")
-def peaky_engine():
-    from worker.engine import Engine
-    return Engine.from_pretrained(TINY_LLADA_PEAKY, device="cpu", dtype="float32")
-
-
-@pytest.fixture(scope="session")
-def nemotron_engine():
-    from worker.engine import Engine
-    return Engine.from_pretrained(TINY_NEMOTRON, device="cpu", dtype="float32")
-
-
-@pytest.fixture(scope="session")
-def llada_engine():
-    from worker.engine import Engine
-    return Engine.from_pretrained(TINY_LLADA, device="cpu", dtype="float32")
-
+llada_engine = _engine(TINY_LLADA)
+peaky_engine = _engine(TINY_LLADA_PEAKY)
+nemotron_engine = _engine(TINY_NEMOTRON)
+dream_engine = _engine(TINY_DREAM)
+sdar_engine = _engine(TINY_SDAR)
+moe_engine = _engine(TINY_LLADA_MOE)
+llada2_engine = _engine(TINY_LLADA2)
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
-
-@pytest.fixture(scope="session")
-def moe_golden() -> dict:
-    with open(fixture_path("tiny-llada-moe-golden.json")) as f:
-        return json.load(f)
-
-
-@pytest.fixture(scope="session")
-def moe_engine():
-    from worker.engine import Engine
-    return Engine.from_pretrained(TINY_LLADA_MOE, device="cpu", dtype="float32")
-
-
-@pytest.fixture(scope="session")
-def llada2_golden() -> dict:
-    with open(fixture_path("tiny-llada2-golden.json")) as f:
-        return json.load(f)
-
-
-@pytest.fixture(scope="session")
-def llada2_engine():
-    from worker.engine import Engine
-    return Engine.from_pretrained(TINY_LLADA2, device="cpu", dtype="float32")
-
-
-@pytest.fixture(scope="session")
-def llada21_golden() -> dict:
-    with open(fixture_path("tiny-llada21-golden.json")) as f:
-        return json.load(f)

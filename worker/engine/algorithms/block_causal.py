@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from ..params import GenerationParams, ParamError
 from ..rows import Finisher, Row, window_index
 
 
@@ -13,6 +14,18 @@ def extent(r: Row) -> int:
     """Positions of the row's whole blocks (prompt + generation rounded up to its block length)."""
     bl = r.params.block_length
     return -(-(r.plan.prompt_length + r.plan.gen_length) // bl) * bl
+
+
+def check_common(p: GenerationParams, name: str, takes: str) -> None:
+    """What every block-causal algorithm rejects (LLaDA's step count, factor and remasking do not apply) and its
+    nucleus bound."""
+    for field in ("factor", "steps"):
+        if getattr(p, field) is not None:
+            raise ParamError(field, f"{name} takes {takes}, not {field}")
+    if p.remasking != "low_confidence":
+        raise ParamError("remasking", f"{name} takes {takes}, not remasking")
+    if not 0 < p.extra["top_p"] <= 1:
+        raise ParamError("algorithm_params", f"{name}: top_p must be in (0, 1], got {p.extra['top_p']!r}")
 
 
 class BlockBatch:
@@ -77,3 +90,17 @@ class BlockBatch:
         bi, wi = valid.nonzero(as_tuple=True)
         return self.engine.model(self.x.gather(1, cols), cols, mask[:, None], cache=self.cache,
                                  window=(bi, wi, cols[bi, wi], keys))
+
+    def report(self, fin: Finisher, b: int, xc: torch.Tensor, final: int, schedule_done: bool) -> None:
+        """Hand active row ``b``'s generated part (from ``xc``, the host copy of ``x``) to the finisher: positions
+        before ``final`` as they are, the rest as masks (the block being denoised may still change) until the
+        schedule is done."""
+        r = self.active[b]
+        P, total = r.plan.prompt_length, extent(r)
+        view = xc[b, P:total].tolist()
+        gen = view if schedule_done else view[:max(0, final - P)] + [self.engine.mask_id] * (total - max(final, P))
+        fin.update(r, gen, schedule_done)
+
+    def retire(self) -> None:
+        """Drop the rows that finished."""
+        self.keep([b for b, r in enumerate(self.active) if not r.done])

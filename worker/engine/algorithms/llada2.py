@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from ..params import GenerationParams, ParamError
 from ..rows import Finisher, Row
 from . import Algorithm, ParamInfo, register
-from .block_causal import BlockBatch
+from .block_causal import BlockBatch, check_common
 from .sdar import check_plan, sample as sample_filtered, transfer_schedule
 
 
@@ -121,7 +121,6 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
             sched = transfer_schedule(bl, p.extra["denoising_steps"])
             x[b, start:start + bl] = torch.where(choose(cur == mask_id, prob, sched[s.step], p.threshold), token, cur)
         xc = x.cpu()
-        done = []
         for b, r in enumerate(active):
             s, bl = state[r.index], r.params.block_length
             r.nfe += 1
@@ -143,28 +142,14 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
                     schedule_done = True
                 else:
                     s.block, s.step, s.post, s.idle = s.block + 1, 0, 0, False
-            P = r.plan.prompt_length
-            view = xc[b, P:s.total].tolist()
-            # the block being denoised is not final yet: shown as masks
-            gen = view if schedule_done else view[:max(0, s.final - P)] + [mask_id] * (s.total - max(s.final, P))
-            fin.update(r, gen, schedule_done)
-            if r.done:
-                done.append(b)
-        if done:
-            batch.keep([b for b in range(len(active)) if b not in done])
+            batch.report(fin, b, xc, s.final, schedule_done)
+        batch.retire()
         yield      # a step is done: the engine may run other groups' steps (continuous batching)
 
 
 def check(p: GenerationParams) -> GenerationParams:
-    if p.factor is not None:
-        raise ParamError("factor", "llada2 takes threshold and algorithm_params.denoising_steps, not factor")
-    if p.remasking != "low_confidence":
-        raise ParamError("remasking", "llada2 commits by confidence (threshold, then the most probable)")
-    if p.steps is not None:
-        raise ParamError("steps", "llada2 counts its steps per block: algorithm_params.denoising_steps")
+    check_common(p, "llada2", "threshold and algorithm_params.denoising_steps (steps per block)")
     e = p.extra
-    if not 0 < e["top_p"] <= 1:
-        raise ParamError("algorithm_params", f"llada2: top_p must be in (0, 1], got {e['top_p']!r}")
     if e["minimal_topk"] < 1:
         raise ParamError("algorithm_params", f"llada2: minimal_topk must be at least 1, got {e['minimal_topk']!r}")
     steps = e["denoising_steps"] or p.block_length
@@ -177,6 +162,15 @@ def check(p: GenerationParams) -> GenerationParams:
     return replace(p, threshold=threshold, extra={**e, "denoising_steps": steps})
 
 
+BLOCK = ParamInfo("block_length", 32, "block size")
+SEED = ParamInfo("seed", None, "per-request seed for the sampling")
+SAMPLING_AND_CACHE = (
+    ParamInfo("top_k", 0, "top-k filtering (0: off)"),
+    ParamInfo("top_p", 1.0, "nucleus filtering (1: off)"),
+    ParamInfo("kv_cache", True, "false: recompute the prefix in every forward as the reference does (the same "
+              "tokens at a higher cost; for comparison)"),
+)
+
 register(Algorithm(
     name="llada2",
     description="LLaDA2 block diffusion (LLaDA2MoeModelLM.generate): block-causal attention with an exact KV cache, "
@@ -184,33 +178,23 @@ register(Algorithm(
     exact=True, run=run, families=("llada2",), cfg=False, check=check, check_plan=check_plan,
     stochastic=lambda p: p.temperature > 0,
     params=(
-        ParamInfo("block_length", 32, "block size"),
+        BLOCK,
         ParamInfo("threshold", 0.95, "commit every masked position of the block whose probability exceeds it (at "
                   "least the step's scheduled count)"),
         ParamInfo("temperature", 0.0, "0 = greedy (argmax); > 0 divides the logits before top_k / top_p"),
-        ParamInfo("seed", None, "per-request seed for the sampling"),
+        SEED,
     ),
     extra_params=(
         ParamInfo("denoising_steps", None, "steps per block (default: block_length), capped at "
                   "max_tokens // minimal_topk", kind="int"),
         ParamInfo("minimal_topk", 1, "caps denoising_steps at max_tokens // minimal_topk"),
-        ParamInfo("top_k", 0, "top-k filtering (0: off)"),
-        ParamInfo("top_p", 1.0, "nucleus filtering (1: off)"),
-        ParamInfo("kv_cache", True, "false: recompute the prefix in every forward as the reference does (the same "
-                  "tokens at a higher cost; for comparison)"),
-    ),
+    ) + SAMPLING_AND_CACHE,
 ))
 
 
 def check21(p: GenerationParams) -> GenerationParams:
-    for name, why in (("factor", "factor"), ("steps", "steps")):
-        if getattr(p, name) is not None:
-            raise ParamError(name, f"llada21 takes threshold, num_to_transfer and editing_threshold, not {why}")
-    if p.remasking != "low_confidence":
-        raise ParamError("remasking", "llada21 commits by confidence (threshold, then the most probable)")
+    check_common(p, "llada21", "threshold, algorithm_params.num_to_transfer and editing_threshold")
     e = p.extra
-    if not 0 < e["top_p"] <= 1:
-        raise ParamError("algorithm_params", f"llada21: top_p must be in (0, 1], got {e['top_p']!r}")
     if e["num_to_transfer"] < 1:
         raise ParamError("algorithm_params", f"llada21: num_to_transfer must be at least 1, got {e['num_to_transfer']!r}")
     return replace(p, threshold=0.95 if p.threshold is None else p.threshold)
@@ -223,20 +207,17 @@ register(Algorithm(
     exact=True, run=run, families=("llada2",), cfg=False, check=check21, check_plan=check_plan,
     stochastic=lambda p: p.temperature > 0,
     params=(
-        ParamInfo("block_length", 32, "block size"),
+        BLOCK,
         ParamInfo("threshold", 0.95, "unmask every masked position of the block whose probability exceeds it (at "
                   "least num_to_transfer)"),
         ParamInfo("temperature", 0.0, "0 = greedy (argmax of the logits); > 0 divides the logits before top_k / "
                   "top_p"),
-        ParamInfo("seed", None, "per-request seed for the sampling"),
+        SEED,
     ),
     extra_params=(
         ParamInfo("editing_threshold", 0.9, "replace a generated token of the block by a different prediction whose "
                   "probability exceeds it"),
         ParamInfo("max_post_steps", 16, "at most this many editing steps after a block's masks are gone"),
         ParamInfo("num_to_transfer", 1, "positions unmasked per step when none is above threshold"),
-        ParamInfo("top_k", 0, "top-k filtering (0: off)"),
-        ParamInfo("top_p", 1.0, "nucleus filtering (1: off)"),
-        ParamInfo("kv_cache", True, "false: recompute the prefix in every forward as the reference does"),
-    ),
+    ) + SAMPLING_AND_CACHE,
 ))

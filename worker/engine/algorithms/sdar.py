@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from ..params import GenerationParams, ParamError, Plan
 from ..rows import Finisher, Row
 from . import Algorithm, ParamInfo, register
-from .block_causal import BlockBatch
+from .block_causal import BlockBatch, check_common
 
 STRATEGIES = ("low_confidence_dynamic", "low_confidence_static", "sequential")
 
@@ -129,7 +129,6 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
             s.step += 1
         if den:
             xc = x.cpu()
-        done = []
         for b, r in enumerate(active):
             s, bl = state[r.index], r.params.block_length
             r.nfe += 1
@@ -152,28 +151,14 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
                             schedule_done = True
                         else:
                             s.block, s.step, s.phase = s.block + 1, 0, "denoise"
-            P = r.plan.prompt_length
-            view = x[b, P:s.total].tolist() if xc is None else xc[b, P:s.total].tolist()
-            # the block being denoised is not final yet (a step may still rewrite it): shown as masks
-            gen = view[:max(0, s.final - P)] + [mask_id] * (s.total - max(s.final, P))
-            fin.update(r, gen if not schedule_done else view, schedule_done)
-            if r.done:
-                done.append(b)
-        if done:
-            batch.keep([b for b in range(len(active)) if b not in done])
+            batch.report(fin, b, x if xc is None else xc, s.final, schedule_done)
+        batch.retire()
         yield      # a step is done: the engine may run other groups' steps (continuous batching)
 
 
 def check(p: GenerationParams) -> GenerationParams:
-    if p.factor is not None:
-        raise ParamError("factor", "sdar takes threshold (low_confidence_dynamic) and denoising_steps, not factor")
-    if p.remasking != "low_confidence":
-        raise ParamError("remasking", "sdar chooses positions by algorithm_params.remasking_strategy")
-    if p.steps is not None:
-        raise ParamError("steps", "sdar counts its steps per block: algorithm_params.denoising_steps")
+    check_common(p, "sdar", "algorithm_params.remasking_strategy and denoising_steps (steps per block)")
     e = p.extra
-    if not 0 < e["top_p"] <= 1:
-        raise ParamError("algorithm_params", f"sdar: top_p must be in (0, 1], got {e['top_p']!r}")
     steps = e["denoising_steps"] or p.block_length
     if steps < 1:
         raise ParamError("algorithm_params", f"sdar: denoising_steps must be at least 1, got {steps!r}")
