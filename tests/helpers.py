@@ -27,6 +27,17 @@ def get_json(url: str, timeout: float = 10.0) -> tuple[int, dict]:
         return e.code, json.loads(e.read() or b"{}")
 
 
+def settled_batch_stats(worker_url: str, timeout: float = 10.0) -> dict:
+    """A worker's /batch/stats once no batch is running: with continuous batching a client has its answer as soon as
+    its row is done, while the batch (and its counters) may still be finishing."""
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = get_json(worker_url + "/batch/stats")[1]
+        if stats["running_batch_size"] == 0 or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.02)
+
+
 def post_json(url: str, body, timeout: float = 60.0, headers: dict | None = None) -> tuple[int, dict]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json", **(headers or {})})

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from tests.conftest import TINY_DREAM, TINY_LLADA
-from tests.helpers import get_json, post_json, start_worker
+from tests.helpers import get_json, post_json, settled_batch_stats, start_worker
 from worker.engine import GenerationParams
 from worker.serving import Batcher, Job
 from worker.simulated import SimulatedEngine
@@ -108,7 +108,7 @@ def test_staggered_requests_through_a_worker_are_exact(tmp_path, dream_golden):
             answers = list(ex.map(send, range(len(cases))))
         for (c, _), (status, r) in zip(cases, answers):
             assert status == 200 and r["choices"][0]["token_ids"] == c["output"], c
-        stats = get_json(w.url + "/batch/stats")[1]
+        stats = settled_batch_stats(w.url)
         assert stats["continuous_batching"] and stats["rows_joined"] > 0
         assert stats["rows_retired"] == len(cases) and stats["rows_running"] == 0
         assert get_json(w.url + "/health")[1]["rows_retired_per_s"] > 0

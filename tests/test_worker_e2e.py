@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import TINY_LLADA
-from tests.helpers import get_json, post_json, start_worker
+from tests.helpers import get_json, post_json, settled_batch_stats, start_worker
 
 pytestmark = pytest.mark.slow
 
@@ -170,7 +170,7 @@ def test_concurrent_requests_form_batches(worker, aclient):
 
     results = asyncio.run(main())
     assert len(results) == 32 and all(r.choices[0].finish_reason in ("stop", "length") for r in results)
-    _, after = get_json(worker.url + "/batch/stats")
+    after = settled_batch_stats(worker.url)
     batches = after["batches_processed"] - before["batches_processed"]
     rows = after["requests_processed"] - before["requests_processed"]
     assert rows == 32 and rows / batches > 1
