@@ -235,6 +235,13 @@ def _system_status(state: BalancerState) -> str:
     return "normal"
 
 
+def _rows_summary(workers) -> dict:
+    """Rows running, joining and retiring per second over the workers, from each one's last /health (workers
+    report these over their last minute; a worker not yet heard from counts zero)."""
+    keys = ("rows_running", "rows_joined_per_s", "rows_retired_per_s")
+    return {k: round(sum(float(w.last_health.get(k) or 0) for w in workers), 3) for k in keys}
+
+
 async def stats(request: web.Request) -> web.Response:
     state = request.app[STATE]
     b, cfg = state.batcher, state.cfg.batch
@@ -257,6 +264,7 @@ async def stats(request: web.Request) -> web.Response:
             "avg_batch_size": round(b.rows / b.batches, 3) if b.batches else 0.0,
             "batch_size_histogram": {str(k): v for k, v in sorted(b.histogram.items())},
         },
+        "continuous_batching": _rows_summary(state.pool.workers),
         "http_processes": [{"role": "central", "pid": os.getpid(), "status": "ready",
                             "requests": state.local_requests}] + (state.fronts.snapshot() if state.fronts else []),
         "last_minute": state.window.summary(),

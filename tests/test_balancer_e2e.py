@@ -64,6 +64,11 @@ def test_64_concurrent_clients_are_batched_over_both_workers(cluster):
     assert cb["total_requests_batched"] >= 64 and cb["avg_batch_size"] > 1
     assert all(w["requests_served"] > 0 for w in stats["workers"])
     assert stats["last_minute"]["requests"] >= 64 and stats["last_minute"]["latency_p50"] is not None
+    deadline = time.monotonic() + 8            # the workers' rows, as their next /health probes report them
+    while stats["continuous_batching"]["rows_retired_per_s"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+        stats = get_json(cluster.url + "/stats")[1]
+    assert stats["continuous_batching"]["rows_retired_per_s"] > 0 and stats["continuous_batching"]["rows_running"] >= 0
     ws = get_json(cluster.url + "/worker-status")[1]
     assert ws["system_status"] == "normal" and ws["healthy_workers"] == 2
     assert {w["status"] for w in ws["workers"]} <= {"idle", "busy"}
