@@ -180,6 +180,43 @@ class LayerKV:
 
 
 # ---------------------------------------------------------------- the Qwen-style decoder (Nemotron, Dream, SDAR)
+class QKNormAttention(nn.Module):
+    """Qwen3-style attention (Nemotron-Diffusion, LLaDA-MoE): q/k/v/o projections (``bias`` on all four), with
+    ``qk_norm`` a per-head RMSNorm of q and k before RoPE, rotate-half RoPE with the tables cast to the model dtype on
+    the first ``rotary_dim`` channels of each head (default all), bidirectional grouped-query SDPA. Returns the heads'
+    output before ``o_proj`` (the layer applies it)."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, eps: float, qk_norm: bool,
+                 bias: bool = False, rotary_dim: int | None = None):
+        super().__init__()
+        d = head_dim
+        self.n_heads, self.n_kv, self.head_dim = heads, kv_heads, d
+        self.rotary_dim = rotary_dim if rotary_dim and rotary_dim < d else None
+        self.q_proj = nn.Linear(hidden, heads * d, bias=bias)
+        self.k_proj = nn.Linear(hidden, kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(hidden, kv_heads * d, bias=bias)
+        self.o_proj = nn.Linear(heads * d, hidden, bias=bias)
+        self.q_norm = RMSNorm(d, eps) if qk_norm else None
+        self.k_norm = RMSNorm(d, eps) if qk_norm else None
+
+    def rope(self, x, cos, sin):
+        if self.rotary_dim is None:
+            return apply_rope(x, cos, sin, fp32=False)
+        return apply_partial_rope(x, cos, sin, self.rotary_dim)
+
+    def forward(self, x, cos, sin, mask, kv):
+        B, L, _ = x.shape
+        q = self.q_proj(x).view(B, L, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(B, L, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(B, L, self.n_kv, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rope(q.transpose(1, 2), cos, sin), self.rope(k.transpose(1, 2), cos, sin)
+        if kv is not None:
+            k, v = kv(k, v)
+        return attention(q, k, v, mask).transpose(1, 2).reshape(B, L, -1)
+
+
 class SwiGLU(nn.Module):
     """The MLP weights ``gate_proj``, ``up_proj``, ``down_proj`` (the layer's dense tail computes it)."""
 

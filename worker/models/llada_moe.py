@@ -22,7 +22,7 @@ from torch import nn
 
 from .checkpoint import CheckpointError, load_native, read_config
 from .family import Family
-from .layers import Decoder, DecoderLM, RMSNorm, SwiGLU, apply_partial_rope, attention
+from .layers import Decoder, DecoderLM, QKNormAttention, RMSNorm, SwiGLU
 
 
 @dataclass(frozen=True)
@@ -153,32 +153,6 @@ class SparseMoE(nn.Module):
         return out.view(shape)
 
 
-class Attention(nn.Module):
-    def __init__(self, cfg: LLaDAMoEConfig):
-        super().__init__()
-        h, d, bias = cfg.hidden_size, cfg.head_dim, cfg.attention_bias
-        self.n_heads, self.n_kv, self.head_dim, self.rotary_dim = cfg.num_heads, cfg.num_kv_heads, d, cfg.rotary_dim
-        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=bias)
-        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=bias)
-        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=bias)
-        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=bias)
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
-
-    def forward(self, x, cos, sin, mask, kv):
-        B, L, _ = x.shape
-        q = self.q_proj(x).view(B, L, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(B, L, self.n_kv, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        v = self.v_proj(x).view(B, L, self.n_kv, self.head_dim).transpose(1, 2)
-        q = apply_partial_rope(q.transpose(1, 2), cos, sin, self.rotary_dim)
-        k = apply_partial_rope(k.transpose(1, 2), cos, sin, self.rotary_dim)
-        if kv is not None:
-            k, v = kv(k, v)
-        return self.o_proj(attention(q, k, v, mask).transpose(1, 2).reshape(B, L, -1))
-
-
 class Layer(nn.Module):
     """``x + self_attn(input_layernorm(x))``, then ``x + (mlp(h) [+ shared_expert(h)])`` with
     ``h = post_attention_layernorm(x)``."""
@@ -186,14 +160,15 @@ class Layer(nn.Module):
     def __init__(self, cfg: LLaDAMoEConfig, moe: bool):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = QKNormAttention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                         cfg.rms_norm_eps, cfg.qk_norm, cfg.attention_bias, cfg.rotary_dim)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SparseMoE(cfg) if moe else SwiGLU(cfg.hidden_size, cfg.dense_intermediate_size)
         self.shared_expert = (SwiGLU(cfg.hidden_size, cfg.shared_expert_intermediate_size)
                               if moe and cfg.shared_expert_intermediate_size else None)
 
     def forward(self, x, cos, sin, mask, kv=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, kv)
+        x = x + self.self_attn.o_proj(self.self_attn(self.input_layernorm(x), cos, sin, mask, kv))
         h = self.post_attention_layernorm(x)
         y = self.mlp(h) if isinstance(self.mlp, SparseMoE) else expert_mlp(self.mlp, h)
         if self.shared_expert is not None:

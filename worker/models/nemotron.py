@@ -15,7 +15,7 @@ from torch import nn
 
 from .checkpoint import CheckpointError, load_native, read_config
 from .family import Family
-from .layers import Decoder, DecoderLayer, DecoderLM, RMSNorm, apply_rope, attention
+from .layers import Decoder, DecoderLayer, DecoderLM, QKNormAttention
 
 
 @dataclass(frozen=True)
@@ -67,30 +67,9 @@ class NemotronConfig:
                    else c["eos_token_id"][0])
 
 
-class Attention(nn.Module):
-    def __init__(self, cfg: NemotronConfig):
-        super().__init__()
-        h, d = cfg.hidden_size, cfg.head_dim
-        self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
-        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=False)
-        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=False)
-        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=False)
-        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=False)
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
-
-    def forward(self, x, cos, sin, mask, kv):
-        B, L, _ = x.shape
-        q = self.q_proj(x).view(B, L, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(B, L, self.n_kv, self.head_dim)
-        v = self.v_proj(x).view(B, L, self.n_kv, self.head_dim).transpose(1, 2)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = q.transpose(1, 2), k.transpose(1, 2)
-        q, k = apply_rope(q, cos, sin, fp32=False), apply_rope(k, cos, sin, fp32=False)
-        if kv is not None:
-            k, v = kv(k, v)
-        return attention(q, k, v, mask).transpose(1, 2).reshape(B, L, -1)     # o_proj: in the layer's dense tail
+def Attention(cfg: NemotronConfig) -> QKNormAttention:
+    return QKNormAttention(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
+                           cfg.qk_norm)
 
 
 class NemotronDiffusionModel(DecoderLM):
