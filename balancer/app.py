@@ -11,6 +11,7 @@ import gc
 import itertools
 import logging
 import os
+import re
 import secrets
 import signal
 import sys
@@ -28,7 +29,7 @@ import click
 from balancer.batcher import BatchConfig, CentralBatcher, Pending
 from balancer.pool import HealthConfig, WorkerPool
 from balancer.stats import Window
-from common.config import setting
+from common.config import PORT, setting
 from common.http import EXIT_PORT_IN_USE, MAX_BODY_BYTES, json_response, middlewares, read_body
 from common.metrics import RequestMetrics
 from common.openai_http import add_routes
@@ -40,9 +41,12 @@ STATUSES = ("starting", "idle", "busy", "stalled", "unhealthy", "draining")
 
 
 def worker_urls(value: str) -> list[str]:
-    urls = [u.strip() for u in value.split(",") if u.strip()]
+    urls = [u.strip().rstrip("/") for u in value.split(",") if u.strip()]
     if not urls:
         raise click.BadParameter("no worker URL")
+    for u in urls:
+        if not re.fullmatch(r"https?://(\[[0-9A-Fa-f:.]+\]|[^/\s:\[\]]+)(:\d{1,5})?", u):
+            raise click.BadParameter(f"{u!r}: expected a base URL like http://host:8001")
     return urls
 
 
@@ -51,7 +55,7 @@ class BalancerConfig:
     worker_urls: list[str] = setting(help="Comma-separated worker base URLs (http://h:8001,http://h:8002).",
                                      convert=worker_urls)
     host: str = setting("127.0.0.1")
-    port: int = setting(8000)
+    port: int = setting(8000, type=PORT)
     batch: BatchConfig = setting(default_factory=BatchConfig, cli=False)     # its own settings
     health: HealthConfig = setting(default_factory=HealthConfig, cli=False)
     request_timeout: float = setting(1800.0, "Seconds before a request is answered 504.",

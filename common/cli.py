@@ -15,16 +15,39 @@ from common.config import build, options
 from worker.config import DTYPES, WorkerConfig
 
 
-def _int_list(value: str | None) -> list[int] | None:
+def _int_list(value: str | None, option: str) -> list[int] | None:
     if value is None:
         return None
     try:
         return [int(v) for v in value.replace(" ", "").split(",") if v]
     except ValueError:
-        raise click.BadParameter("expected comma-separated integers, e.g. 1,2,3")
+        raise click.BadParameter("expected comma-separated integers, e.g. 1,2,3", param_hint=option)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+class _Commands(click.Group):
+    """Every usage error (a missing or invalid option of any command) is one line naming the option, exit code 2;
+    a command's own failure (click.ClickException) is one line, its exit code (1). No traceback, no usage dump."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        try:
+            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except click.UsageError as e:
+            if type(e).__name__ == "NoArgsIsHelpError":     # a bare group: its help (click >= 8.2), exit 2
+                click.echo(e.format_message(), err=True)
+                sys.exit(e.exit_code)
+            path = e.ctx.command_path if e.ctx is not None else "dllm-serve"
+            click.echo(f"{path}: error: {e.format_message()} (see '{path} --help')", err=True)
+            sys.exit(e.exit_code)
+        except click.ClickException as e:
+            click.echo(f"dllm-serve: error: {e.format_message()}", err=True)
+            sys.exit(e.exit_code)
+        except click.Abort:
+            click.echo("dllm-serve: aborted", err=True)
+            sys.exit(1)
+        sys.exit(rv if isinstance(rv, int) else 0)
+
+
+@click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
 @click.version_option(package_name="dllm-serve", prog_name="dllm-serve")
 def main() -> None:
     """dllm-serve: OpenAI-compatible serving for masked diffusion language models."""
@@ -84,13 +107,14 @@ def generate(model_path, prompt, chat, prompt_ids, gen_length, block_length, ste
         raise click.UsageError("give exactly one of --prompt or --prompt-ids (or --requests)")
     if chat and prompt is None:
         raise click.UsageError("--chat needs --prompt")
+    _check_device(device)
     from common.resolve import ResolveError, resolve_model
     from worker.models.checkpoint import default_max_new_tokens
     try:
         model_path = str(resolve_model(model_path))
         gen_length = gen_length or default_max_new_tokens(model_path, 128)
     except (ResolveError, CheckpointError) as e:
-        raise click.ClickException(str(e))
+        raise click.UsageError(str(e))
     try:
         engine = Engine.from_pretrained(model_path, device=device, dtype=dtype, compile=with_compile)
     except (CheckpointError, ValueError, OSError) as e:
@@ -110,7 +134,8 @@ def generate(model_path, prompt, chat, prompt_ids, gen_length, block_length, ste
         return engine.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     if requests_file is None:
-        reqs = [Request(tokens(prompt, _int_list(prompt_ids), None, chat), GenerationParams(**defaults, extra=extra))]
+        ids = _int_list(prompt_ids, "--prompt-ids")
+        reqs = [Request(tokens(prompt, ids, None, chat), GenerationParams(**defaults, extra=extra))]
     else:
         reqs = [_batch_request(n, line, defaults, extra, tokens, chat)
                 for n, line in enumerate(requests_file.read().splitlines(), 1) if line.strip()]
@@ -170,9 +195,28 @@ def _logging(level: str) -> None:
 @click.option("--log-level", default="info", show_default=True)
 def worker(log_level, **values):
     """Serve one model on one device (OpenAI API + the balancer's /worker/batch)."""
+    from common.resolve import ResolveError, resolve_model
+    try:        # checked before anything listens: a bad option is one line and exit 2, never a half-started worker
+        resolve_model(values["model_path"])
+    except ResolveError as e:
+        raise click.UsageError(str(e))
+    _check_device(values["device"])
     from worker.app import run
     _logging(log_level)
     sys.exit(run(build(WorkerConfig, values)))
+
+
+def _check_device(device: str) -> None:
+    """--device: auto, cpu, cuda or cuda:N, and a CUDA device only where torch sees it."""
+    import re
+    if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", device):
+        raise click.BadParameter(f"{device!r}: expected auto, cpu, cuda or cuda:N", param_hint="--device")
+    if device.startswith("cuda"):
+        import torch
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        index = int(device[5:] or 0)
+        if index >= n:
+            raise click.BadParameter(f"{device!r}: this process sees {n} CUDA device(s)", param_hint="--device")
 
 
 @main.command()
@@ -253,9 +297,11 @@ SERVE_WORKER = ("default_algorithm", "default_max_tokens", "dtype", "score_mc_nu
     "default_algorithm": {"help": "Default generation algorithm (default: the model family's)."},
     "default_max_tokens": {"help": "max_tokens when a request gives none (default: the checkpoint's "
                                    "generation_config.json max_new_tokens, else 256)."},
-    "served_model_name": {"help": "Model id in the API (default: the checkpoint directory's name; with --dcp-path, "
-                                  "the DCP directory's name). Several names: repeat the option or separate them with "
-                                  "commas; the first is reported."}})
+    "served_model_name": {"help": "Model id in the API (default, as vLLM: a checkpoint directory's absolute path, "
+                                  "a hub id as given, so clients on this machine find the tokenizer under the id; "
+                                  "its last component, e.g. demo_model, is accepted too; with --dcp-path, the DCP "
+                                  "directory's name). Several names: repeat the option or separate them with commas; "
+                                  "the first is reported."}})
 @options(BalancerConfig, only=("http_processes", "front_timeout", "api_key"), overrides={
     "api_key": {"help": "Clients must send this Bearer key on /v1 (status endpoints stay open); the workers then get "
                         "a generated key of their own unless --worker-api-key is given."}})
@@ -283,13 +329,18 @@ def serve(local, model_path, dcp_path, base_model, gpus, gpu_ids, workers, slurm
             resolved = ensure_converted(dcp_path, base_model, log=lambda m: click.echo(m, err=True))
         else:
             resolved = resolve_model(model_path)
-    except (ResolveError, RuntimeError) as e:
+    except ResolveError as e:
+        raise click.UsageError(str(e))
+    except RuntimeError as e:
         raise click.ClickException(str(e))
     ids = _gpu_ids(gpus, gpu_ids, workers)
     worker = {name: values["worker_" + name] for name in SERVE_WORKER}
     worker.update(request_timeout=values["request_timeout"], drain_timeout=values["drain_timeout"])
     if dcp_path and not worker["served_model_name"]:
         worker["served_model_name"] = Path(dcp_path).resolve().name    # the DCP's name, not its cache directory's
+    elif not worker["served_model_name"]:     # a hub id is served as the hub id, not its cache snapshot's path
+        from common.resolve import served_names
+        worker["served_model_name"] = ",".join(served_names(model_path or resolved))
     bcfg = build(BalancerConfig, values, exclude=("worker_urls",), worker_urls=[],
                  batch=build(BatchConfig, values), health=build(HealthConfig, values))
     cfg = build(ServeConfig, values, model_path=str(resolved), gpu_ids=ids, cpu_workers=workers or 1, worker=worker,
@@ -320,12 +371,17 @@ def score(model_path, prefix_ids, target_ids, mc_num, batch_size, cfg_scale, see
     from worker.engine.likelihood import greedy_suffix, log_likelihood
     from worker.models import CheckpointError
     try:
-        engine = Engine.from_pretrained(str(resolve_model(model_path)), device=device, dtype=dtype)
-    except (ResolveError, CheckpointError, ValueError, OSError) as e:
+        path = resolve_model(model_path)
+    except ResolveError as e:
+        raise click.UsageError(str(e))
+    _check_device(device)
+    try:
+        engine = Engine.from_pretrained(str(path), device=device, dtype=dtype)
+    except (CheckpointError, ValueError, OSError) as e:
         raise click.ClickException(str(e))
     if engine.family != "llada":
         raise click.ClickException(f"likelihood scoring is implemented for LLaDA checkpoints, not {engine.family}")
-    prefix, target = _int_list(prefix_ids), _int_list(target_ids)
+    prefix, target = _int_list(prefix_ids, "--prefix-ids"), _int_list(target_ids, "--target-ids")
     try:
         ll = log_likelihood(engine.model, prefix, target, engine.mask_id, mc_num, batch_size, cfg_scale, seed)
     except ValueError as e:

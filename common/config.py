@@ -10,6 +10,7 @@ from typing import Any, Callable
 import click
 
 MISSING = dataclasses.MISSING
+PORT = click.IntRange(1, 65535)      # every listening port setting
 
 
 def setting(default: Any = MISSING, help: str = "", *, flag: str | None = None, type: Any = None,
@@ -70,8 +71,9 @@ def options(cls, *, only=None, exclude=(), prefix: str = "", overrides: dict | N
                 kw["type"] = m["type"]
             if m["multiple"]:
                 kw["default"] = ()
-            if required:
-                kw.update(required=True, default=None)
+            if required:       # no default at all: click >= 8.3 takes an explicit default=None as a given value
+                kw["required"] = True
+                kw.pop("default")
             if m["convert"] is not None:      # converted while parsing, so a bad value is a usage error naming it
                 kw["callback"] = lambda ctx, param, v, convert=m["convert"]: convert(v)
             over = dict(overrides.get(f.name, {}))

@@ -43,6 +43,23 @@ def retry_headers(status: int) -> dict | None:
     return {"Retry-After": "1" if status == 429 else "5"} if status in (429, 503) else None
 
 
+# OpenAI endpoints this server does not have: a 404 that says so (a diffusion LM server generates and scores text)
+NOT_SERVED = {"/v1/embeddings": "embeddings", "/v1/moderations": "moderations", "/v1/images": "images",
+              "/v1/audio": "audio", "/v1/files": "files", "/v1/batches": "batches", "/v1/fine_tuning": "fine-tuning",
+              "/v1/assistants": "assistants", "/v1/threads": "threads", "/v1/vector_stores": "vector stores",
+              "/v1/realtime": "realtime sessions", "/v1/uploads": "uploads", "/v1/rerank": "reranking",
+              "/v1/score": "scoring by a cross-encoder"}
+SERVED = "/v1/completions, /v1/chat/completions, /v1/responses, /v1/models"
+
+
+def _not_served(path: str) -> tuple[str, str]:
+    for prefix, what in NOT_SERVED.items():
+        if path == prefix or path.startswith(prefix + "/"):
+            return (f"this server does not serve {what} ({path}): it serves diffusion language models for text "
+                    f"generation and likelihood scoring ({SERVED}; docs/api.md)", "unsupported_endpoint")
+    return f"no such endpoint: {path} (the OpenAI endpoints here: {SERVED})", "unknown_url"
+
+
 @web.middleware
 async def errors_middleware(request: web.Request, handler):
     """Every 4xx/5xx body in the OpenAI shape; an unexpected exception is a logged 500, never a crash."""
@@ -54,7 +71,10 @@ async def errors_middleware(request: web.Request, handler):
         if e.status < 400:
             raise
         typ = "not_found_error" if e.status == 404 else ("invalid_request_error" if e.status < 500 else "server_error")
-        return json_response(error_body(e.reason or str(e), typ), e.status,
+        message, code = e.reason or str(e), None
+        if isinstance(e, web.HTTPNotFound) and e.reason == "Not Found":       # the router found no route
+            message, code = _not_served(request.path)
+        return json_response(error_body(message, typ, code=code), e.status,
                              {k: v for k, v in e.headers.items() if k.lower() in ("allow", "retry-after")})
     except (asyncio.CancelledError, ConnectionResetError):
         raise

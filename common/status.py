@@ -74,9 +74,34 @@ def render(data: dict, url: str):
     return Group(head, t, foot, legend)
 
 
+def plain_line(data: dict) -> str:
+    """One line of the monitor where stdout is not a terminal (a pipe, a log file): a timestamp, the system, each
+    worker's status and load, and the last minute's throughput and latency."""
+    now = time.strftime("%Y-%m-%dT%H:%M:%S")
+    if "error" in data:
+        return f"{now} {data['error']}"
+    ws, st = data["worker_status"], data["stats"]
+    lm = st["last_minute"]
+    workers = " ".join(f"w{w['worker_id']}={w['status']}/rows:{w['in_flight']}/served:{w['requests_served']}"
+                       f"/errors:{w['errors']}" for w in ws["workers"])
+    return (f"{now} system={ws['system_status']} healthy={ws['healthy_workers']}/{ws['total_workers']} "
+            f"queue={st['queue_depth']} in_flight={st['in_flight']} req/s={lm['requests_per_second']} "
+            f"p50={_secs(lm['latency_p50'])} p99={_secs(lm['latency_p99'])} {workers}")
+
+
 def main(url: str, monitor: bool, interval: float, as_json: bool) -> int:
     import sys
-    console = Console() if sys.stdout.isatty() else Console(width=140)
+    tty = sys.stdout.isatty()
+    console = Console() if tty else Console(width=140)
+    if monitor and not tty:         # rich's live view draws nothing without a terminal: one plain line per poll
+        try:
+            while True:
+                data = fetch(url)
+                print(plain_line(data), flush=True)
+                time.sleep(interval)
+        except (KeyboardInterrupt, BrokenPipeError):
+            pass
+        return exit_code(data)
     if as_json:
         data = fetch(url)
         print(json.dumps(data, indent=2))

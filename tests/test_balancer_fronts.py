@@ -98,7 +98,8 @@ async def test_fronts_share_the_port_and_the_one_queue():
         unauth = await asyncio.gather(*(post(base, "/v1/completions", {"prompt": "a"}) for _ in range(12)))
         assert all(s == 401 and b["error"]["code"] == "invalid_api_key" for s, b in unauth)
         missing = await asyncio.gather(*(post(base, "/v1/nothing", {}, headers=auth) for _ in range(12)))
-        assert all(s == 404 and b["error"]["type"] == "not_found_error" for s, b in missing)
+        assert all(s == 404 and b["error"]["type"] == "not_found_error" and b["error"]["code"] == "unknown_url"
+                   for s, b in missing)
 
         stats = (await get(base + "/stats"))[1]
         procs = stats["http_processes"]

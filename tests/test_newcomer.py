@@ -159,3 +159,70 @@ def test_version():
     r = subprocess.run([*DLLM, "--version"], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.startswith("dllm-serve, version ")
     assert Path(ROOT / "pyproject.toml").read_text().count(r.stdout.split()[-1]) >= 1
+
+
+# ---- issue 27: every missing or invalid option is one line and exit 2; the monitor prints lines into a pipe
+@pytest.mark.parametrize("args, option", [
+    (["worker"], "--model-path"),
+    (["worker", "--model-path", "/nonexistent"], "--model-path"),
+    (["worker", "--model-path", "tests/fixtures/tiny-llada", "--device", "gpu"], "--device"),
+    (["worker", "--model-path", "tests/fixtures/tiny-llada", "--device", "cuda:3"], "--device"),
+    (["worker", "--model-path", "tests/fixtures/tiny-llada", "--batch-size", "0"], "--batch-size"),
+    (["worker", "--model-path", "tests/fixtures/tiny-llada", "--port", "70000"], "--port"),
+    (["balancer"], "--worker-urls"),
+    (["balancer", "--worker-urls", "localhost:8001"], "--worker-urls"),
+    (["serve", "--local", "--model-path", "/nonexistent"], "--model-path"),
+    (["serve", "--local", "--port", "0"], "--port"),
+    (["serve", "--local", "--gpus", "2"], "--gpus"),
+    (["generate", "--model-path", "/nonexistent", "--prompt", "x"], "--model-path"),
+    (["generate", "--prompt-ids", "1,x"], "--prompt-ids"),
+    (["generate", "--prompt", "x", "--dtype", "int4"], "--dtype"),
+    (["score", "--prefix-ids", "1"], "--target-ids"),
+    (["score", "--prefix-ids", "1", "--target-ids", "a"], "--target-ids"),
+    (["convert-dcp", "--base-model", "x"], "--dcp-path"),
+    (["status", "--interval", "0"], "--interval"),
+])
+def test_a_missing_or_invalid_option_is_one_line_and_exit_2(args, option, monkeypatch):
+    from click.testing import CliRunner
+
+    from common.cli import main as cli
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    r = CliRunner().invoke(cli, args, prog_name="dllm-serve")
+    lines = r.stderr.strip().splitlines()
+    assert r.exit_code == 2 and len(lines) == 1 and option in lines[0], (r.exit_code, r.stderr, r.exception)
+    assert lines[0].startswith(f"dllm-serve {args[0]}: error: ") and "Traceback" not in r.output
+
+
+def test_a_worker_without_its_model_exits_2_and_leaves_nothing_listening():
+    port = free_port()
+    r = subprocess.run([*DLLM, "worker", "--port", str(port)], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "--model-path" in r.stderr, r.stderr
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", port))           # the port is free: nothing was ever listening
+
+
+async def test_the_monitor_prints_plain_lines_into_a_pipe(aiohttp_server):
+    """`--monitor` with stdout a pipe (`| tee`, a log file): one plain line per poll, not rich's live view, which
+    draws nothing there."""
+    ws = {"healthy_workers": 1, "total_workers": 2, "system_status": "degraded", "workers": [
+        {"worker_id": 0, "url": "http://w0", "status": "busy", "in_flight": 4, "requests_served": 7, "errors": 0},
+        {"worker_id": 1, "url": "http://w1", "status": "unhealthy", "in_flight": 0, "requests_served": 0,
+         "errors": 3}]}
+    stats = {"queue_depth": 2, "in_flight": 4, "last_minute": {"requests": 7, "requests_per_second": 0.117,
+                                                               "latency_p50": 0.4, "latency_p99": 1.2}}
+    app = web.Application()
+    app.router.add_get("/worker-status", lambda r: web.json_response(ws))
+    app.router.add_get("/stats", lambda r: web.json_response(stats))
+    server = await aiohttp_server(app)
+    proc = await asyncio.create_subprocess_exec(
+        *DLLM, "status", "--monitor", "--interval", "0.2", "--url", str(server.make_url("")).rstrip("/"),
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=ROOT)
+    try:
+        lines = [(await asyncio.wait_for(proc.stdout.readline(), 30)).decode() for _ in range(2)]
+    finally:
+        proc.terminate()
+        await proc.wait()
+    for line in lines:
+        assert "system=degraded healthy=1/2 queue=2 in_flight=4" in line and "p99=1.2s" in line, line
+        assert "w0=busy/rows:4/served:7/errors:0 w1=unhealthy/rows:0/served:0/errors:3" in line, line

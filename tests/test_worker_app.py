@@ -80,6 +80,17 @@ async def test_errors_have_the_openai_shape(aiohttp_client):
         assert set(err) == {"message", "type", "param", "code"} and err["message"]
 
 
+async def test_endpoints_not_served_say_so(aiohttp_client):
+    """/v1/embeddings and the other OpenAI endpoints a diffusion LM server does not have: a 404 that says so."""
+    client, _ = await ready_client(aiohttp_client)
+    r = await client.post("/v1/embeddings", json={"input": "hi", "model": "tiny-llada"})
+    err = (await r.json())["error"]
+    assert r.status == 404 and err["code"] == "unsupported_endpoint" and "does not serve embeddings" in err["message"]
+    r = await client.get("/v1/nonsense")
+    err = (await r.json())["error"]
+    assert r.status == 404 and err["code"] == "unknown_url" and "/v1/nonsense" in err["message"]
+
+
 async def test_api_key(aiohttp_client):
     client, _ = await ready_client(aiohttp_client, api_key="sekret")
     r = await client.post("/v1/completions", json={"prompt": [1], "max_tokens": 2})

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import click
 
-from common.config import setting
+from common.config import PORT, setting
 
 DTYPES = ["auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"]   # checked before anything starts
 
@@ -37,7 +37,7 @@ def names(values) -> str | None:
 class WorkerConfig:
     model_path: str = setting(help="Checkpoint directory.")
     host: str = setting("127.0.0.1")
-    port: int = setting(8001)
+    port: int = setting(8001, type=PORT)
     batch_size: int = setting(8, "Rows per engine batch.", type=click.IntRange(1))
     max_wait_time: float = setting(0.05, "Seconds a forming batch waits for more requests, from its first request.",
                                    type=click.FloatRange(0))
@@ -77,9 +77,10 @@ class WorkerConfig:
                                     "prompt's last N tokens, so lm-eval's sum over any continuation up to N tokens is "
                                     "that continuation's estimate (cost: up to N estimates per request; "
                                     "docs/api.md).", type=click.IntRange(1))
-    served_model_name: str | None = setting(None, "Model id in the API (default: the directory name). Several "
-                                                  "names: repeat the option or separate them with commas; requests "
-                                                  "may use any, the first is reported.",
+    served_model_name: str | None = setting(None, "Model id in the API (default: the checkpoint directory's "
+                                                  "absolute path, its name accepted too). Several names: repeat the "
+                                                  "option or separate them with commas; requests may use any, the "
+                                                  "first is reported.",
                                             multiple=True, convert=names)
     api_key: str | None = setting(None, "Require 'Authorization: Bearer KEY'.", envvar="DLLM_API_KEY")
     request_timeout: float = setting(1800.0, "Seconds before a request is abandoned with 504.",
