@@ -61,9 +61,11 @@ NEUTRAL_ONLY = {
 }
 
 
-# /v1/completions also takes echo + logprobs for likelihood scoring (ScoreFields), so those two are neutral-only
-# there only when the request is not a scoring request (checked in CompletionRequest).
+# /v1/completions takes echo + logprobs for likelihood scoring (ScoreFields) and logprobs alone for the generated
+# tokens' log-probabilities; /v1/chat/completions takes logprobs + top_logprobs for the generated tokens.
 COMPLETION_NEUTRAL = {k: v for k, v in NEUTRAL_ONLY.items() if k not in ("logprobs", "echo")}
+CHAT_NEUTRAL = {k: v for k, v in NEUTRAL_ONLY.items() if k not in ("logprobs", "top_logprobs")}
+MAX_LOGPROBS = 20            # top_logprobs (chat) / logprobs (completions) at most, as OpenAI's
 
 MAX_N = 128                  # choices per prompt (n)
 MAX_ROWS = 1024              # prompts x n in one request
@@ -147,7 +149,7 @@ class ScoreFields(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
 
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     mc_num: int | None = Field(None, ge=1, le=1 << 16)
     mc_batch_size: int | None = Field(None, ge=1, le=1 << 12)
     context_length: int | None = Field(None, ge=1)    # the prefix (context) in tokens: one split, the cheapest
@@ -179,9 +181,6 @@ class CompletionRequest(ScoreFields, CommonFields):
                 raise ValueError("n: scoring requests (echo with logprobs) take n = 1")
         elif self.echo:
             raise ValueError("echo is supported only with logprobs, for likelihood scoring (docs/api.md)")
-        elif self.logprobs is not None:
-            raise ValueError("logprobs is supported only with echo=true and max_tokens 0 or 1, for likelihood scoring "
-                             "(docs/api.md)")
         elif self.max_tokens == 0:
             raise ValueError("max_tokens: 0 is only for scoring requests (echo with logprobs); otherwise at least 1")
         return self
@@ -189,6 +188,11 @@ class CompletionRequest(ScoreFields, CommonFields):
     @property
     def scoring(self) -> bool:
         return self.echo and self.logprobs is not None
+
+    @property
+    def token_logprobs(self) -> int | None:
+        """Generated tokens' log-probabilities asked: the number of alternatives (None: not asked)."""
+        return None if self.echo else self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -233,12 +237,25 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(CommonFields):
     messages: list[ChatMessage] = Field(min_length=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _neutral_only(cls, data):
+        return defaults_and_neutral(data, CHAT_NEUTRAL)
 
     @model_validator(mode="after")
     def _some_tokens(self):
         if self.max_tokens == 0:
             raise ValueError("max_tokens: must be at least 1")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs true")
         return self
+
+    @property
+    def token_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 MAX_DEPTH = 64      # nesting levels a request body may use (an OpenAI request needs about 6)
@@ -396,10 +413,10 @@ def parse_request(kind: Literal["chat", "completion", "responses"], data: Any
         raise APIError(400, "the request body must be a JSON object")
     if kind == "responses":
         r = _validate(ResponsesRequest, data, RESPONSES_NEUTRAL)
-        _validate(ChatCompletionRequest, r.chat_body(), NEUTRAL_ONLY)
+        _validate(ChatCompletionRequest, r.chat_body(), CHAT_NEUTRAL)
         return r
     if kind == "chat":
-        return _validate(ChatCompletionRequest, data, NEUTRAL_ONLY)
+        return _validate(ChatCompletionRequest, data, CHAT_NEUTRAL)
     return _validate(CompletionRequest, data, COMPLETION_NEUTRAL)
 
 

@@ -6,7 +6,8 @@ from common.protocol import APIError, parse_request
 
 @pytest.mark.parametrize("body, param", [
     ({"prompt": "x", "top_p": 0.5}, "top_p"),
-    ({"prompt": "x", "logprobs": 3}, "logprobs"),
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),
+    ({"prompt": "x", "logprobs": -1}, "logprobs"),
     ({"prompt": "x", "n": 0}, "n"),
     ({"prompt": "x", "n": 129}, "n"),
     ({"prompt": 5}, "prompt"),
@@ -36,6 +37,9 @@ def test_completion_errors_name_the_parameter(body, param):
     ({"messages": [{"role": "robot", "content": "x"}]}, "messages.0.role"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, "messages.0.content"),
     ({"messages": "hi"}, "messages"),
+    ({"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"messages": [{"role": "user", "content": "x"}], "logprobs": 1}, "logprobs"),
 ])
 def test_chat_errors(body, param):
     with pytest.raises(APIError) as e:

@@ -122,7 +122,7 @@ async def test_scoring_refusals(aiohttp_client):
     for body, param in [({**base, "max_tokens": 2}, "max_tokens"), ({**base, "n": 2}, "n"),
                         ({**base, "stream": True}, "stream"), ({**base, "mc_num": 10, "mc_batch_size": 4}, "mc_num"),
                         ({**base, "context_length": 4}, "context_length"), ({**base, "prompt": [5]}, "prompt"),
-                        ({"prompt": "x", "echo": True}, "echo"), ({"prompt": "x", "logprobs": 1}, "logprobs"),
+                        ({"prompt": "x", "echo": True}, "echo"), ({"prompt": "x", "logprobs": 21}, "logprobs"),
                         ({"prompt": "x", "max_tokens": 0}, "max_tokens")]:
         r = await client.post("/v1/completions", json=body)
         assert r.status == 400, (body, await r.text())

@@ -60,6 +60,7 @@ class Serving:
         self.names = {model_name, *aliases}
         self.tok = engine.tokenizer
         self.decode = text_decoder(self.tok)
+        self._token_texts: dict[int, str] = {}      # id -> its text alone (logprobs)
         # A text longer than this cannot fit the context whatever it holds: refused before the tokenizer spends
         # seconds on it (4x margin for normalisation that merges characters).
         self.max_prompt_chars = 4 * max_token_chars(self.tok) * engine.max_sequence_length
@@ -174,7 +175,7 @@ class Serving:
             temperature=req.temperature or 0.0, remasking=req.remasking or "low_confidence",
             cfg_scale=req.cfg_scale or 0.0, threshold=req.threshold, factor=req.factor,
             seed=None if req.seed is None else req.seed % (1 << 63),
-            ignore_eos=req.ignore_eos, extra=dict(req.algorithm_params or {}))
+            ignore_eos=req.ignore_eos, extra=dict(req.algorithm_params or {}), logprobs=req.token_logprobs)
         try:
             self.engine.plan(ids, p)
         except ParamError as e:
@@ -183,6 +184,37 @@ class Serving:
                 param = "max_completion_tokens"
             raise APIError(400, e.message, param=param)
         return p
+
+    # ------------------------------------------------------------ generated tokens' log-probabilities
+    def token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.tok.decode([token_id])
+        return text
+
+    def logprobs(self, kind: str, st: "_Choice") -> dict | None:
+        """A choice's ``logprobs`` in the OpenAI shape of ``kind`` for its answer tokens (cut at a stop string as
+        its text is): each token's log-probability at the denoising step that committed it, and the top
+        alternatives of that same step (docs/api.md). None when the engine has none (a row cancelled unstarted)."""
+        entries = st.logprobs
+        if entries is None or len(entries) < len(st.token_ids):
+            return None
+        entries = entries[:len(st.token_ids)]
+        text = self.token_text
+        if kind == "chat":
+            def item(t: int, lp: float) -> dict:
+                s = text(t)
+                return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8", "replace"))}
+            return {"content": [{**item(t, lp), "top_logprobs": [item(a, alp) for a, alp in top]}
+                                for t, lp, top in entries], "refusal": None}
+        tokens = [text(t) for t, _, _ in entries]
+        offsets, at = [], 0
+        for s in tokens:
+            offsets.append(at)
+            at += len(s)
+        tops = [{text(t): lp, **{text(a): alp for a, alp in top}} for t, lp, top in entries]
+        return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries], "top_logprobs": tops,
+                "text_offset": offsets}
 
     # ------------------------------------------------------------ tokenizer endpoints (vLLM's shapes)
     def _check_model(self, name: str | None) -> None:
@@ -350,6 +382,8 @@ class Run:
                 extra = {"nfe": st.nfe}
                 if req.return_token_ids:
                     extra["token_ids"] = st.token_ids
+                if req.token_logprobs is not None:     # all of the choice's tokens, with its last chunk
+                    extra["logprobs"] = serving.logprobs(kind, st)
                 last = done and not req.include_usage
                 self.emit("chunk", chunk(kind, prep.rid, name, prep.created, i,
                                          "" if kind == "completion" else None, st.finish_reason, extra=extra), last)
@@ -364,6 +398,9 @@ class Run:
             return
         choices = [completion_choice(kind, i, s.text, s.finish_reason, s.nfe,
                                      s.token_ids if req.return_token_ids else None) for i, s in enumerate(states)]
+        if req.token_logprobs is not None:
+            for c, s in zip(choices, states):
+                c["logprobs"] = serving.logprobs(kind, s)
         self.emit("response", response(kind, prep.rid, name, choices, use, prep.created), True)
 
 
@@ -437,6 +474,7 @@ class _Choice:
         self.stopped = False        # a stop string was found: text and token_ids are final
         self.finish_reason: str | None = None
         self.nfe = 0
+        self.logprobs: list | None = None     # the engine's per-token entries (asked only)
 
     def _apply(self, ids: list[int]) -> None:
         text = self._decode(ids)
@@ -478,6 +516,7 @@ class _Choice:
 
     def finish(self, result) -> str:
         self.nfe = result.nfe
+        self.logprobs = getattr(result, "logprobs", None)
         if not self.stopped:
             self._apply(result.token_ids)
         if self.stopped:

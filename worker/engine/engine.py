@@ -19,7 +19,7 @@ from ..models.checkpoint import read_config
 from ..tokenizer import load_tokenizer, mask_token_id, stop_token_ids
 from . import algorithms
 from .params import GenerationParams, ParamError, Plan, plan
-from .rows import Finisher, Row, StepHooks
+from .rows import Finisher, Row, StepHooks, TokenLogprobs
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +37,7 @@ class Result:
     nfe: int                      # forward passes (denoising steps) this row took part in
     canvas: list[int]             # the whole generated canvas when the row ended (masks where undecided)
     prompt_tokens: int
+    logprobs: list | None = None  # per answer token (id, log-probability, [(id, log-probability)] top k): asked only
 
 
 class Engine:
@@ -122,8 +123,10 @@ class Engine:
         return out
 
     def row(self, index: int, req: Request, pl: Plan) -> Row:
+        k = pl.params.logprobs
         return Row(index=index, prompt=list(req.prompt_ids), plan=pl,
-                   generator=self._generator(pl.params.seed) if algorithms.needs_rng(pl.params) else None)
+                   generator=self._generator(pl.params.seed) if algorithms.needs_rng(pl.params) else None,
+                   logprobs=None if k is None else TokenLogprobs(k))
 
     @torch.inference_mode()
     def generate(self, requests: list[Request], *, early_exit: bool = True, hooks: StepHooks | None = None,
@@ -199,7 +202,10 @@ class _Batch:
 
 
 def result(r: Row) -> Result:
-    return Result(r.tokens, r.finish_reason or "length", r.nfe, r.canvas, r.plan.prompt_length)
+    lp = None
+    if r.logprobs is not None:
+        lp = r.logprobs.prefix(None if r.finish_reason == "cancelled" else len(r.tokens))
+    return Result(r.tokens, r.finish_reason or "length", r.nfe, r.canvas, r.plan.prompt_length, lp)
 
 
 class Feed(Protocol):

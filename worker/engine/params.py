@@ -32,6 +32,7 @@ class GenerationParams:
     factor: float | None = None       # Fast-dLLM dynamic (factor) parallel decoding
     seed: int | None = None
     ignore_eos: bool = False          # decode the whole window; stop tokens do not end the row
+    logprobs: int | None = None       # None: none; k >= 0: each generated token's log-probability and the top k
     extra: dict = field(default_factory=dict)  # algorithm-specific parameters
 
 

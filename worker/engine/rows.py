@@ -12,6 +12,75 @@ import torch
 from .params import GenerationParams, Plan
 
 
+class TokenLogprobs:
+    """A row's generated tokens' log-probabilities (``logprobs`` asked): for every position of the generated canvas,
+    the token written there, the log-softmax (float32) of the logits that step decided it from, and the ``k`` most
+    likely tokens of that same distribution. A position written again (LLaDA2.1's editing) keeps the last write."""
+    __slots__ = ("k", "at")
+
+    def __init__(self, k: int):
+        self.k = k
+        self.at: dict[int, tuple[int, float, list[tuple[int, float]]]] = {}
+
+    def record(self, positions: torch.Tensor, tokens: torch.Tensor, logits: torch.Tensor) -> None:
+        """``positions`` [n] (generation coordinates), ``tokens`` [n] written there, ``logits`` [n, V]."""
+        if positions.numel() == 0:
+            return
+        lp = torch.log_softmax(logits.float(), dim=-1)
+        chosen = lp.gather(1, tokens.reshape(-1, 1).long())[:, 0].tolist()
+        tops = [[]] * len(chosen)
+        if self.k:
+            v, i = lp.topk(self.k, dim=-1)
+            tops = [list(zip(ii, vv)) for ii, vv in zip(i.tolist(), v.tolist())]
+        for p, t, c, top in zip(positions.tolist(), tokens.tolist(), chosen, tops):
+            self.at[p] = (t, c, top)
+
+    def prefix(self, n: int | None = None) -> list[tuple[int, float, list[tuple[int, float]]]]:
+        """The entries of the generated canvas's first ``n`` positions (None: as many as are written from the
+        first on: a row cancelled once its stop string appeared)."""
+        if n is None:
+            n = 0
+            while n in self.at:
+                n += 1
+        return [self.at[i] for i in range(n)]
+
+
+def wants_logprobs(rows) -> bool:
+    return any(r.logprobs is not None for r in rows)
+
+
+def record_row_logprobs(row: Row, where: torch.Tensor, picked: torch.Tensor, positions: torch.Tensor,
+                        tokens: torch.Tensor, logits: torch.Tensor) -> None:
+    """The same for one row whose step decided from ``logits`` [m, V] at the ascending positions ``where`` (in any
+    coordinates) and wrote ``tokens`` at ``picked`` (a subset of ``where``), generation positions ``positions``."""
+    if row.logprobs is None or picked.numel() == 0:
+        return
+    at = torch.searchsorted(where, picked)
+    row.logprobs.record(positions, tokens, logits[at])
+
+
+def record_block_logprobs(row: Row, old: torch.Tensor, new: torch.Tensor, start: int, logits: torch.Tensor) -> None:
+    """The same for a block-causal step that turned the block ``old`` (sequence positions ``start``...) into ``new``
+    from ``logits`` [block, V]: every position that changed was written (unmasked, or edited by LLaDA2.1)."""
+    j = (new != old).nonzero(as_tuple=True)[0]
+    row.logprobs.record(j + (start - row.plan.prompt_length), new[j], logits[j])
+
+
+def record_logprobs(rows, b: torch.Tensor, positions: torch.Tensor, tokens: torch.Tensor,
+                    logits: torch.Tensor) -> None:
+    """Record a step's writes for the rows that asked for logprobs: write j went to ``rows[b[j]]`` at generation
+    position ``positions[j]`` with ``tokens[j]``, decided from ``logits[j]``."""
+    want = [i for i, r in enumerate(rows) if r.logprobs is not None]
+    if not want:
+        return
+    bl = b.tolist()
+    for i in want:
+        sel = [j for j, x in enumerate(bl) if x == i]
+        if sel:
+            s = torch.tensor(sel, device=logits.device)
+            rows[i].logprobs.record(positions[s], tokens[s], logits[s])
+
+
 @dataclass
 class Row:
     index: int                    # position in the caller's request list
@@ -29,6 +98,7 @@ class Row:
     reported: int = 0             # length of the final prefix already reported to on_progress
     min_block_steps: int = 1      # steps a block takes at least under a rule without a fixed schedule (cached.py)
     rule: object = None           # sampling.Rule: how this row's steps commit tokens (set by its algorithm)
+    logprobs: TokenLogprobs | None = None     # set when the request asks for its tokens' log-probabilities
 
     @property
     def params(self) -> GenerationParams:

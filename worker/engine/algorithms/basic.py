@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..rows import Canvas, Finisher, Row, between_steps
+from ..rows import Canvas, Finisher, Row, between_steps, record_logprobs, wants_logprobs
 from ..sampling import Layout, Softmax, denoise, fast_dllm_rule
 from . import Algorithm, register
 
@@ -61,6 +61,9 @@ def commit(canvas: Canvas, logits: torch.Tensor, gidx: torch.Tensor, widths: lis
     x0, chosen = denoise(logits, tokens, widths, canvas.rows, mask_id, layouts)
     bi, ki = chosen.nonzero(as_tuple=True)
     canvas.x[bi, gidx[bi, ki]] = x0[bi, ki]
+    if wants_logprobs(canvas.rows):
+        starts = torch.tensor([canvas.gen_start(b) for b in range(len(canvas.rows))], device=gidx.device)
+        record_logprobs(canvas.rows, bi, gidx[bi, ki] - starts[bi], x0[bi, ki], logits[bi, ki])
 
 
 def step_done(canvas: Canvas, fin: Finisher, mask_id: int) -> tuple[dict, tuple[list[int], int] | None]:

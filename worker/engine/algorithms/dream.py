@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ..params import GenerationParams, ParamError
-from ..rows import Canvas, Finisher, Row, between_steps
+from ..rows import Canvas, Finisher, Row, between_steps, record_row_logprobs
 from . import Algorithm, ParamInfo, register
 
 ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
@@ -138,6 +138,8 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
                 cols, tokens = decide(r.params, r.generator, logits[start:start + n], ci[start:start + n] - o, W - o,
                                       steps[r.index], r.step, total_steps(r), r.params.extra["alg"])
                 x[b, cols + o] = tokens
+                record_row_logprobs(r, ci[start:start + n] - o, cols, cols - r.plan.prompt_length, tokens,
+                                    logits[start:start + n])
             start += n
         gens = canvas.read_gens()
         done = []

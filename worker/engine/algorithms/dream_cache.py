@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..params import GenerationParams, ParamError
-from ..rows import Canvas, Finisher, Row, between_steps, window_index
+from ..rows import Canvas, Finisher, Row, between_steps, record_row_logprobs, window_index
 from . import Algorithm, ParamInfo, register
 from .dream import DREAM_PARAMS, check_sampling, decide, sample_tokens
 
@@ -89,8 +89,11 @@ def run_dream_cache(engine, rows: list[Row], fin: Finisher, dual: bool) -> None:
             src = torch.tensor([starts[b] - 1 for b in full], device=dev)      # shifted logits
             logits = model.logits(hidden[torch.arange(len(full), device=dev), src])
             for i, b in enumerate(full):
-                _, x0 = sample_tokens(logits[i:i + 1], active[b].params, active[b].generator, "probability")
+                r = active[b]
+                _, x0 = sample_tokens(logits[i:i + 1], r.params, r.generator, "probability")
                 x[b, starts[b]] = x0[0]
+                if r.logprobs is not None:
+                    r.logprobs.record(torch.tensor([r.block * r.plan.block_length]), x0, logits[i:i + 1])
                 active[b].step = 1
 
         if part:      # inside the block: a window forward against the cached row
@@ -119,11 +122,13 @@ def run_dream_cache(engine, rows: list[Row], fin: Finisher, dual: bool) -> None:
                     if n:
                         pick, tokens = threshold_step(r.params, r.generator, lg, where, length)
                         x[b, starts[b] + pick] = tokens
+                        record_row_logprobs(r, where, pick, r.block * r.plan.block_length + pick, tokens, lg)
                 else:
                     if n:
                         pick, tokens = decide(r.params, r.generator, lg, where, length, timesteps[r.index],
                                               r.step, spb, "entropy")
                         x[b, starts[b] + pick] = tokens
+                        record_row_logprobs(r, where, pick, r.block * r.plan.block_length + pick, tokens, lg)
                     r.step += 1
                 r.nfe += 1
                 if r.params.threshold is None and r.step == spb:

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ..params import GenerationParams, ParamError
-from ..rows import Finisher, Row
+from ..rows import Finisher, Row, record_block_logprobs
 from . import Algorithm, ParamInfo, register
 from .block_causal import BlockBatch, check_common
 from .sdar import check_plan, sample as sample_filtered, transfer_schedule
@@ -115,11 +115,14 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
             start = s.block * bl
             cur = x[b, start:start + bl]
             if p.algorithm == "llada21":
-                x[b, start:start + bl] = step21(s, cur, logits[b, :bl], p, r, start, mask_id)
-                continue
-            token, prob = sample(logits[b, :bl], p, r.generator)
-            sched = transfer_schedule(bl, p.extra["denoising_steps"])
-            x[b, start:start + bl] = torch.where(choose(cur == mask_id, prob, sched[s.step], p.threshold), token, cur)
+                new = step21(s, cur, logits[b, :bl], p, r, start, mask_id)
+            else:
+                token, prob = sample(logits[b, :bl], p, r.generator)
+                sched = transfer_schedule(bl, p.extra["denoising_steps"])
+                new = torch.where(choose(cur == mask_id, prob, sched[s.step], p.threshold), token, cur)
+            if r.logprobs is not None:
+                record_block_logprobs(r, cur, new, start, logits[b, :bl])
+            x[b, start:start + bl] = new
         xc = x.cpu()
         for b, r in enumerate(active):
             s, bl = state[r.index], r.params.block_length

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ..rows import Finisher, Row, window_index
+from ..rows import Finisher, Row, record_logprobs, wants_logprobs, window_index
 from ..sampling import Layout, Softmax, denoise, fast_dllm_rule
 from . import Algorithm, ParamInfo, register
 
@@ -110,11 +110,14 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
                     lg[j, 0] = ctx[r.index]
             widths = [ends[i] - starts[i] for i in den]
             tokens = ids[den]
-            x0, chosen = denoise(lg, tokens, widths, [active[i] for i in den], mask_id,
-                                 [Layout(w, 0) for w in widths])
+            drows = [active[i] for i in den]
+            x0, chosen = denoise(lg, tokens, widths, drows, mask_id, [Layout(w, 0) for w in widths])
             rb, kb = chosen.nonzero(as_tuple=True)
-            rows_idx = sl[torch.tensor(den, device=dev)][rb]
-            x[rows_idx, cols[torch.tensor(den, device=dev)][rb, kb]] = x0[rb, kb]
+            dt = torch.tensor(den, device=dev)
+            rows_idx = sl[dt][rb]
+            x[rows_idx, cols[dt][rb, kb]] = x0[rb, kb]
+            if wants_logprobs(drows):     # generations start at column P
+                record_logprobs(drows, rb, cols[dt][rb, kb] - P, x0[rb, kb], lg[rb, kb])
         xc = x.cpu()
         for i, r in enumerate(active):
             b = slot[r.index]

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ..params import GenerationParams, ParamError, Plan
-from ..rows import Finisher, Row
+from ..rows import Finisher, Row, record_block_logprobs
 from . import Algorithm, ParamInfo, register
 from .block_causal import BlockBatch, check_common
 
@@ -125,7 +125,10 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
             token, prob = sample(logits[i, :bl], p, r.generator)
             sched = transfer_schedule(bl, p.extra["denoising_steps"])
             write = choose(p.extra["remasking_strategy"], masked, prob, sched[s.step], p.threshold)
-            x[b, start:start + bl] = torch.where(write, token, cur)
+            new = torch.where(write, token, cur)
+            if r.logprobs is not None:
+                record_block_logprobs(r, cur, new, start, logits[i, :bl])
+            x[b, start:start + bl] = new
             s.step += 1
         if den:
             xc = x.cpu()

@@ -1,0 +1,119 @@
+"""Generated tokens' log-probabilities (issue 27): each answer token's log-probability under the distribution of the
+denoising step that committed it, with that step's top alternatives; the same alone and batched; the OpenAI shapes
+of chat (`logprobs` + `top_logprobs`) and completions (`logprobs: N`), cut with the text at a stop string."""
+import orjson
+import pytest
+import torch
+
+from tests.conftest import TINY_DREAM, TINY_LLADA, TINY_LLADA2, TINY_NEMOTRON, TINY_SDAR
+from tests.test_worker_app import ready_client
+from worker.engine import GenerationParams, Request
+from worker.models import DEFAULT_ALGORITHM
+
+# (fixture, algorithm (None: the family's default), extra parameters): every family and every kind of step loop
+SETTINGS = [(TINY_LLADA, "basic", {}), (TINY_LLADA, "dual_cache", {"threshold": 0.9}),
+            (TINY_LLADA, "prefix_cache", {}), (TINY_LLADA, "dinfer_credit", {"threshold": 0.9}),
+            (TINY_NEMOTRON, None, {}), (TINY_DREAM, "dream", {}), (TINY_DREAM, "dream_dual_cache", {"threshold": 0.9}),
+            (TINY_SDAR, None, {}), (TINY_LLADA2, "llada2", {}), (TINY_LLADA2, "llada21", {})]
+
+
+@pytest.fixture(scope="module")
+def engines():
+    from worker.engine import Engine
+    cache = {}
+
+    def get(path):
+        if path not in cache:
+            cache[path] = Engine.from_pretrained(path, device="cpu", dtype="float32")
+        return cache[path]
+    return get
+
+
+def _requests(engine, alg, extra):
+    alg = alg or DEFAULT_ALGORITHM[engine.family]
+    return [Request(prompt, GenerationParams(gen_length=n, block_length=8, algorithm=alg, logprobs=3, **extra))
+            for prompt, n in (([5, 6], 16), ([5, 6, 7, 8], 24), ([9, 10, 11], 12))]
+
+
+@pytest.mark.parametrize("path, alg, extra", SETTINGS, ids=lambda v: getattr(v, "name", v))
+def test_every_answer_token_has_its_steps_logprob_alone_and_batched(engines, path, alg, extra):
+    engine = engines(path)
+    reqs = _requests(engine, alg, extra)
+    alone = [engine.generate([r])[0] for r in reqs]
+    batched = engine.generate(reqs)
+    for a, b in zip(alone, batched):
+        assert a.token_ids == b.token_ids and len(a.logprobs) == len(a.token_ids) == len(b.logprobs)
+        for t, (tok, lp, top) in zip(a.token_ids, a.logprobs):
+            assert tok == t and lp <= 0 and len(top) == 3
+            assert [v for _, v in top] == sorted((v for _, v in top), reverse=True)
+            # greedy decoding commits the step's most likely token: the recorded distribution is the deciding one
+            assert top[0][0] == tok and top[0][1] == lp
+        # the same numbers batched, to float32 rounding (a padded batch sums in another order)
+        for (t1, l1, top1), (t2, l2, top2) in zip(a.logprobs, b.logprobs):
+            assert t1 == t2 and abs(l1 - l2) < 1e-4 and [i for i, _ in top1] == [i for i, _ in top2]
+            assert all(abs(v1 - v2) < 1e-4 for (_, v1), (_, v2) in zip(top1, top2))
+
+
+def test_the_first_committed_token_has_the_first_forwards_distribution(engines):
+    """LLaDA, one token per step: the first step forwards prompt + masks and commits its most confident position;
+    that token's entry is the log-softmax of that very forward's logits there."""
+    engine = engines(TINY_LLADA)
+    prompt, G = [5, 6, 7], 8
+    res = engine.generate([Request(prompt, GenerationParams(gen_length=G, block_length=G, steps=G, logprobs=5,
+                                                            ignore_eos=True))])[0]
+    x = torch.tensor([prompt + [engine.mask_id] * G])
+    with torch.inference_mode():
+        logits = engine.model.logits(engine.model(x, torch.arange(x.shape[1])[None], None))[0, len(prompt):]
+    lp = torch.log_softmax(logits.float(), -1)
+    first = int(torch.softmax(logits, -1).max(-1).values.argmax())     # the step's most confident position
+    tok, value, top = res.logprobs[first]
+    assert tok == int(lp[first].argmax()) and value == pytest.approx(float(lp[first, tok]), abs=1e-6)
+    assert [i for i, _ in top] == lp[first].topk(5).indices.tolist()
+
+
+def test_sampled_tokens_get_the_models_logprob_not_only_the_argmax(engines):
+    engine = engines(TINY_LLADA)
+    r = engine.generate([Request([5, 6], GenerationParams(gen_length=16, block_length=8, temperature=1.0, seed=3,
+                                                          logprobs=0))])[0]
+    assert len(r.logprobs) == len(r.token_ids) and all(top == [] for _, _, top in r.logprobs)
+    assert all(lp <= 0 for _, lp, _ in r.logprobs)
+
+
+async def test_chat_and_completions_shapes(aiohttp_client):
+    client, _ = await ready_client(aiohttp_client)
+    msgs = [{"role": "user", "content": "di vo"}]
+    r = await client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 8, "logprobs": True,
+                                                        "top_logprobs": 2, "return_token_ids": True, "ignore_eos": True})
+    choice = (await r.json())["choices"][0]
+    content = choice["logprobs"]["content"]
+    assert r.status == 200 and len(content) == len(choice["token_ids"]) == 8
+    assert all(set(c) == {"token", "logprob", "bytes", "top_logprobs"} and len(c["top_logprobs"]) == 2
+               and bytes(c["bytes"]).decode() == c["token"] for c in content)
+    # without logprobs: null, as before
+    r = await client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 4})
+    assert (await r.json())["choices"][0]["logprobs"] is None
+
+    r = await client.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 8, "logprobs": 3,
+                                                   "ignore_eos": True, "n": 2, "temperature": 1, "seed": 1})
+    for choice in (await r.json())["choices"]:
+        lp = choice["logprobs"]
+        assert set(lp) == {"tokens", "token_logprobs", "top_logprobs", "text_offset"}
+        assert len(lp["tokens"]) == len(lp["token_logprobs"]) == len(lp["top_logprobs"]) == 8
+        assert all(len(t) in (3, 4) and lp["tokens"][i] in t for i, t in enumerate(lp["top_logprobs"]))
+        assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+
+
+async def test_logprobs_follow_the_text_at_a_stop_string_and_in_a_stream(aiohttp_client):
+    client, _ = await ready_client(aiohttp_client)
+    body = {"prompt": [5, 6, 7], "max_tokens": 12, "logprobs": 1, "ignore_eos": True, "return_token_ids": True}
+    full = (await (await client.post("/v1/completions", json=body)).json())["choices"][0]
+    stop = full["text"][len(full["text"]) // 2:][:2]
+    cut = (await (await client.post("/v1/completions", json={**body, "stop": [stop]})).json())["choices"][0]
+    assert len(cut["logprobs"]["tokens"]) == len(cut["token_ids"]) < len(full["token_ids"])
+    assert cut["logprobs"]["token_logprobs"] == full["logprobs"]["token_logprobs"][:len(cut["token_ids"])]
+
+    r = await client.post("/v1/completions", json={**body, "stream": True})
+    chunks = [orjson.loads(line[6:]) for line in (await r.read()).split(b"\n")
+              if line.startswith(b"data: {")]
+    streamed = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
+    assert len(streamed) == 1 and streamed[0] == full["logprobs"]         # all of them, with the last chunk
