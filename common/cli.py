@@ -58,11 +58,11 @@ def main() -> None:
 @click.option("--prompt", help="Prompt text.")
 @click.option("--chat", is_flag=True, help="Wrap --prompt as one user message in the model's chat template.")
 @click.option("--prompt-ids", help="Prompt as comma-separated token ids (no template, no special tokens added).")
-@click.option("--gen-length", type=int, default=None,
+@click.option("--gen-length", type=click.IntRange(1), default=None,
               help="Tokens to generate (default: the checkpoint's generation_config.json max_new_tokens, else 128).")
-@click.option("--block-length", type=int, default=None,
+@click.option("--block-length", type=click.IntRange(1), default=None,
               help="Semi-autoregressive block size (default: 32, or gen-length when shorter).")
-@click.option("--steps", type=int, default=None, help="Denoising steps in all (default: gen-length).")
+@click.option("--steps", type=click.IntRange(1), default=None, help="Denoising steps in all (default: gen-length).")
 @click.option("--algorithm", default=None, help="Generation algorithm (registry name; default: the model family's).")
 @click.option("--remasking", type=click.Choice(["low_confidence", "random"]), default="low_confidence",
               show_default=True)
@@ -142,8 +142,9 @@ def generate(model_path, prompt, chat, prompt_ids, gen_length, block_length, ste
         as_json = True
     try:
         results = engine.generate(reqs, early_exit=not no_early_exit)
-    except ParamError as e:
-        raise click.ClickException(f"{e.param}: {e.message}")
+    except ParamError as e:     # a generation option the model or algorithm refuses: a usage error naming it
+        flag = _PARAM_FLAGS.get(e.param, "--" + (e.param or "option").replace("_", "-"))
+        raise click.UsageError(f"{flag}: {e.message}")
     for res in results:
         text = engine.tokenizer.decode(res.token_ids, skip_special_tokens=True)
         out = {"token_ids": res.token_ids, "text": text, "finish_reason": res.finish_reason, "nfe": res.nfe}
@@ -155,6 +156,10 @@ def generate(model_path, prompt, chat, prompt_ids, gen_length, block_length, ste
             click.echo(text)
             click.echo(f"[finish_reason={res.finish_reason} nfe={res.nfe} tokens={len(res.token_ids)}]", err=True)
 
+
+# the API parameter a ParamError names -> the generate option that sets it
+_PARAM_FLAGS = {"generation_algorithm": "--algorithm", "max_tokens": "--gen-length", "algorithm_params":
+                "--algorithm-params", "prompt": "--prompt/--prompt-ids"}
 
 _REQUEST_KEYS = {"prompt", "prompt_ids", "messages", "chat", "gen_length", "block_length", "steps", "algorithm",
                  "remasking", "temperature", "cfg_scale", "threshold", "factor", "seed", "shift_logits",

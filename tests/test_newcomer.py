@@ -177,6 +177,8 @@ def test_version():
     (["generate", "--model-path", "/nonexistent", "--prompt", "x"], "--model-path"),
     (["generate", "--prompt-ids", "1,x"], "--prompt-ids"),
     (["generate", "--prompt", "x", "--dtype", "int4"], "--dtype"),
+    (["generate", "--prompt", "x", "--gen-length", "0"], "--gen-length"),
+    (["generate", "--prompt", "x", "--algorithm", "warp", "--device", "cpu"], "--algorithm"),
     (["score", "--prefix-ids", "1"], "--target-ids"),
     (["score", "--prefix-ids", "1", "--target-ids", "a"], "--target-ids"),
     (["convert-dcp", "--base-model", "x"], "--dcp-path"),
