@@ -15,6 +15,55 @@ def fixture_path(name: str) -> Path:
     return shared if shared.exists() else LOCAL / name
 
 
+# bfloat16 on CPU: the rounding depends on the arithmetic, so the `bf16` tests compare with the reference's result for
+# the ATen kernel set this process runs (ATEN_CPU_CAPABILITY; torch.backends.cpu.get_cpu_capability()) with oneDNN
+# off, whose bfloat16 matmuls would otherwise use the CPU's own instructions (docs/models.md, "bfloat16 on CPU").
+# They run only where tests/test_bf16_kernels.py runs them, once per kernel set, with this variable set.
+BF16_ENV = "DLLM_SERVE_BF16_KERNELS"
+BF16_DRIVER = "tests/test_bf16_kernels.py"
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get(BF16_ENV):
+        return
+    skip = pytest.mark.skip(reason=f"bfloat16: run once per CPU kernel set by {BF16_DRIVER} (or set {BF16_ENV}=1)")
+    for item in items:
+        if item.get_closest_marker("bf16"):
+            item.add_marker(skip)
+
+
+def pytest_report_header(config):
+    if os.environ.get(BF16_ENV):
+        import torch
+        return (f"bf16 kernels: {torch.backends.cpu.get_cpu_capability()} "
+                f"(ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', '')})")
+
+
+@pytest.fixture(autouse=True)
+def _bf16_without_onednn(request):
+    """Every `bf16` test runs with oneDNN off: ATen's own kernels only, the arithmetic its goldens were made in."""
+    if request.node.get_closest_marker("bf16") is None:
+        yield
+        return
+    import torch
+    was = torch.backends.mkldnn.enabled            # (mkldnn.flags() would also set oneDNN's TF32 flag, and warn)
+    torch.backends.mkldnn.enabled = False
+    try:
+        yield
+    finally:
+        torch.backends.mkldnn.enabled = was
+
+
+def bf16_golden(case: dict) -> dict:
+    """A `bf16_cases` entry's reference result (``output``, ``nfe``) for this process's ATen CPU kernel set."""
+    import torch
+    assert not torch.backends.mkldnn.enabled, "bfloat16 goldens hold oneDNN-off results: mark the test bf16"
+    cap = torch.backends.cpu.get_cpu_capability()
+    if cap not in case["kernels"]:
+        pytest.skip(f"no bfloat16 golden for the CPU kernel set {cap} (goldens: {', '.join(case['kernels'])})")
+    return case["kernels"][cap]
+
+
 TINY_LLADA = fixture_path("tiny-llada")
 TINY_NEMOTRON = fixture_path("tiny-nemotron")
 TINY_LLADA_PEAKY = fixture_path("tiny-llada-peaky")

@@ -45,6 +45,7 @@ def test_left_padding_does_not_change_a_row(model, llada_golden):
     assert (leaked - ref).abs().max().item() > 1e-3
 
 
+@pytest.mark.bf16
 def test_bfloat16_load_keeps_weights_in_bfloat16(model):
     m16 = load_model(TINY_LLADA, "cpu", "bfloat16")
     assert all(p.dtype == torch.bfloat16 for p in m16.parameters())

@@ -1,0 +1,61 @@
+"""The `bf16` tests (bfloat16 goldens and tolerances on CPU), once per ATen CPU kernel set.
+
+bfloat16 results on CPU depend on the arithmetic: ATen picks its vectorised kernels by ATEN_CPU_CAPABILITY (DEFAULT,
+AVX2, AVX512; read once, when torch is imported) and oneDNN runs bfloat16 matmuls with the CPU's own instructions. The
+`bf16` tests therefore run with oneDNN off (tests/conftest.py) and compare with the reference's result for the kernel
+set torch reports (the goldens hold one per set, tests/fixtures/README.md). Each set needs its own process: this test
+runs `pytest -m bf16` in a subprocess per set (the fast tier's `bf16` tests here, the slow ones in the slow tier),
+with one thread as the goldens were made, checks that it passed and that the kernel set it ran is the one asked for
+whenever this CPU has it. Elsewhere the `bf16` tests are skipped. By hand:
+`DLLM_SERVE_BF16_KERNELS=1 ATEN_CPU_CAPABILITY=avx2 .venv/bin/python -m pytest -m bf16 tests/test_llada2.py`."""
+import functools
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import BF16_ENV, ROOT
+
+# the files with `bf16` tests (test_every_bf16_test_is_driven keeps this list complete)
+FILES = ["tests/test_llada2.py", "tests/test_llada_moe.py", "tests/test_llada_model.py"]
+ORDER = ["DEFAULT", "AVX2", "AVX512"]
+
+
+def _env(capability: str | None) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", BF16_ENV, "PYTEST_ADDOPTS")}
+    if capability is not None:
+        env["ATEN_CPU_CAPABILITY"] = capability
+    return env
+
+
+@functools.lru_cache(maxsize=1)
+def best_capability() -> str:
+    """The kernel set torch picks on this CPU when nothing is asked."""
+    out = subprocess.run([sys.executable, "-c", "import torch; print(torch.backends.cpu.get_cpu_capability())"],
+                         env=_env(None), capture_output=True, text=True, check=True, timeout=120)
+    return out.stdout.strip()
+
+
+@pytest.mark.parametrize("tier", [pytest.param("not slow", id="fast"),
+                                  pytest.param("slow", id="slow", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("capability", ["default", "avx2", "avx512"])
+def test_bf16_tests_pass_under_each_cpu_kernel_set(capability, tier):
+    env = {**_env(capability), BF16_ENV: "1", "OMP_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-m", f"bf16 and {tier}", "-p", "no:cacheprovider", "-rs",
+                          *FILES], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    out = run.stdout + run.stderr
+    assert run.returncode == 0 and re.search(r"\b\d+ passed", out), out[-4000:]
+    ran = re.search(r"^bf16 kernels: (\w+)", out, re.M)
+    assert ran, out[-4000:]
+    want, best = capability.upper(), best_capability()
+    if best in ORDER and ORDER.index(want) <= ORDER.index(best):
+        assert ran.group(1) == want, f"asked for {want} on a {best} CPU, torch ran {ran.group(1)}"
+
+
+def test_every_bf16_test_is_driven():
+    """A `bf16` test outside FILES would never run."""
+    marked = sorted(f"tests/{p.name}" for p in (ROOT / "tests").glob("test_*.py")
+                    if "mark.bf16" in p.read_text() and p.name != "test_bf16_kernels.py")
+    assert set(marked) <= set(FILES), marked
