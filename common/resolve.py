@@ -23,6 +23,23 @@ def _checkpoint_problem(path: Path) -> str | None:
     return None
 
 
+def served_names(model: str | os.PathLike) -> list[str]:
+    """The default model ids for ``--model-path`` as given, the first reported, the others accepted in requests.
+
+    As vLLM serves a model under its path, the id is what a client on the same machine resolves to the tokenizer with
+    its defaults, offline (``AutoTokenizer.from_pretrained(id)``: lm-eval, guidellm, aiperf): a local checkpoint
+    directory's absolute path, a hub id (resolved from the Hugging Face cache) the hub id. The last path component (the
+    directory's name, the hub id's name part: ``demo_model``, ``LLaDA-8B-Instruct``) stays accepted as an alias."""
+    spec = str(model)
+    path = Path(spec).expanduser()
+    if path.exists():
+        path = path.resolve()
+        names = [str(path), path.name]
+    else:                   # a hub id (org/name), or a path a worker is about to fail on: named as given
+        names = [spec, spec.rstrip("/").rsplit("/", 1)[-1]]
+    return list(dict.fromkeys(n for n in names if n))
+
+
 def resolve_model(spec: str | None, allow_download: bool = True) -> Path:
     """The checkpoint directory for ``spec`` (None: the built-in demo model)."""
     if spec is None:

@@ -74,17 +74,17 @@ def render(data: dict, url: str):
     return Group(head, t, foot, legend)
 
 
-def plain_line(data: dict) -> str:
+def plain_line(data: dict, url: str) -> str:
     """One line of the monitor where stdout is not a terminal (a pipe, a log file): a timestamp, the system, each
     worker's status and load, and the last minute's throughput and latency."""
     now = time.strftime("%Y-%m-%dT%H:%M:%S")
     if "error" in data:
-        return f"{now} {data['error']}"
+        return f"{now} dllm-serve {data['error']}"
     ws, st = data["worker_status"], data["stats"]
     lm = st["last_minute"]
     workers = " ".join(f"w{w['worker_id']}={w['status']}/rows:{w['in_flight']}/served:{w['requests_served']}"
                        f"/errors:{w['errors']}" for w in ws["workers"])
-    return (f"{now} system={ws['system_status']} healthy={ws['healthy_workers']}/{ws['total_workers']} "
+    return (f"{now} dllm-serve {url} system={ws['system_status']} healthy={ws['healthy_workers']}/{ws['total_workers']} "
             f"queue={st['queue_depth']} in_flight={st['in_flight']} req/s={lm['requests_per_second']} "
             f"p50={_secs(lm['latency_p50'])} p99={_secs(lm['latency_p99'])} {workers}")
 
@@ -97,7 +97,7 @@ def main(url: str, monitor: bool, interval: float, as_json: bool) -> int:
         try:
             while True:
                 data = fetch(url)
-                print(plain_line(data), flush=True)
+                print(plain_line(data, url), flush=True)
                 time.sleep(interval)
         except (KeyboardInterrupt, BrokenPipeError):
             pass

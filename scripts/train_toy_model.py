@@ -148,7 +148,9 @@ def main() -> None:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     vocab = write_tokenizer(tmp)
-    cfg_dict = llada_config(vocab, args.d_model, args.layers, args.heads, args.mlp, 256)
+    # RoPE, no learned positions: the table's length changes no weight and no value at a trained position, so the
+    # context is LLaDA-8B's 4096 (clients' default prompt and generation lengths fit) though training rows are short
+    cfg_dict = llada_config(vocab, args.d_model, args.layers, args.heads, args.mlp, 4096)
     (tmp / "config.json").write_text(json.dumps(cfg_dict, indent=2))
     enc = ChatEncoder(load_tokenizer(tmp), vocab)
     model = LLaDAModel(LLaDAConfig.from_dict(cfg_dict))

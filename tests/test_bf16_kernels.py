@@ -4,7 +4,7 @@ bfloat16 results on CPU depend on the arithmetic: ATen picks its vectorised kern
 AVX2, AVX512; read once, when torch is imported) and oneDNN runs bfloat16 matmuls with the CPU's own instructions. The
 `bf16` tests therefore run with oneDNN off (tests/conftest.py) and compare with the reference's result for the kernel
 set torch reports (the goldens hold one per set, tests/fixtures/README.md). Each set needs its own process: this test
-runs `pytest -m bf16` in a subprocess per set (the fast tier's `bf16` tests here, the slow ones in the slow tier),
+runs `pytest -m bf16` in a subprocess per set and tier (in the fast tier only AVX2's fast ones; all in the suite),
 with one thread as the goldens were made, checks that it passed and that the kernel set it ran is the one asked for
 whenever this CPU has it. Elsewhere the `bf16` tests are skipped. By hand:
 `DLLM_SERVE_BF16_KERNELS=1 ATEN_CPU_CAPABILITY=avx2 .venv/bin/python -m pytest -m bf16 tests/test_llada2.py`."""
@@ -38,9 +38,12 @@ def best_capability() -> str:
     return out.stdout.strip()
 
 
-@pytest.mark.parametrize("tier", [pytest.param("not slow", id="fast"),
-                                  pytest.param("slow", id="slow", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("capability", ["default", "avx2", "avx512"])
+# the fast tier runs the fast `bf16` tests under one kernel set (AVX2's); the whole suite runs every tier under each
+KERNEL_SETS = [pytest.param(c, t, id=f"{c}-{i}", marks=() if (c, i) == ("avx2", "fast") else pytest.mark.slow)
+               for c in ("default", "avx2", "avx512") for t, i in (("not slow", "fast"), ("slow", "slow"))]
+
+
+@pytest.mark.parametrize("capability, tier", KERNEL_SETS)
 def test_bf16_tests_pass_under_each_cpu_kernel_set(capability, tier):
     env = {**_env(capability), BF16_ENV: "1", "OMP_NUM_THREADS": "1"}
     run = subprocess.run([sys.executable, "-m", "pytest", "-m", f"bf16 and {tier}", "-p", "no:cacheprovider", "-rs",

@@ -53,7 +53,7 @@ def test_serve_derives_the_worker_command_from_the_balancer_config():
     w = build(WorkerConfig, params)
     assert (w.batch_size, w.max_wait_time, w.max_queue) == (24, 0, 1024)
     assert (w.dtype, w.score_window, w.compile, w.default_max_tokens) == ("bf16", 4, True, None)
-    assert w.served_model_name == "LLaDA-8B"
+    assert w.served_model_name == "/models/LLaDA-8B,LLaDA-8B"     # its path, then its name
     named = ServeConfig(model_path="/m", worker={"served_model_name": "llada-8b-instruct,x"})
     assert build(WorkerConfig, parse(worker_cmd, ["--model-path", "x", *named.worker_command()])
                  ).served_model_name == "llada-8b-instruct,x"

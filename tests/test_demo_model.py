@@ -46,3 +46,20 @@ def test_the_demo_answers_the_readme_example(demo):
     ids = apply_chat_template(engine.tokenizer, [{"role": "user", "content": "sort 5 2 8 1"}])
     r = engine.generate([Request(ids, GenerationParams(gen_length=16, block_length=16, steps=16))])[0]
     assert engine.tokenizer.decode(r.token_ids, skip_special_tokens=True).strip() == "1 2 5 8"
+
+
+def test_the_lm_eval_tasks_are_held_out_problems_with_right_answers():
+    """bench/lm_eval_tasks (docs/api.md's lm-eval commands): problems the training run never drew, each answer right
+    and the candidate at `label`."""
+    from quality import training_problems
+    rows = [json.loads(line) for line in (ROOT / "bench" / "lm_eval_tasks" / "demo_problems.jsonl").open()]
+    assert len(rows) == 24 and not {r["prompt"] for r in rows} & training_problems(MODEL)
+    for r in rows:
+        task, *words = r["prompt"].split()
+        if task == "add":
+            plus = words.index("+")
+            right = str(int("".join(words[:plus])) + int("".join(words[plus + 1:])))
+        else:
+            right = "".join(sorted(words) if task == "sort" else words[::-1])
+        assert r["answer"] == " ".join(right) and r["choices"][r["label"]] == r["answer"], r
+        assert len(set(r["choices"])) == 3

@@ -212,7 +212,7 @@ def test_worker_and_balancer_serve_the_family(tmp_path, dream_golden):
             assert status == 200 and r["choices"][0]["token_ids"] == c["output"], (c, r)
         status, r = post_json(cl.url + "/v1/chat/completions",
                               {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 16})
-        assert status == 200 and r["model"] == "tiny-dream"
+        assert status == 200 and r["model"] == str(TINY_DREAM.resolve())
         status, r = post_json(cl.url + "/v1/completions", {"prompt": "hi", "max_tokens": 4,
                                                            "algorithm_params": {"alg": "nope"}})
         assert status == 400 and r["error"]["param"] == "algorithm_params"

@@ -15,7 +15,7 @@ from aiohttp import web
 from click.testing import CliRunner
 
 from common.cli import _gpu_ids, main as cli
-from common.resolve import DEMO_MODEL, ResolveError, resolve_model
+from common.resolve import DEMO_MODEL, ResolveError, resolve_model, served_names
 from tests.conftest import TINY_LLADA
 from tests.helpers import DLLM, ROOT, free_port, get_json, post_json
 
@@ -51,6 +51,27 @@ def test_resolve_hub_id_through_the_local_cache(tmp_path, monkeypatch):
     finally:
         monkeypatch.undo()
         importlib.reload(c)
+
+
+def test_served_names_are_what_a_client_resolves_to_the_tokenizer(monkeypatch, tmp_path):
+    """Issue 27, as vLLM: a local checkpoint is served under its absolute path, a hub id under the hub id (not its
+    cache snapshot's path); the last component stays accepted; --served-model-name still overrides."""
+    monkeypatch.chdir(ROOT)
+    assert served_names("worker/demo_model") == [str(DEMO_MODEL), "demo_model"]
+    (tmp_path / "link").symlink_to(TINY_LLADA)
+    assert served_names(tmp_path / "link") == [str(TINY_LLADA.resolve()), "tiny-llada"]
+    assert served_names("GSAI-ML/LLaDA-8B-Instruct") == ["GSAI-ML/LLaDA-8B-Instruct", "LLaDA-8B-Instruct"]
+    import balancer.supervisor
+    import common.resolve
+    seen = []
+    monkeypatch.setattr(balancer.supervisor, "run", lambda cfg: seen.append(cfg) or 0)
+    monkeypatch.setattr(common.resolve, "resolve_model", lambda spec: TINY_LLADA.resolve() if spec else DEMO_MODEL)
+    for args, names in (([], f"{DEMO_MODEL},demo_model"),
+                        (["--model-path", "GSAI-ML/LLaDA-8B-Instruct"], "GSAI-ML/LLaDA-8B-Instruct,LLaDA-8B-Instruct"),
+                        (["--served-model-name", "llada"], "llada")):
+        assert CliRunner().invoke(cli, ["serve", "--local", *args]).exit_code == 0
+        command = seen.pop().worker_command()
+        assert command[command.index("--served-model-name") + 1] == names
 
 
 def test_gpu_ids(monkeypatch):
@@ -200,7 +221,7 @@ def test_serve_local_restarts_a_killed_worker_and_stops_cleanly(tmp_path):
         url = f"http://127.0.0.1:{port}"
         status, body = post_json(url + "/v1/chat/completions",
                                  {"messages": [{"role": "user", "content": "di vo"}], "max_tokens": 8})
-        assert status == 200 and body["model"] == "demo_model"
+        assert status == 200 and body["model"] == str(ROOT / "worker" / "demo_model")
         while get_json(url + "/health")[1]["healthy_workers"] < 2:
             time.sleep(0.2)
         children = psutil.Process(p.pid).children(recursive=True)
@@ -248,7 +269,7 @@ def test_serve_takes_a_nemotron_checkpoint(tmp_path):
             time.sleep(0.2)
         status, body = post_json(f"http://127.0.0.1:{port}/v1/chat/completions",
                                  {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 8})
-        assert status == 200 and body["model"] == "tiny-nemotron"
+        assert status == 200 and body["model"] == str(TINY_NEMOTRON.resolve())
         assert get_json(f"http://127.0.0.1:{port}/v1/models")[1]["data"][0]["family"] == "nemotron"
     finally:
         p.send_signal(signal.SIGTERM)

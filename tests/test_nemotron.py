@@ -139,6 +139,6 @@ def test_worker_serves_the_family(tmp_path, nemotron_golden):
             assert status == 200 and r["choices"][0]["token_ids"] == out["output_ids"], (st, r)
         status, r = post_json(w.url + "/v1/chat/completions",
                               {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 16})
-        assert status == 200 and r["model"] == "tiny-nemotron"
+        assert status == 200 and r["model"] == str(TINY_NEMOTRON.resolve())
     finally:
         w.stop()

@@ -141,6 +141,6 @@ def test_worker_and_balancer_serve_the_family(tmp_path, sdar_golden):
         assert plain["token_ids"] == four["token_ids"] and plain["nfe"] == four["nfe"] != wide["nfe"]
         status, r = post_json(cl.url + "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}],
                                                                  "max_tokens": 8})
-        assert status == 200 and r["model"] == "tiny-sdar"
+        assert status == 200 and r["model"] == str(TINY_SDAR.resolve())
     finally:
         cl.stop()
