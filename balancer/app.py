@@ -16,10 +16,12 @@ import secrets
 import signal
 import sys
 import time
+import urllib.parse
 from dataclasses import dataclass
 
 import aiohttp
 import orjson
+import yarl
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
@@ -30,7 +32,8 @@ from balancer.batcher import BatchConfig, CentralBatcher, Pending
 from balancer.pool import HealthConfig, WorkerPool
 from balancer.stats import Window
 from common.config import PORT, setting
-from common.http import EXIT_PORT_IN_USE, MAX_BODY_BYTES, json_response, middlewares, read_body
+from common.http import (BODY_BUDGET, EXIT_PORT_IN_USE, MAX_BODY_BYTES, MAX_BODY_BYTES_IN_FLIGHT, AppRunner,
+                         BodyBudget, json_response, middlewares, read_body)
 from common.metrics import RequestMetrics
 from common.openai_http import add_routes
 from common.protocol import APIError, error_body, guarded_by_api_key, loads
@@ -68,6 +71,12 @@ class BalancerConfig:
                                      "the limit (thousands of requests/s; docs/balancer.md).", type=click.IntRange(1))
     front_timeout: float = setting(10.0, "With --http-processes > 1: seconds a front process may leave pings "
                                          "unanswered before it is killed and restarted.", type=click.FloatRange(0.1))
+    max_body_bytes_in_flight: int = setting(
+        MAX_BODY_BYTES_IN_FLIGHT, "Bytes of request bodies held at once over all requests, per HTTP process (a "
+                                  "body counts from the start of its reading until its request is answered; "
+                                  "bodies over 1 MiB may fill three quarters); past it a request gets 503 + "
+                                  "Retry-After (one body is at most 64 MiB: 413).",
+        type=click.IntRange(1))
     api_key: str | None = setting(None, "Require 'Authorization: Bearer KEY' on /v1.", envvar="DLLM_API_KEY")
     worker_api_key: str | None = setting(None, "Bearer key the balancer sends to workers.",
                                          envvar="DLLM_WORKER_API_KEY")
@@ -180,10 +189,11 @@ async def to_a_worker(request: web.Request) -> web.Response:
     state = request.app[STATE]
     body = await read_body(request)
     loads(body)
+    path = request.match_info.route.resource.canonical      # the route's own path, never the client's
     tried = []
     for w in sorted(state.pool.healthy(), key=lambda w: (w.inflight_rows, w.index)):
         try:
-            async with state.session.post(w.url + request.path, data=body,
+            async with state.session.post(w.url + path, data=body,
                                           headers={**state.pool.headers, "Content-Type": "application/json"},
                                           timeout=aiohttp.ClientTimeout(total=60)) as r:
                 return web.Response(body=await r.read(), status=r.status, content_type="application/json")
@@ -195,17 +205,39 @@ async def to_a_worker(request: web.Request) -> web.Response:
 
 # ---------------------------------------------------------------- status endpoints
 async def from_a_worker(request: web.Request) -> web.Response:
-    """A read-only worker endpoint the balancer answers for its workers (GET /v1/models, /generation/algorithms):
-    the first healthy worker's answer, cached 30 s (every worker serves the same model)."""
-    state = request.app[STATE]
-    path = request.path
+    """A read-only worker endpoint the balancer answers for its workers (GET /v1/models, /generation/algorithms,
+    /tokenizer_info): the same path on a worker, the route's own (never the client's)."""
+    return await _ask_workers(request.app[STATE], request.match_info.route.resource.canonical)
+
+
+def model_id(name: str) -> str:
+    """GET /v1/models/{id}'s id, decoded once by the router, checked before it goes to a worker: a model id may hold
+    '/' (a hub id, a checkpoint's absolute path), but no '.' or '..' segment, backslash, control character or
+    percent-escape (a doubly encoded one); anything else cannot be a served model (404)."""
+    if ("\\" in name or re.search(r"%[0-9A-Fa-f]{2}|[\x00-\x1f\x7f]", name)
+            or any(seg in (".", "..") for seg in name.split("/"))):
+        raise APIError(404, f"The model {name[:200]!r} does not exist: not a model id", param="model",
+                       code="model_not_found")
+    return name
+
+
+async def model_from_a_worker(request: web.Request) -> web.Response:
+    """GET /v1/models/{id}: a worker's answer for the checked id, sent as one percent-encoded path segment of the
+    fixed route (whatever it holds, the worker sees /v1/models/{that id} and nothing else)."""
+    name = model_id(request.match_info["model"])
+    return await _ask_workers(request.app[STATE], "/v1/models/" + urllib.parse.quote(name, safe=""))
+
+
+async def _ask_workers(state: BalancerState, path: str) -> web.Response:
+    """The first healthy worker's answer to GET ``path`` (already percent-encoded; sent as it is, never normalised),
+    cached 30 s (every worker serves the same model)."""
     now = time.monotonic()
     hit = state._from_workers.get(path)
     if hit and now - hit[0] < 30:
         return json_response(hit[1])
     for w in state.pool.healthy() + [w for w in state.pool.workers if not w.healthy]:
         try:
-            async with state.session.get(w.url + path, headers=state.pool.headers,
+            async with state.session.get(yarl.URL(w.url + path, encoded=True), headers=state.pool.headers,
                                          timeout=aiohttp.ClientTimeout(total=5)) as r:
                 if r.status == 200:
                     data = await r.json(content_type=None)
@@ -259,6 +291,7 @@ async def stats(request: web.Request) -> web.Response:
         "redispatched_requests": b.retries,
         "failed_midstream": b.failed_midstream,
         "split_batches": b.split_batches,
+        "request_body_bytes": request.app[BODY_BUDGET].snapshot(),     # this process's (each front has its own)
         "workers": [w.snapshot() for w in state.pool.workers],
         "centralized_batching": {
             "enabled": True, "max_batch_size": cfg.batch_size, "max_wait_time": cfg.wait_time,
@@ -334,11 +367,12 @@ def make_app(cfg: BalancerConfig) -> web.Application:
     app = web.Application(middlewares=middlewares(cfg.api_key, guarded_by_api_key),
                           client_max_size=MAX_BODY_BYTES)
     app[STATE] = BalancerState(cfg)
+    app[BODY_BUDGET] = BodyBudget(cfg.max_body_bytes_in_flight)
     app.cleanup_ctx.append(_lifecycle)
     app[DOOR] = BalancerDoor(app[STATE])
     add_routes(app, app[DOOR])
     app.router.add_get("/v1/models", from_a_worker)
-    app.router.add_get("/v1/models/{model:.+}", from_a_worker)
+    app.router.add_get("/v1/models/{model:.+}", model_from_a_worker)
     app.router.add_get("/generation/algorithms", from_a_worker)
     app.router.add_get("/tokenizer_info", from_a_worker)
     app.router.add_post("/tokenize", to_a_worker)
@@ -371,7 +405,7 @@ async def serve(cfg: BalancerConfig, stop: asyncio.Event | None = None) -> int:
     """Serve until SIGTERM/SIGINT (or, when given, until ``stop`` is set): then stop admitting (503), finish what is
     queued and in flight (up to ``drain_timeout``), stop the front processes, exit."""
     app = make_app(cfg)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     try:
         await start_sites(runner, cfg)

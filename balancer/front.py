@@ -41,10 +41,12 @@ from dataclasses import dataclass, field
 
 import aiohttp
 import orjson
+import yarl
 from aiohttp import web
 
 from balancer.batcher import Pending
-from common.http import MAX_BODY_BYTES, middlewares
+from common.http import (BODY_BUDGET, MAX_BODY_BYTES, MAX_BODY_BYTES_IN_FLIGHT, AppRunner, BodyBudget, middlewares,
+                         read_bytes)
 from common.openai_http import ENDPOINTS, EventBox, add_routes, meaningful
 from common.protocol import APIError, error_body, guarded_by_api_key
 
@@ -238,7 +240,8 @@ class Fronts:
         ours, theirs = socket.socketpair()
         env = {**os.environ, "DLLM_FRONT": json.dumps({
             "fd": theirs.fileno(), "host": self.host, "port": self.port, "central": self.central_socket,
-            "api_key": self.api_key, "index": i, "log_level": logging.getLogger().getEffectiveLevel()})}
+            "api_key": self.api_key, "index": i, "log_level": logging.getLogger().getEffectiveLevel(),
+            "max_body_bytes_in_flight": self.state.cfg.max_body_bytes_in_flight})}
         proc = None
         try:
             proc = await asyncio.create_subprocess_exec(
@@ -336,6 +339,7 @@ class FrontConfig:
     index: int = 0
     log_level: int = logging.INFO
     proxy_timeout: float = 30.0
+    max_body_bytes_in_flight: int = MAX_BODY_BYTES_IN_FLIGHT     # this front's own bound (the balancer's setting)
 
 
 @dataclass(eq=False)
@@ -398,12 +402,14 @@ DOOR = web.AppKey("door", FrontDoor)
 
 
 async def proxy(request: web.Request) -> web.Response:
-    """Any other path: the central's own answer, over its Unix socket."""
+    """Any other path: the central's own answer, over its Unix socket, to the path exactly as the client sent it
+    (never decoded or normalised here: the central routes, checks the key and refuses what it would refuse)."""
     front = request.app[FRONT]
     headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type", "accept")}
+    body = await read_bytes(request) if request.can_read_body else None
     try:
-        async with front.session.request(request.method, "http://central" + request.path_qs, headers=headers,
-                                         data=await request.read() if request.can_read_body else None) as r:
+        async with front.session.request(request.method, yarl.URL("http://central" + request.path_qs, encoded=True),
+                                         headers=headers, data=body) as r:
             body = await r.read()
             keep = {k: v for k, v in r.headers.items() if k.lower() in ("content-type", "retry-after", "allow")}
             return web.Response(body=body, status=r.status, headers=keep)
@@ -416,6 +422,7 @@ async def serve_front(cfg: FrontConfig) -> int:
     app = web.Application(middlewares=middlewares(cfg.api_key, guarded_by_api_key),
                           client_max_size=MAX_BODY_BYTES)
     app[FRONT] = front
+    app[BODY_BUDGET] = BodyBudget(cfg.max_body_bytes_in_flight)
     app[DOOR] = FrontDoor(front)
     add_routes(app, app[DOOR])
     app.router.add_route("*", "/{tail:.*}", proxy)
@@ -426,7 +433,7 @@ async def serve_front(cfg: FrontConfig) -> int:
                                           timeout=aiohttp.ClientTimeout(total=cfg.proxy_timeout))
     link = front.link = CentralLink(front)
     await loop.create_connection(lambda: link, sock=socket.socket(fileno=cfg.fd))
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=4.0)
+    runner = AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=4.0)
     await runner.setup()
     try:
         await web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True, reuse_port=True).start()

@@ -1,9 +1,16 @@
 """The worker pool: live load the balancer tracks itself, and health from periodic /health probes.
 
 Statuses: ``starting`` (never ready yet, or loading), ``idle`` / ``busy`` (healthy, by the balancer's own in-flight
-work), ``stalled`` (holds work but has made no denoising progress for ``stall_timeout``), ``unhealthy`` (refused a
-connection, or ``unhealthy_threshold`` probes failed in a row while it held no work), ``draining`` (says so).
-A down or stalled worker is re-admitted after ``healthy_threshold`` good probes in a row.
+work), ``stalled`` (holds work but has shown no denoising progress for longer than its stall allowance:
+:meth:`WorkerPool.stall_after`), ``unhealthy`` (refused a connection, or ``unhealthy_threshold`` probes failed in a
+row while it held no work), ``draining`` (says so). A down or stalled worker is re-admitted after
+``healthy_threshold`` good probes in a row.
+
+Progress is what the balancer last saw of the worker's device loop: a step its ``/health`` reports
+(``seconds_since_last_step``), a line on one of its batch streams, or a ``/health`` saying it is not busy. A worker
+that answers ``/health`` is judged from its fresh answers; one whose last probe failed (a stopped or frozen process
+answers nothing: the probe times out) is judged by a watcher every quarter second, so it is found stalled as soon as
+its allowance has passed.
 
 The pool owns every worker's state: the batcher reports its dispatches (``batch_*`` methods) and the pool counts the
 load and decides health. When the pool gives up on a worker that holds work (its connection is refused, it stalled),
@@ -33,8 +40,16 @@ class HealthConfig:
     unhealthy_threshold: int = setting(3, "Failed probes in a row that mark an idle worker unhealthy.",
                                        type=click.IntRange(1))
     healthy_threshold: int = setting(2, "Good probes in a row that re-admit a worker.", type=click.IntRange(1))
-    stall_timeout: float = setting(60.0, "Seconds without denoising progress while holding work before a worker is "
-                                         "'stalled' and its work re-dispatched.", type=click.FloatRange(0.1))
+    stall_timeout: float = setting(60.0, "Seconds without denoising progress while holding work after which a worker "
+                                         "is 'stalled' and its work re-dispatched, whatever its step time; also the "
+                                         "allowance of a worker that has reported no step time yet.",
+                                   type=click.FloatRange(0.1))
+    stall_steps: float = setting(5.0, "A worker holding work is 'stalled' sooner when it has made no denoising step "
+                                      "for this many of its own step times (its /health step_seconds_max, the "
+                                      "longest of its last 256 steps), but never before --stall-floor.",
+                                 type=click.FloatRange(1))
+    stall_floor: float = setting(5.0, "Seconds without a denoising step that never make a worker 'stalled' (unless "
+                                      "--stall-timeout is shorter).", type=click.FloatRange(0.1))
 
 
 @dataclass
@@ -55,6 +70,7 @@ class Worker:
     last_activity: float | None = None                               # last event received from it
     last_health: dict = field(default_factory=dict)
     last_dispatch: float = 0.0
+    stall_after: float | None = None    # seconds without progress, holding work, before it is stalled (the pool's)
     launch_id: str | None = None     # when set, only a worker whose /health shows it is ours (the supervisor's)
     instance_id: str | None = None   # the worker process last seen on /health
 
@@ -84,6 +100,7 @@ class Worker:
             "in_flight_batches": self.inflight_batches,
             "last_activity_seconds_ago": None if self.last_activity is None else round(now - self.last_activity, 3),
             "seconds_since_progress": round(now - self.last_progress, 3),
+            "stall_after_seconds": None if self.stall_after is None else round(self.stall_after, 3),
             "worker_health": self.last_health,
         }
 
@@ -103,6 +120,7 @@ class WorkerPool:
 
     def start(self) -> None:
         self._tasks = [asyncio.create_task(self._probe_loop(w), name=f"health-{w.index}") for w in self.workers]
+        self._tasks.append(asyncio.create_task(self._watch_loop(), name="stall-watch"))
 
     async def close(self) -> None:
         for t in self._tasks:
@@ -124,6 +142,32 @@ class WorkerPool:
         while True:
             await self.probe(w, session)
             await asyncio.sleep(self.health.interval)
+
+    async def _watch_loop(self) -> None:
+        """Judges every worker whose last probe failed (it answers nothing: stopped, frozen, its loop wedged) as soon
+        as its stall allowance has passed, rather than when its next probe times out."""
+        while True:
+            await asyncio.sleep(min(0.25, self.health.interval))
+            self.watch()
+
+    def watch(self) -> None:
+        stalled = False
+        for w in self.workers:
+            if w.consecutive_errors and w.ever_ready:
+                stalled |= self._check_stall(w)
+        if stalled:
+            self.notify()
+
+    def stall_after(self, w: Worker) -> float:
+        """Seconds without progress, while holding work, after which ``w`` is stalled: ``stall_steps`` of its own
+        step times (the longest of its recent steps, as its last /health reported), at least ``stall_floor``, at
+        most ``stall_timeout``; ``stall_timeout`` while it has reported no step time (before its first step, or a
+        worker that does not report one)."""
+        hc = self.health
+        step = w.last_health.get("step_seconds_max")
+        if isinstance(step, bool) or not isinstance(step, (int, float)) or step < 0:
+            return hc.stall_timeout
+        return min(hc.stall_timeout, max(hc.stall_floor, hc.stall_steps * step))
 
     async def probe(self, w: Worker, session: aiohttp.ClientSession) -> None:
         hc = self.health
@@ -183,7 +227,8 @@ class WorkerPool:
             w.last_progress = max(w.last_progress, now - since)
         elif not busy:
             w.last_progress = now
-        progressing = (now - w.last_progress) < self.health.stall_timeout
+        w.stall_after = self.stall_after(w)
+        progressing = (now - w.last_progress) < w.stall_after
         w.consecutive_errors = 0
         w.consecutive_ok += 1
         if not w.ever_ready:
@@ -193,13 +238,22 @@ class WorkerPool:
             log.info("worker %d (%s) re-admitted", w.index, w.url)
             w.down = w.stalled = False
 
-    def _check_stall(self, w: Worker) -> None:
-        if w.inflight_batches and not w.stalled and time.monotonic() - w.last_progress > self.health.stall_timeout:
-            log.warning("worker %d (%s) stalled: no progress for %.1f s with %d batches in flight; re-dispatching",
-                        w.index, w.url, time.monotonic() - w.last_progress, w.inflight_batches)
-            w.stalled = True
-            w.consecutive_ok = 0
-            self.abort(w, "stalled")
+    def _check_stall(self, w: Worker) -> bool:
+        """Marks ``w`` stalled (and aborts its work) when it holds work and has shown no progress for longer than
+        :meth:`stall_after`; says whether it did."""
+        if not w.inflight_batches or w.stalled:
+            return False
+        idle_for, allowed = time.monotonic() - w.last_progress, self.stall_after(w)
+        if idle_for <= allowed:
+            return False
+        log.warning("worker %d (%s) stalled: no progress for %.1f s (allowed %.1f s; its /health %s) with %d batches "
+                    "in flight; re-dispatching", w.index, w.url, idle_for, allowed,
+                    f"failed {w.consecutive_errors} times in a row" if w.consecutive_errors else "answers",
+                    w.inflight_batches)
+        w.stalled = True
+        w.consecutive_ok = 0
+        self.abort(w, "stalled")
+        return True
 
     def abort(self, w: Worker, why: str) -> None:
         """Break every in-flight dispatch to ``w`` (``why``: "stalled", "connection refused"); their unsent requests
@@ -210,6 +264,8 @@ class WorkerPool:
     # ------------------------------------------------------------ what the batcher reports
     def batch_started(self, w: Worker, rows: int) -> None:
         w.last_dispatch = time.monotonic()
+        if not w.inflight_batches:       # it had no work of ours: its stall clock starts now, not at its last probe
+            w.last_progress = max(w.last_progress, w.last_dispatch)
         w.inflight_batches += 1
         w.inflight_rows += rows
 

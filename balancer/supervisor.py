@@ -24,8 +24,9 @@ import click
 
 from balancer.app import BalancerConfig, drain, make_app, start_sites
 from balancer.batcher import BatchConfig
-from common.config import setting, to_args
-from common.http import EXIT_PORT_IN_USE
+from common.config import PORT, setting, to_args
+from common.http import EXIT_PORT_IN_USE, AppRunner
+from common.resolve import served_names
 from worker.config import WorkerConfig
 
 log = logging.getLogger("dllm.supervisor")
@@ -45,9 +46,9 @@ class ServeConfig:
     gpu_ids: list[str] | None = setting(None, cli=False)   # one worker per id (CUDA_VISIBLE_DEVICES); None: CPU
     cpu_workers: int = setting(1, cli=False)
     host: str = setting("127.0.0.1", "Balancer address.")
-    port: int = setting(8000)
+    port: int = setting(8000, type=PORT)
     worker_host: str = setting("127.0.0.1")
-    worker_base_port: int = setting(8001)
+    worker_base_port: int = setting(8001, type=PORT)
     worker: dict = setting(default_factory=dict, cli=False)  # WorkerConfig settings for every worker (serve's flags)
     worker_args: list[str] = setting(default_factory=list, cli=False)   # more `dllm-serve worker` arguments
     log_level: str = setting("info", cli=False)                         # the workers' --log-level
@@ -78,10 +79,11 @@ class ServeConfig:
     def worker_command(self) -> list[str]:
         """The `dllm-serve worker` arguments every worker gets (but its host and port): two balancer batches in
         flight (the worker takes twice the balancer's batch size, without its own wait), a queue for eight, the
-        checkpoint directory's name as the served name unless one is given, then the pass-through settings."""
+        checkpoint directory's absolute path and name as the served names unless given (common.resolve.served_names),
+        then the pass-through settings."""
         batch = self.balancer.batch if self.balancer is not None else BatchConfig()
         values = {"batch_size": batch.batch_size * 2, "max_wait_time": 0, "max_queue": max(1024, batch.batch_size * 8),
-                  "served_model_name": Path(self.model_path).resolve().name, **self.worker}
+                  "served_model_name": ",".join(served_names(self.model_path)), **self.worker}
         return to_args(WorkerConfig, values) + ["--log-level", self.log_level] + self.worker_args
 
 
@@ -326,7 +328,7 @@ class Supervisor:
         if self.cfg.worker_api_key:
             bcfg.worker_api_key = self.cfg.worker_api_key
         self.app = make_app(bcfg)
-        self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
+        self.runner = AppRunner(self.app, handler_cancellation=True, access_log=None)
         await self.runner.setup()
         await start_sites(self.runner, bcfg)
 

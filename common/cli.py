@@ -280,7 +280,7 @@ def _gpu_ids(gpus: int | None, gpu_ids: str | None, workers: int | None = None) 
 # HealthConfig or WorkerConfig, generated from it (common/config.py)
 SERVE_WORKER = ("default_algorithm", "default_max_tokens", "dtype", "score_mc_num", "score_batch_size",
                 "score_cfg_scale", "score_window", "served_model_name", "compile", "continuous_batching",
-                "max_batch_tokens", "switch_wait")
+                "max_batch_tokens", "switch_wait", "max_request_cost", "long_row_cost", "long_row_share")
 
 
 @main.command()
@@ -312,8 +312,8 @@ SERVE_WORKER = ("default_algorithm", "default_max_tokens", "dtype", "score_mc_nu
                         "a generated key of their own unless --worker-api-key is given."}})
 @options(ServeConfig, only=("worker_api_key", "log_dir", "server_info_file", "stagger", "min_workers",
                             "startup_timeout"))
-@options(BalancerConfig, only=("request_timeout",))
-@options(HealthConfig, only=("stall_timeout", "interval"))
+@options(BalancerConfig, only=("request_timeout", "max_body_bytes_in_flight"))
+@options(HealthConfig, only=("stall_timeout", "stall_steps", "stall_floor", "interval"))
 @options(BalancerConfig, only=("drain_timeout",))
 @options(ServeConfig, only=("extra_worker_urls", "no_balancer"))
 @click.option("--slurm-script", default=None, help="sbatch script for SLURM mode (default: "

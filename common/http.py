@@ -1,13 +1,18 @@
 """HTTP pieces shared by the worker and the balancer (aiohttp; no torch): JSON responses, the middleware that
-answers every error in the OpenAI shape, and API-key checking."""
+answers every error in the OpenAI shape, API-key checking, the bound on request bytes in flight, and the runner whose
+connections answer malformed HTTP in the OpenAI shape too."""
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 from typing import Callable
 
 import orjson
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage, HttpProcessingError
+from aiohttp.http_parser import RawRequestMessage
+from aiohttp.web_protocol import RequestPayloadError
 
 from common.protocol import APIError, error_body
 
@@ -17,6 +22,10 @@ log = logging.getLogger("dllm.http")
 EXIT_PORT_IN_USE = 98                  # a server's exit code when its port is taken (the supervisor gives up)
 MAX_BODY_BYTES = 64 * 1024 ** 2        # one client request (balancer, fronts, worker /v1); larger: 413
 MAX_BATCH_BYTES = 4 * MAX_BODY_BYTES   # one /worker/batch body; the balancer never forms a larger one
+# Request-body bytes one process holds at once, over all its requests (--max-body-bytes-in-flight): the balancer and
+# each of its front processes, and a worker (which takes the balancer's batches: 2 in flight of up to 128 MiB each)
+MAX_BODY_BYTES_IN_FLIGHT = 4 * MAX_BODY_BYTES
+WORKER_BODY_BYTES_IN_FLIGHT = 2 * MAX_BATCH_BYTES
 
 # Content types a JSON body may come with: none, JSON, and those HTTP clients send by default for raw bytes
 # (``curl -d``: application/x-www-form-urlencoded; aiohttp: application/octet-stream). Anything else (multipart
@@ -25,13 +34,77 @@ JSON_CONTENT_TYPES = ("", "application/json", "text/plain", "application/x-www-f
                       "application/octet-stream")
 
 
-async def read_body(request: web.Request) -> bytes:
-    """The raw body of an OpenAI request, after the Content-Type check (415 in the OpenAI shape)."""
+SMALL_BODY_BYTES = 1024 ** 2             # a body up to this size may use the budget's last quarter (BodyBudget)
+
+
+class BodyBudget:
+    """The bytes of request bodies one server process holds at once, over all its requests
+    (``--max-body-bytes-in-flight``). A body counts from the start of its reading (its whole Content-Length at once,
+    or each chunk of a chunked body as it arrives) until its request is answered; a body that would pass the limit
+    is refused with 503 + Retry-After (before it is read, when its Content-Length says so), so N concurrent large
+    bodies cost at most the limit, never N times the per-request cap. Bodies over SMALL_BODY_BYTES may only fill
+    three quarters of it: the last quarter stays for small requests, which large ones never crowd out."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self.used = 0           # bytes held now
+        self.peak = 0
+        self.refused = 0        # requests refused with 503
+
+    def take(self, request: web.Request, n: int) -> None:
+        held = request.get(_HELD, 0) + n
+        room = self.limit if held <= SMALL_BODY_BYTES else self.limit - self.limit // 4
+        if held > room:                       # over what it could ever hold: no retry can help
+            raise APIError(413, f"the request body is larger than {room} bytes (--max-body-bytes-in-flight)")
+        if self.used + n > room:
+            self.refused += 1
+            raise APIError(503, f"the server is holding its limit of request-body bytes ({self.limit}, "
+                                "--max-body-bytes-in-flight): retry shortly", headers={"Retry-After": "1"})
+        self.used += n
+        self.peak = max(self.peak, self.used)
+        request[_HELD] = held
+
+    def release(self, request: web.Request) -> None:
+        """Give back what ``request`` holds (its answer is over); called once per request by errors_middleware."""
+        self.used -= request.pop(_HELD, 0)
+
+    def snapshot(self) -> dict:
+        return {"bytes": self.used, "limit": self.limit, "peak": self.peak, "refused": self.refused}
+
+
+BODY_BUDGET = web.AppKey("body_budget", BodyBudget)
+# a request's bytes held against its app's BodyBudget
+_HELD = web.RequestKey("body_bytes_held", int) if hasattr(web, "RequestKey") else "dllm_body_bytes_held"
+
+
+async def read_bytes(request: web.Request, max_bytes: int = MAX_BODY_BYTES) -> bytes:
+    """A request's whole body: at most ``max_bytes`` (else 413, before reading when the Content-Length says so),
+    its bytes held against the app's :class:`BodyBudget` (when it has one) until the request is answered. Read
+    once per request (it consumes the body)."""
+    budget = request.app.get(BODY_BUDGET)
+    length = request.content_length
+    if length is not None and length > max_bytes:
+        raise APIError(413, f"the request body is larger than {max_bytes} bytes")
+    if budget is not None and length:
+        budget.take(request, length)
+    buf = bytearray()
+    while chunk := await request.content.readany():
+        if len(buf) + len(chunk) > max_bytes:
+            raise APIError(413, f"the request body is larger than {max_bytes} bytes")
+        if budget is not None and length is None:
+            budget.take(request, len(chunk))
+        buf += chunk
+    return bytes(buf)
+
+
+async def read_body(request: web.Request, max_bytes: int = MAX_BODY_BYTES) -> bytes:
+    """The raw body of an OpenAI request, after the Content-Type check (415 in the OpenAI shape); see
+    :func:`read_bytes`."""
     ctype = request.headers.get("Content-Type", "").split(";", 1)[0].strip().lower()
     if ctype not in JSON_CONTENT_TYPES and not ctype.endswith("+json"):
         raise APIError(415, f"unsupported Content-Type {ctype!r}: send the body as application/json",
                        type="invalid_request_error")
-    return await request.read()
+    return await read_bytes(request, max_bytes)
 
 
 def json_response(data, status: int = 200, headers: dict | None = None) -> web.Response:
@@ -60,9 +133,20 @@ def _not_served(path: str) -> tuple[str, str]:
     return f"no such endpoint: {path} (the OpenAI endpoints here: {SERVED})", "unknown_url"
 
 
+def malformed_http(message: str | None, status: int = 400) -> web.Response:
+    """The answer to a request whose HTTP itself is broken (a header line over 8,190 bytes, a bad chunk size...):
+    the OpenAI error shape, and the connection closed (its byte stream cannot be trusted any more)."""
+    detail = (message or "").strip().split("\n", 1)[0][:200]
+    resp = json_response(error_body(f"malformed HTTP request: {detail or 'unparseable'}", "invalid_request_error",
+                                    code="malformed_http"), status)
+    resp.force_close()
+    return resp
+
+
 @web.middleware
 async def errors_middleware(request: web.Request, handler):
-    """Every 4xx/5xx body in the OpenAI shape; an unexpected exception is a logged 500, never a crash."""
+    """Every 4xx/5xx body in the OpenAI shape; an unexpected exception is a logged 500, never a crash. Also where a
+    request's body bytes go back to the :class:`BodyBudget` once its answer is over."""
     try:
         return await handler(request)
     except APIError as e:
@@ -76,21 +160,29 @@ async def errors_middleware(request: web.Request, handler):
             message, code = _not_served(request.path)
         return json_response(error_body(message, typ, code=code), e.status,
                              {k: v for k, v in e.headers.items() if k.lower() in ("allow", "retry-after")})
+    except (HttpProcessingError, RequestPayloadError) as e:      # the body's HTTP framing broke while it was read
+        return malformed_http(getattr(e, "message", None) or str(e))
     except (asyncio.CancelledError, ConnectionResetError):
         raise
     except Exception as e:
         log.exception("unhandled error on %s %s", request.method, request.path)
         return json_response(error_body(f"internal error: {type(e).__name__}", "server_error"), 500)
+    finally:
+        if _HELD in request:
+            request.app[BODY_BUDGET].release(request)
 
 
 def auth_middleware(key: str, guarded: Callable[[str], bool]):
-    """Require ``Authorization: Bearer KEY`` on the paths ``guarded`` accepts (installed only when a key is set)."""
-    expected = f"Bearer {key}"
+    """Require ``Authorization: Bearer KEY`` on the paths ``guarded`` accepts (installed only when a key is set).
+    The key is compared in constant time (hmac.compare_digest), so answer times say nothing about it."""
+    expected = f"Bearer {key}".encode("utf-8", "surrogatepass")
 
     @web.middleware
     async def middleware(request: web.Request, handler):
-        if guarded(request.path) and request.headers.get("Authorization", "") != expected:
-            raise APIError(401, "invalid or missing API key (Authorization: Bearer ...)", code="invalid_api_key")
+        if guarded(request.path):
+            given = request.headers.get("Authorization", "").encode("utf-8", "surrogatepass")
+            if not hmac.compare_digest(given, expected):
+                raise APIError(401, "invalid or missing API key (Authorization: Bearer ...)", code="invalid_api_key")
         return await handler(request)
     return middleware
 
@@ -98,3 +190,66 @@ def auth_middleware(key: str, guarded: Callable[[str], bool]):
 def middlewares(api_key: str | None, guarded: Callable[[str], bool]) -> list:
     """The middleware stack of both servers: OpenAI-shaped errors, plus the API-key check when a key is set."""
     return [errors_middleware] + ([auth_middleware(api_key, guarded)] if api_key else [])
+
+
+# ---------------------------------------------------------------- malformed HTTP in the OpenAI shape
+class _Connection(web.RequestHandler):
+    """aiohttp's connection protocol, with what it answers itself in the OpenAI error shape: a request it cannot
+    parse (a header line over 8,190 bytes, too many headers, a bad request line, a bad chunk size or Content-Length
+    before the handler runs) gets a JSON 400, not aiohttp's plain text; an unexpected error a JSON 500. And a body
+    whose chunk framing breaks after its handler began reading it fails that read (a JSON 400 from
+    errors_middleware) instead of leaving it waiting for bytes that never come: aiohttp's C parser drops such a
+    payload without telling its reader."""
+    __slots__ = ()
+
+    def data_received(self, data: bytes) -> None:
+        messages = getattr(self, "_messages", None)         # requests parsed, not yet handled (aiohttp's)
+        queued = len(messages) if messages is not None else 0
+        super().data_received(data)
+        if messages is None or len(messages) <= queued:
+            return
+        try:
+            if not isinstance(messages[-1][0], RawRequestMessage):        # the parser failed: an error entry
+                error = getattr(messages[-1][0], "exc", None)
+                if not isinstance(error, Exception):
+                    error = BadHttpMessage("malformed HTTP")
+                payloads = [p for _, p in messages]
+                current = getattr(self, "_current_request", None)         # the request being handled
+                if current is not None:
+                    payloads.append(current.content)
+                for payload in payloads:
+                    if not payload.is_eof():
+                        payload.set_exception(error)
+                        payload.feed_eof()
+        except Exception:          # an aiohttp whose internals moved: its own behaviour stays
+            log.debug("could not fail a broken request body", exc_info=True)
+
+    def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        if status >= 500:
+            super().handle_error(request, status, exc, message)      # aiohttp's log line and checks
+            resp = json_response(error_body("the request timed out", "timeout") if status == 504
+                                 else error_body("internal error", "server_error"), status)
+            resp.force_close()
+            return resp
+        log.info("malformed HTTP from %s: %s", request.remote, (message or str(exc))[:200].replace("\n", " "))
+        if request.writer.output_size > 0:
+            raise ConnectionError("Response is sent already, cannot send another response with the error message")
+        return malformed_http(message or (str(exc) if exc else None), status)
+
+
+class _Server(web.Server):
+    def __call__(self) -> web.RequestHandler:
+        handler = super().__call__()
+        handler.__class__ = _Connection            # the same object layout (no slots of its own)
+        return handler
+
+
+class AppRunner(web.AppRunner):
+    """aiohttp's AppRunner whose connections answer malformed HTTP in the OpenAI error shape (:class:`_Connection`);
+    every server here (balancer, front processes, worker, supervisor) runs its app with it."""
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        server.__class__ = _Server
+        return server

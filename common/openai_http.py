@@ -86,8 +86,9 @@ async def handle(request: web.Request, kind: str, door: Door) -> web.StreamRespo
         body = await read_body(request)
         req = parse_request(kind, body)      # the one JSON language; the body is passed on as it is
         source = await door.open(request, kind, body, req)
+        stream, req = req.stream, None      # the parsed body (as large as the body) is not kept while answering
         opened: dict = {}
-        answer = (answer_stream(request, source, kind == "responses", opened) if req.stream
+        answer = (answer_stream(request, source, kind == "responses", opened) if stream
                   else answer_single(source))
         if door.timeout is None:
             resp, status = await answer

@@ -42,21 +42,33 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
+def _is(number: float):
+    """A neutral-value check for a numeric field: null, or a JSON number equal to ``number`` (``true`` and ``false``
+    are not 1 and 0, as Python's ``True == 1`` would have it)."""
+    return lambda v: v is None or (type(v) in (int, float) and v == number)
+
+
+def _empty(kind: type):
+    """A neutral-value check for an object (``dict``) or array (``list``) field: null, or an empty one of that kind
+    (not ``false``, ``0`` or ``""``)."""
+    return lambda v: v is None or (type(v) is kind and not v)
+
+
 # Fields of the OpenAI API we accept only at their neutral value: name -> (is_neutral(value), what we accept).
 NEUTRAL_ONLY = {
-    "top_p": (lambda v: v is None or v == 1, "1"),
-    "frequency_penalty": (lambda v: v is None or v == 0, "0"),
-    "presence_penalty": (lambda v: v is None or v == 0, "0"),
-    "repetition_penalty": (lambda v: v is None or v == 1, "1"),
+    "top_p": (_is(1), "1"),
+    "frequency_penalty": (_is(0), "0"),
+    "presence_penalty": (_is(0), "0"),
+    "repetition_penalty": (_is(1), "1"),
     "logprobs": (lambda v: v is None or v is False, "null or false"),
-    "top_logprobs": (lambda v: v is None or v == 0, "null or 0"),
+    "top_logprobs": (_is(0), "null or 0"),
     "echo": (lambda v: v is None or v is False, "false"),
-    "best_of": (lambda v: v is None or v == 1, "1"),
-    "logit_bias": (lambda v: not v, "empty"),
+    "best_of": (_is(1), "1"),
+    "logit_bias": (_empty(dict), "empty"),
     "suffix": (lambda v: v is None, "null"),
-    "tools": (lambda v: not v, "none"),
-    "functions": (lambda v: not v, "none"),
-    "tool_choice": (lambda v: v in (None, "none"), "none"),
+    "tools": (_empty(list), "none"),
+    "functions": (_empty(list), "none"),
+    "tool_choice": (lambda v: v is None or v == "none", "none"),
     "response_format": (lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"), '{"type": "text"}'),
 }
 
@@ -306,16 +318,16 @@ class ResponsesInputItem(BaseModel):
 
 # Responses fields accepted only at their neutral value (text in, text out, nothing stored or chained)
 RESPONSES_NEUTRAL = {
-    "tools": (lambda v: not v, "none"),
-    "tool_choice": (lambda v: v in (None, "none", "auto"), "none"),
+    "tools": (_empty(list), "none"),
+    "tool_choice": (lambda v: v is None or v in ("none", "auto"), "none"),
     "previous_response_id": (lambda v: v is None, "null (no stored conversations)"),
     "conversation": (lambda v: v is None, "null (no stored conversations)"),
-    "top_p": (lambda v: v is None or v == 1, "1"),
-    "top_logprobs": (lambda v: v is None or v == 0, "null or 0"),
+    "top_p": (_is(1), "1"),
+    "top_logprobs": (_is(0), "null or 0"),
     "background": (lambda v: v is None or v is False, "false"),
     "text": (lambda v: v is None or (isinstance(v, dict) and (v.get("format") or {"type": "text"}).get("type")
                                      == "text"), '{"format": {"type": "text"}}'),
-    "reasoning": (lambda v: not v, "null"),
+    "reasoning": (_empty(dict), "null"),
 }
 
 
@@ -381,9 +393,10 @@ class DetokenizeRequest(BaseModel):
     tokens: list[int] = Field(max_length=1 << 20)
 
 
-# Routes that share the OpenAI endpoints' key (--api-key): /v1/* and the tokenizer endpoints.
+# Routes that share the OpenAI endpoints' key (--api-key): /v1/*, the tokenizer endpoints and
+# /generation/algorithms (as on a worker); the read-only status endpoints stay open.
 def guarded_by_api_key(path: str) -> bool:
-    return path.startswith("/v1/") or path in ("/tokenize", "/detokenize", "/tokenizer_info")
+    return path.startswith("/v1/") or path in ("/tokenize", "/detokenize", "/tokenizer_info", "/generation/algorithms")
 
 
 def parse_body(cls: type[BaseModel], data: Any):

@@ -163,3 +163,43 @@ class Tally:
         left = f", left by their clients {self.left}" if self.left else ""
         print(f"\nFAULT {self.name}: sent {self.sent}, answered {self.answered}, errored {self.errored}, "
               f"lost {self.lost}{left}{extra}")
+
+
+def raw_http(port: int, *parts: bytes, gap: float = 0.0, timeout: float = 10.0) -> tuple[int, dict, bytes]:
+    """Send ``parts`` as they are, ``gap`` seconds apart (no client normalising the path, as ``curl --path-as-is``;
+    malformed HTTP on purpose); the answer's status, headers (lower-case names) and body. Status 0: no answer within
+    ``timeout`` (or the connection closed without one)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        try:
+            for i, part in enumerate(parts):
+                if i and gap:
+                    time.sleep(gap)
+                s.sendall(part)
+        except OSError:          # the server answered and closed before taking everything: read its answer
+            pass
+        return read_http_answer(s)
+
+
+def read_http_answer(s: socket.socket) -> tuple[int, dict, bytes]:
+    """One HTTP/1.1 answer read from ``s`` (headers, then Content-Length bytes or up to the close)."""
+    data = b""
+    try:
+        while b"\r\n\r\n" not in data:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        if b"\r\n\r\n" not in data:
+            return 0, {}, data
+        head, body = data.split(b"\r\n\r\n", 1)
+        lines = head.decode("latin-1").split("\r\n")
+        headers = {k.strip().lower(): v.strip() for k, v in (line.split(":", 1) for line in lines[1:] if ":" in line)}
+        want = int(headers.get("content-length", -1))
+        while want < 0 or len(body) < want:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            body += chunk
+        return int(lines[0].split()[1]), headers, body
+    except (socket.timeout, ConnectionResetError):
+        return 0, {}, data

@@ -84,7 +84,7 @@ def test_streaming_and_models_through_the_balancer(cluster):
     assert "".join(c.choices[0].text for c in chunks if c.choices) == full
     assert sum(1 for c in chunks if c.choices and c.choices[0].text) >= 3
     assert chunks[-1].usage.completion_tokens == 32
-    assert client.models.list().data[0].id == "tiny-llada"
+    assert client.models.list().data[0].id == str(TINY_LLADA.resolve())   # as vLLM: the path
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="tiny-llada", prompt="x", max_tokens=5, extra_body={"steps": 0})
     with pytest.raises(openai.BadRequestError) as e:   # caught by the worker (needs the tokenizer): still a 400
@@ -290,3 +290,103 @@ def test_likelihood_scoring_through_the_balancer_beside_generation(cluster):
         ll, _ = lm_eval_parse(r.choices[0].model_dump(), len(c["prefix"]))
         assert ll == pytest.approx(c["log_likelihood"], rel=1e-5, abs=1e-4)
     assert all(g.choices[0].finish_reason for g in generated)
+
+
+def test_a_frozen_worker_is_stalled_in_seconds_and_its_rows_answered_elsewhere(tmp_path):
+    """Issue 29, item 5: SIGSTOP a worker holding 32 rows, with the default health settings (probe every 2 s, 5 s
+    timeout, --stall-timeout 60). It is `stalled` within 10 s (no step for max(--stall-floor 5 s, 5 x its own step
+    time)), its rows are answered by the other worker (none lost, none twice), a small request sent meanwhile is
+    answered within 10 s; after SIGCONT it rejoins. Simulated devices (0.02 s a step) so the timing is the
+    balancer's, not the CPU's."""
+    import json
+    import aiohttp
+    c = Cluster(tmp_path, TINY_LLADA, 2,
+                worker_args=["--simulate-device", "0.02,0", "--simulate-per-step", "--batch-size", "64"],
+                balancer_args=["--batch-size", "16", "--batch-wait-time", "0.5"])
+    body = {"max_tokens": 128, "block_length": 32, "steps": 128, "ignore_eos": True}    # 128 steps: ~2.6 s
+    small = {"prompt": [9, 10], "max_tokens": 4, "steps": 4}
+
+    async def one(s, b, t0=None):
+        async with s.post(c.url + "/v1/completions", json=b, timeout=aiohttp.ClientTimeout(total=90)) as r:
+            raw = await r.text()
+        done = time.monotonic() - (t0 or 0)
+        if not b.get("stream"):
+            return r.status, raw and json.loads(raw)["choices"][0]["text"], done
+        text = "".join(json.loads(line[6:])["choices"][0]["text"] for line in raw.splitlines()
+                       if line.startswith("data: {") and '"choices"' in line)
+        return (r.status if "[DONE]" in raw and '"error"' not in raw else 502), text, done
+
+    try:
+        c.wait_ready()
+        want = {}
+
+        async def reference():            # each prompt's answer, before any fault
+            async with aiohttp.ClientSession() as s:
+                for k in range(4):
+                    want[k] = (await one(s, {**body, "prompt": [k + 5, 6]}))[1]
+        asyncio.run(reference())
+        served0 = sum(w["requests_served"] for w in get_json(c.url + "/stats")[1]["workers"])
+        results, small_result, t0 = [], [], []
+
+        async def load():
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+                tasks = [asyncio.create_task(one(s, {**body, "prompt": [i % 4 + 5, 6], "stream": i % 2 == 1}))
+                         for i in range(48)]
+                while not t0:
+                    await asyncio.sleep(0.01)
+                small_result.append(await one(s, small, t0[0]))
+                for i, t in enumerate(tasks):
+                    results.append((i, *(await t)))
+        loader = threading.Thread(target=lambda: asyncio.run(load()))
+        loader.start()
+        deadline = time.monotonic() + 30
+        while True:                       # 48 rows in flight: 3 batches of 16, 2 on one worker (the victim)
+            ws = get_json(c.url + "/stats")[1]["workers"]
+            if sum(w["in_flight"] for w in ws) == 48:
+                break
+            assert time.monotonic() < deadline, ws
+            time.sleep(0.02)
+        vi = max(range(2), key=lambda i: ws[i]["in_flight"])
+        victim = c.workers[vi]
+        served_by_other = ws[1 - vi]["requests_served"]
+        assert ws[vi]["in_flight"] == 32
+        time.sleep(0.3)                   # its rows are running
+        os.kill(victim.p.pid, signal.SIGSTOP)
+        t0.append(time.monotonic())
+        try:
+            stalled_after = None
+            while stalled_after is None and time.monotonic() - t0[0] < 20:
+                if get_json(c.url + "/worker-status")[1]["workers"][vi]["status"] == "stalled":
+                    stalled_after = time.monotonic() - t0[0]
+                time.sleep(0.05)
+            loader.join(60)
+            frozen_for = time.monotonic() - t0[0]
+        finally:
+            os.kill(victim.p.pid, signal.SIGCONT)
+        assert stalled_after is not None and stalled_after < 10, stalled_after
+        assert not loader.is_alive() and len(results) == 48
+        wrong = [(i, s, t) for i, s, t, _ in results if s != 200 or t != want[i % 4]]
+        assert wrong == [], wrong                 # every row answered once, its own text (a stream's text once)
+        last = max(d for *_, d in results) - t0[0]
+        status, text, small_after = small_result[0]
+        assert status == 200 and text and small_after < 10, small_result
+        stats = get_json(c.url + "/stats")[1]
+        assert stats["redispatched_requests"] >= 32
+        assert sum(w["requests_served"] for w in stats["workers"]) - served0 == 49          # nothing answered twice
+        assert stats["workers"][1 - vi]["requests_served"] - served_by_other >= 16 + 32 + 1  # its own, the victim's
+        print(f"\nSTALL SIGSTOP of a worker holding 32 of 48 rows: stalled after {stalled_after:.1f} s; its rows "
+              f"answered by the other worker, the last {last:.1f} s after SIGSTOP; a small request sent meanwhile "
+              f"answered in {small_after:.1f} s; redispatched {stats['redispatched_requests']}; SIGCONT after "
+              f"{frozen_for:.1f} s")
+        t1 = time.monotonic()
+        while get_json(c.url + "/worker-status")[1]["workers"][vi]["status"] != "idle":
+            assert time.monotonic() - t1 < 20, "SIGCONT did not re-admit the worker"
+            time.sleep(0.1)
+        assert get_json(victim.url + "/health")[1]["running_batch_size"] == 0     # the abandoned rows were dropped
+        before = get_json(c.url + "/stats")[1]["workers"][vi]["requests_served"]
+        for _ in range(4):                # idle and the longest since a dispatch: it gets work again
+            assert post_json(c.url + "/v1/completions", small)[0] == 200
+        assert get_json(c.url + "/stats")[1]["workers"][vi]["requests_served"] > before
+        print(f"STALL re-admitted {time.monotonic() - t1:.1f} s after SIGCONT")
+    finally:
+        c.stop()

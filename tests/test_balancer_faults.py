@@ -1,13 +1,17 @@
 """Fine-grained failover with fault-injecting fake workers (tests/fakes.py: test doubles that crash or hang on cue)."""
 import asyncio
+import socket
+import time
 
 import orjson
+from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 from balancer.app import BalancerConfig, make_app
 from balancer.batcher import BatchConfig
 from balancer.pool import HealthConfig
 from tests.fakes import fake_worker, workers
+from tests.helpers import read_http_answer
 
 
 async def _balancer(aiohttp_client, urls, **batch):
@@ -163,3 +167,147 @@ async def test_a_dispatch_aborted_before_it_starts_loses_nothing(aiohttp_client)
         assert log == [("ok", "early")]             # sent once, by the second dispatch
         await asyncio.sleep(0.05)
         assert w.inflight_batches == 0 and w.inflight_rows == 0
+
+
+# ---------------------------------------------------------------- issue 29: request bytes in flight, bounded
+MiB = 1024 ** 2
+
+
+def holding_worker(hold: float):
+    """A fake worker that takes large batches and answers each after ``hold`` seconds (the balancer holds the
+    bodies meanwhile)."""
+    async def health(request):
+        return web.json_response({"status": "ready", "busy": False, "seconds_since_last_step": 0.0})
+
+    async def batch(request):
+        items = orjson.loads(await request.read())["requests"]
+        await asyncio.sleep(hold)
+        lines = [orjson.dumps({"id": it["id"], "event": "response", "end": True, "data": {
+            "choices": [{"index": 0, "text": "held", "finish_reason": "length"}]}}) for it in items]
+        return web.Response(body=b"\n".join(lines) + b"\n", content_type="application/x-ndjson")
+
+    app = web.Application(client_max_size=1 << 30)
+    app.router.add_get("/health", health)
+    app.router.add_post("/worker/batch", batch)
+    return app
+
+
+def stalled_upload(port: int, path: str, length: int, sent: int) -> socket.socket:
+    """A client that announces ``length`` bytes, sends ``sent`` of them and stops (it holds its connection)."""
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {length}\r\n\r\n"
+              .encode() + b'{"prompt": "' + b"x" * (sent - 12))
+    return s
+
+
+def answered(s: socket.socket, timeout: float) -> tuple[int, dict, bytes]:
+    s.settimeout(timeout)
+    return read_http_answer(s)
+
+
+async def _body_bytes(client) -> dict:
+    return (await (await client.get("/stats")).json())["request_body_bytes"]
+
+
+async def test_request_body_bytes_in_flight_are_bounded(aiohttp_client):
+    """Issue 29 item 3: bodies held at once (until their requests are answered) stay within
+    --max-body-bytes-in-flight (8 MiB here: 6 MiB for bodies over 1 MiB); past it a body gets 503 + Retry-After in
+    the OpenAI shape: announced by Content-Length (refused before it is read, a stalled upload included) or counted
+    chunk by chunk; a small request is answered meanwhile, and everything held is given back."""
+    async with workers(holding_worker(2.0)) as urls:
+        cfg = BalancerConfig(worker_urls=urls, max_body_bytes_in_flight=8 * MiB,
+                             batch=BatchConfig(batch_size=8, wait_time=0.02),
+                             health=HealthConfig(interval=0.05, timeout=1, stall_timeout=30))
+        client = await aiohttp_client(make_app(cfg))
+        while (await (await client.get("/health")).json())["healthy_workers"] != 1:
+            await asyncio.sleep(0.02)
+        big = orjson.dumps({"prompt": "x" * (2 * MiB)})           # 2 MiB + 14 bytes: two fit in 6 MiB, not three
+        headers = {"Content-Type": "application/json"}
+
+        async def chunked():
+            yield big[:MiB]
+            await asyncio.sleep(0.1)
+            yield big[MiB:]
+
+        held = [asyncio.ensure_future(client.post("/v1/completions", data=big, headers=headers)) for _ in range(2)]
+        while (await _body_bytes(client))["bytes"] < 2 * len(big):
+            await asyncio.sleep(0.01)
+        t0 = time.monotonic()
+        staller = await asyncio.to_thread(stalled_upload, client.server.port, "/v1/completions", len(big), 100_000)
+        refused = await asyncio.gather(*[client.post("/v1/completions", data=big, headers=headers) for _ in range(2)],
+                                       *[client.post("/v1/completions", data=chunked(), headers=headers)
+                                         for _ in range(2)])
+        small = await client.post("/v1/completions", json={"prompt": "small"})
+        assert small.status == 200 and time.monotonic() - t0 < 10
+        status, hdrs, body = await asyncio.to_thread(answered, staller, 5)       # refused before it was read
+        staller.close()
+        for st, retry, err in [(r.status, r.headers.get("Retry-After"), (await r.json())["error"]) for r in refused] \
+                + [(status, hdrs.get("retry-after"), orjson.loads(body)["error"])]:
+            assert st == 503 and retry == "1" and err["type"] == "service_unavailable", (st, err)
+            assert "--max-body-bytes-in-flight" in err["message"]
+        assert [r.status for r in await asyncio.gather(*held)] == [200, 200]
+        stats = await _body_bytes(client)
+        assert stats["peak"] <= 8 * MiB and stats["refused"] == 5 and stats["limit"] == 8 * MiB
+        assert stats["bytes"] == 0                     # every held byte given back once answered
+        r = await client.post("/v1/completions", data=big, headers=headers)
+        assert r.status == 200
+
+        # stalled uploads hold what they announce until they leave, but never the last quarter: small requests pass
+        stallers = []
+        for i in range(2):
+            stallers.append(await asyncio.to_thread(stalled_upload, client.server.port, "/v1/completions", len(big),
+                                                    50_000))
+            while (await _body_bytes(client))["bytes"] < (i + 1) * len(big):
+                await asyncio.sleep(0.01)
+        stallers.append(await asyncio.to_thread(stalled_upload, client.server.port, "/v1/completions", len(big),
+                                                50_000))
+        status, hdrs, _ = await asyncio.to_thread(answered, stallers[2], 5)
+        assert status == 503 and hdrs["retry-after"] == "1"
+        t0 = time.monotonic()
+        small = await client.post("/v1/completions", json={"prompt": "small"})
+        assert small.status == 200 and time.monotonic() - t0 < 10
+        assert (await _body_bytes(client))["bytes"] == 2 * len(big)
+        for s in stallers:
+            s.close()
+        for _ in range(200):
+            if (await _body_bytes(client))["bytes"] == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert (await _body_bytes(client))["bytes"] == 0
+        r = await client.post("/v1/completions", data=orjson.dumps({"prompt": "x" * (7 * MiB)}), headers=headers)
+        assert r.status == 413                         # more than it could ever hold: no retry helps
+
+
+async def test_a_worker_bounds_its_request_body_bytes(aiohttp_client):
+    """The worker holds at most its own --max-body-bytes-in-flight (4 MiB here: 3 MiB for large bodies),
+    /worker/batch included."""
+    from common.http import BODY_BUDGET
+    from tests.conftest import TINY_LLADA
+    from worker.app import WorkerConfig
+    from worker.app import make_app as make_worker_app
+    client = await aiohttp_client(make_worker_app(WorkerConfig(model_path=str(TINY_LLADA), device="cpu",
+                                                               max_body_bytes_in_flight=4 * MiB)))
+    for _ in range(600):
+        if (await (await client.get("/health")).json())["status"] == "ready":
+            break
+        await asyncio.sleep(0.05)
+    headers = {"Content-Type": "application/json"}
+    r = await client.post("/v1/completions", data=orjson.dumps({"prompt": "x" * (3 * MiB + 100)}), headers=headers)
+    assert r.status == 413
+    staller = await asyncio.to_thread(stalled_upload, client.server.port, "/worker/batch", 2 * MiB, 10_000)
+    budget = client.server.app[BODY_BUDGET]
+    while budget.used < 2 * MiB:
+        await asyncio.sleep(0.01)
+    pad = orjson.dumps({"requests": [], "pad": "x" * (2 * MiB)})
+    t0 = time.monotonic()
+    r = await client.post("/worker/batch", data=pad, headers=headers)
+    assert r.status == 503 and r.headers["Retry-After"] == "1"
+    small = await client.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 2, "block_length": 2})
+    assert small.status == 200 and time.monotonic() - t0 < 10
+    staller.close()
+    for _ in range(200):
+        r = await client.post("/worker/batch", data=pad, headers=headers)
+        if r.status != 503:
+            break
+        await asyncio.sleep(0.02)
+    assert r.status == 400          # read, then refused for what it says (no requests), not for its size

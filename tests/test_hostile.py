@@ -6,10 +6,13 @@ gets a 5xx, and both servers are alive with bounded memory afterwards.
     ./scripts/test.sh tests/test_hostile.py -s      # prints the figures docs/reliability.md shows
 """
 import asyncio
+import concurrent.futures
 import http.client
 import json
+import socket
 import threading
 import time
+from pathlib import Path
 from dataclasses import dataclass
 
 import aiohttp
@@ -19,7 +22,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.conftest import TINY_LLADA
-from tests.helpers import Cluster, get_json
+from tests.helpers import Cluster, get_json, raw_http, read_http_answer
+from tests.test_isolation import MALFORMED, TRAVERSALS
 
 pytestmark = pytest.mark.slow
 EXAMPLES = 1000          # generated bodies per endpoint
@@ -99,6 +103,7 @@ def corpus(kind: str) -> list[tuple[bytes, str, int]]:
         (j(max_tokens=10 ** 9), 400), (j(max_tokens=-1), 400), (j(max_tokens=Raw("NaN")), 400),
         (j(temperature=Raw("-Infinity")), 400), (j(x=Raw('"\\ud800"')), 400), (j(seed=2 ** 64), 400),
         (j(n=0), 400), (j(n=10 ** 9), 400), (j(top_p=0.5), 400), (j(stream="yes"), 400),
+        (j(top_p=True), 400), (j(best_of=True), 400), (j(frequency_penalty=False), 400),     # not 1 or 0 (issue 29)
         (j(model="another-model"), 404),
         (j(generation_algorithm="warp"), 400), (j(steps=0), 400), (j(block_length=2 ** 40), 400),
         (j(stop=[""] * 20), 400), (j(**{key: []}), 400), (j(**{key: None}), 400),
@@ -262,3 +267,97 @@ def test_generated_bodies(cluster, traffic, kind):
     print(f"\n{kind}: {sum(counts.values())} generated bodies in {time.monotonic() - t0:.1f} s; "
           f"statuses {dict(sorted(counts.items()))}")
     assert sum(counts.values()) >= EXAMPLES
+
+
+# ---------------------------------------------------------------- issue 29: paths, malformed HTTP, bytes in flight
+def small_request(port: int) -> float:
+    """A small completion through ``port``: its seconds (asserted 200)."""
+    t0 = time.monotonic()
+    status, body, _ = post_raw(port, "/v1/completions", json.dumps(BASE["completion"]).encode(), "application/json")
+    assert status == 200, body[:300]
+    return time.monotonic() - t0
+
+
+def test_traversals_reach_no_other_worker_route(cluster, traffic):
+    """Every encoding of '..', '/' and '\\' (raw, as curl --path-as-is) through the balancer (both HTTP processes)
+    and on the worker's own port: a 404 in the OpenAI shape, never another worker route's answer."""
+    for port in (cluster.balancer.port, cluster.workers[0].port):
+        for target in TRAVERSALS * (3 if port == cluster.balancer.port else 1):
+            status, headers, body = raw_http(port, b"GET " + target + b" HTTP/1.1\r\nHost: x\r\n"
+                                                   b"Connection: close\r\n\r\n")
+            assert status == 404 and b"max_batch_size" not in body, (port, target, status, body[:300])
+            check_answer(status, body, headers.get("content-type", ""))
+        assert small_request(cluster.balancer.port) < 10
+    print(f"\n{len(TRAVERSALS)} traversal forms: 404 on the balancer (x3) and the worker")
+
+
+def test_malformed_http_is_openai_shaped(cluster, traffic):
+    for port in (cluster.balancer.port, cluster.workers[0].port):
+        for what, parts in MALFORMED * (3 if port == cluster.balancer.port else 1):
+            status, headers, body = raw_http(port, *parts, gap=0.3)
+            assert status == 400 and headers.get("content-type", "").startswith("application/json"), (what, body)
+            assert json.loads(body)["error"]["code"] == "malformed_http", what
+            assert small_request(cluster.balancer.port) < 10
+    print(f"\n{len(MALFORMED)} kinds of malformed HTTP: a JSON 400 from the balancer (x3) and the worker")
+
+
+def _peak_mb(pid: int) -> float:
+    """VmHWM: the process's peak RSS so far."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return 0.0
+
+
+def _stall(port: int, length: int, sent: int) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port), timeout=30)
+    s.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              f"Content-Length: {length}\r\n\r\n".encode() + b'{"prompt": "' + b"x" * (sent - 12))
+    return s
+
+
+def _answer(s: socket.socket, timeout: float) -> int:
+    s.settimeout(timeout)
+    return read_http_answer(s)[0]
+
+
+def test_large_bodies_in_flight_are_bounded(cluster, traffic):
+    """12 clients announce 60 MB bodies and stall (each process holds at most 3: three quarters of 256 MiB), then 8
+    send whole 60 MB bodies at once: past the bound each gets 503 + Retry-After at once, small requests are answered
+    meanwhile, and what was held is given back."""
+    port = cluster.balancer.port
+    pids = [cluster.balancer.p.pid] + [c.pid for c in psutil.Process(cluster.balancer.p.pid).children()]
+    size = 60 * 10 ** 6
+    stallers = [_stall(port, size, 1024 ** 2) for _ in range(12)]
+    with concurrent.futures.ThreadPoolExecutor(12) as pool:
+        statuses = list(pool.map(lambda s: _answer(s, 3), stallers))
+    refused = statuses.count(503)
+    assert refused >= 6 and set(statuses) <= {0, 503}, statuses           # 0: held (no answer yet)
+    small = small_request(port)
+    assert small < 10
+    for s in stallers:
+        s.close()
+    body = b'{"max_tokens": 4, "n": 0, "prompt": "' + b"x" * (size - 40) + b'"}'      # read whole, then a 400
+    t0 = time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(9) as pool:
+        bigs = [pool.submit(post_raw, port, "/v1/completions", body, "application/json", 120) for _ in range(8)]
+        time.sleep(0.5)
+        small2 = small_request(port)
+        answers = [f.result() for f in bigs]
+    took = time.monotonic() - t0
+    assert small2 < 10
+    codes = sorted(code for code, _, _ in answers)
+    assert set(codes) <= {400, 503}, codes
+    for code, raw, ctype in answers:
+        if code == 400:
+            check_answer(code, raw, ctype)
+        else:
+            assert json.loads(raw)["error"]["type"] == "service_unavailable"
+    peaks = [round(_peak_mb(p)) for p in pids]
+    print(f"\n12 stalled 60 MB uploads: {refused} refused at once (503), the rest held; a small request "
+          f"{small:.2f} s; then 8 whole 60 MB bodies at once: {codes} in {took:.1f} s, a small request meanwhile "
+          f"{small2:.2f} s; peak RSS of the balancer's processes {peaks} MB")
+    time.sleep(1)
+    for _ in range(3):         # all given back: a whole large body is read again (its 400), not refused
+        code, raw, _ = post_raw(port, "/v1/completions", body, "application/json", 120)
+        assert code == 400, raw[:300]

@@ -6,6 +6,7 @@ and with a front process; the split test uses a fake worker (a test double that 
 import asyncio
 import contextlib
 import json
+import time
 
 import aiohttp
 import orjson
@@ -20,7 +21,8 @@ from balancer.batcher import BatchConfig
 from balancer.pool import HealthConfig
 from common.protocol import MAX_DEPTH, APIError, loads, parse_request
 from tests.conftest import TINY_LLADA
-from tests.fakes import workers
+from tests.fakes import fake_worker, workers
+from tests.helpers import raw_http
 from tests.test_balancer_fronts import balancer as balancer_with_fronts
 from worker.app import WorkerConfig
 from worker.app import make_app as make_worker_app
@@ -203,6 +205,9 @@ async def test_api_key_guards_openai_endpoints_only(aiohttp_client):
             r = await client.post(path, json={"prompt": "a"})
             assert r.status == 401 and (await r.json())["error"]["code"] == "invalid_api_key"
         assert (await client.get("/v1/models")).status == 401
+        for path in ("/generation/algorithms", "/tokenizer_info"):           # as on a worker (issue 29)
+            r = await client.get(path)
+            assert r.status == 401 and (await r.json())["error"]["code"] == "invalid_api_key", path
         for path in ("/health", "/stats", "/worker-status", "/metrics"):     # read-only status: open
             assert (await client.get(path)).status in (200, 503)
 
@@ -232,3 +237,164 @@ def test_supervisor_locks_worker_ports_when_clients_need_a_key(tmp_path, monkeyp
     shared = Supervisor(ServeConfig(model_path="m", cpu_workers=1, log_dir=tmp_path, worker_api_key="given",
                                     balancer=BalancerConfig(worker_urls=[], api_key="client-key")))
     assert shared.cfg.worker_api_key == "given"
+
+
+# ---------------------------------------------------------------- issue 29: paths, the key, malformed HTTP
+# GET targets sent as they are (curl --path-as-is): each reached the worker's /batch/stats, with the worker key, when
+# the balancer forwarded the client's decoded path
+TRAVERSALS = [
+    b"/v1/models/%2e%2e/%2e%2e/batch/stats",                       # the issue's case
+    b"/v1/models/%2E%2E/%2E%2E/batch/stats",
+    b"/v1/models/..%2f..%2fbatch%2fstats",                         # encoded separators
+    b"/v1/models/%2e%2e%2F%2e%2e%2Fbatch%2Fstats",
+    b"/v1/models/%252e%252e/%252e%252e/batch/stats",               # double encoding
+    b"/v1/models/%252e%252e%252f%252e%252e%252fbatch%252fstats",
+    b"/v1/models/..\\..\\batch\\stats",                            # backslashes
+    b"/v1/models/%5c..%5c..%5cbatch%5cstats",
+    b"/v1/models/.%2e/%2e./batch/stats",                           # mixed
+    b"/v1/models/%2e%2e/%2e%2e%5cbatch/stats",
+    b"/v1/models/x/../../../batch/stats",                          # plain dot segments
+    b"/v1/models/./../../batch/stats",
+    b"/v1/models/%2e%2e/%2e%2e/worker/batch",
+    b"/generation/algorithms/../batch/stats",
+    b"/health/%2e%2e/batch/stats",
+]
+
+
+def _get(port: int, target: bytes, key: str | None = "K") -> tuple[int, dict, bytes]:
+    auth = f"Authorization: Bearer {key}\r\n".encode() if key else b""
+    return raw_http(port, b"GET " + target + b" HTTP/1.1\r\nHost: x\r\n" + auth + b"Connection: close\r\n\r\n")
+
+
+def _openai_error(status: int, headers: dict, body: bytes) -> dict:
+    assert headers.get("content-type", "").startswith("application/json"), (status, headers, body[:200])
+    err = json.loads(body)["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    return err
+
+
+def recording_worker(seen: list):
+    """A fake worker that records every path it is asked and answers any of them, /batch/stats included."""
+    async def health(request):
+        return web.json_response({"status": "ready", "busy": False, "seconds_since_last_step": 0.0})
+
+    async def model(request):
+        seen.append(request.raw_path)
+        name = request.match_info["model"]
+        if name in ("m", "org/name"):
+            return web.json_response({"id": name, "object": "model"})
+        return web.json_response({"error": {"message": "no", "type": "not_found_error", "param": "model",
+                                            "code": "model_not_found"}}, status=404)
+
+    async def anything(request):
+        seen.append(request.raw_path)
+        return web.json_response({"secret": request.path, "max_batch_size": 8})
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_get("/v1/models/{model:.+}", model)
+    app.router.add_route("*", "/{tail:.*}", anything)
+    return app
+
+
+async def _no_traversal(port: int, seen: list) -> None:
+    for target in TRAVERSALS:
+        t0 = time.monotonic()
+        status, headers, body = await asyncio.to_thread(_get, port, target)
+        assert status == 404, (target, status, body[:300])
+        assert _openai_error(status, headers, body)["code"] in ("model_not_found", "unknown_url"), target
+        assert b"max_batch_size" not in body and b"secret" not in body, target
+        status, _, body = await asyncio.to_thread(_get, port, b"/v1/models/m")      # a small request meanwhile
+        assert status == 200 and json.loads(body)["id"] == "m" and time.monotonic() - t0 < 10
+    assert all(p.startswith("/v1/models/") for p in seen), seen      # nothing else was ever asked of the worker
+    status, _, body = await asyncio.to_thread(_get, port, b"/v1/models/org/name")    # ids may hold a '/'
+    assert status == 200 and json.loads(body)["id"] == "org/name" and seen[-1] == "/v1/models/org%2Fname"
+
+
+async def test_no_path_reaches_another_worker_route():
+    """Issue 29 item 4: the balancer asks a worker only the routes it means to (the fixed route, the id as one
+    encoded segment), whatever encoding of '..' or '/' the client uses, in the central and in a front process."""
+    seen = []
+    async with workers(recording_worker(seen)) as urls:
+        async with balancer_with_fronts(urls, processes=1, api_key="K", worker_api_key="WK") as base:
+            await _no_traversal(int(base.rsplit(":", 1)[1]), seen)
+        seen.clear()
+        async with balancer_with_fronts(urls, processes=2, api_key="K", worker_api_key="WK") as base:
+            for _ in range(2):          # connections spread over both processes
+                await _no_traversal(int(base.rsplit(":", 1)[1]), seen)
+
+
+async def test_a_worker_answers_traversals_on_its_own_routes_only():
+    async with real_worker() as url:
+        port = int(url.rsplit(":", 1)[1])
+        for target in TRAVERSALS:
+            status, headers, body = await asyncio.to_thread(_get, port, target, None)
+            assert status == 404 and b"max_batch_size" not in body, (target, status, body[:300])
+            _openai_error(status, headers, body)
+
+
+async def test_the_key_is_compared_in_constant_time(aiohttp_client, monkeypatch):
+    """Issue 29 item 6: hmac.compare_digest, never ==; a key that is no text (invalid UTF-8) is a 401, not a 500."""
+    import hmac
+    calls = []
+    real = hmac.compare_digest
+    monkeypatch.setattr(hmac, "compare_digest", lambda a, b: calls.append((a, b)) or real(a, b))
+    async with workers(recording_worker([])) as urls:
+        client = await aiohttp_client(make_app(BalancerConfig(worker_urls=urls, api_key="secret-key")))
+        port = client.server.port
+        for key in (None, "secret-kez", "secret-ke", "secret-key2", "SECRET-KEY"):
+            status, headers, body = await asyncio.to_thread(_get, port, b"/v1/models", key)
+            assert status == 401 and _openai_error(status, headers, body)["code"] == "invalid_api_key", key
+        status, headers, body = await asyncio.to_thread(
+            raw_http, port, b"GET /v1/models HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer \xff\xfe\r\n"
+                            b"Connection: close\r\n\r\n")
+        assert status == 401, body
+        status, _, _ = await asyncio.to_thread(_get, port, b"/v1/models", "secret-key")
+        assert status != 401
+        assert len(calls) == 7 and all(isinstance(a, bytes) and b == b"Bearer secret-key" for a, b in calls)
+
+
+POST = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+MALFORMED = [   # (what, parts sent 0.3 s apart): aiohttp's protocol layer refuses each, before or while reading
+    ("a header line over 8,190 bytes", [b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX-Big: " + b"a" * 9000 + b"\r\n\r\n"]),
+    ("a request line over 8,190 bytes", [b"GET /" + b"a" * 9000 + b" HTTP/1.1\r\nHost: x\r\n\r\n"]),
+    ("200 headers", [b"GET /health HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: y\r\n" % i for i in range(200))
+                     + b"\r\n"]),
+    ("a bad request line", [b"GET /health HTTP/1.1 x\r\nHost: x\r\n\r\n"]),
+    ("a bad Content-Length", [POST + b"Content-Length: abc\r\n\r\n{}"]),
+    ("Content-Length and chunked", [POST + b"Content-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n"
+                                    b"0\r\n\r\n"]),
+    ("a bad chunk size", [POST + b"Transfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n"]),
+    ("a bad chunk size once the body is being read", [POST + b"Transfer-Encoding: chunked\r\n\r\n2\r\n{}\r\n",
+                                                       b"zz\r\n"]),
+]
+
+
+async def _malformed_is_openai_shaped(port: int, small: bytes) -> None:
+    for what, parts in MALFORMED:
+        t0 = time.monotonic()
+        status, headers, body = await asyncio.to_thread(raw_http, port, *parts, gap=0.3, timeout=10)
+        assert status == 400, (what, status, body[:300])
+        err = _openai_error(status, headers, body)
+        assert err["type"] == "invalid_request_error" and err["code"] == "malformed_http", what
+        status, _, _ = await asyncio.to_thread(raw_http, port, small)       # a small request meanwhile
+        assert status == 200 and time.monotonic() - t0 < 10, what
+
+
+async def test_malformed_http_is_answered_in_the_openai_shape():
+    """Issue 29 item 6: the balancer (through the runner every server uses) and a worker answer malformed HTTP with
+    a JSON 400 in the OpenAI shape, not aiohttp's plain text; a bad chunk size after the handler began reading the
+    body is answered too (aiohttp alone left that request waiting for ever)."""
+    async with workers(fake_worker("ok", [])) as urls, balancer_with_fronts(urls, processes=1) as base:
+        await _malformed_is_openai_shaped(int(base.rsplit(":", 1)[1]),
+                                          POST + b'Content-Length: 15\r\nConnection: close\r\n\r\n{"prompt": "a"}')
+    from common.http import AppRunner         # what every server runs its app with
+    runner = AppRunner(make_worker_app(WorkerConfig(model_path=str(TINY_LLADA), device="cpu")))
+    await runner.setup()
+    try:
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        await _malformed_is_openai_shaped(port, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+    finally:
+        await runner.cleanup()

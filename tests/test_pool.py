@@ -5,6 +5,7 @@ import contextlib
 import time
 
 import aiohttp
+import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
@@ -186,3 +187,134 @@ async def test_batch_failures_count_against_the_worker_and_a_refused_one_marks_i
         pool.batch_failed(w, "ClientConnectorError: refused", consecutive=True, refused=True)
         assert w.status == "unhealthy" and w.errors == 4
         assert aborts == []                  # the batcher's own failure aborts nothing else (as before)
+
+
+# ------------------------------------------------------------ the stall rule: no step for a few of its own step times
+def busy(since: float, step: float | None) -> dict:
+    return {"status": "ready", "busy": True, "seconds_since_last_step": since, "step_seconds_max": step}
+
+
+async def test_a_worker_that_stops_answering_while_holding_work_stalls_after_a_few_of_its_own_steps():
+    """A stopped process (SIGSTOP) answers nothing: its probes time out. It is stalled once it has shown no progress
+    for max(stall_floor, stall_steps x its step time), long before stall_timeout, by the watcher (not the next
+    probe); an idle worker whose probes fail is never 'stalled'."""
+    answer = {"body": {**READY, "step_seconds_max": 0.05}}
+    async with pool_with(answer, stall_timeout=60.0, stall_floor=2.0, stall_steps=5) as (pool, aborts):
+        w = pool.workers[0]
+        await pool.probe_once()
+        assert w.snapshot()["stall_after_seconds"] == 2.0         # 5 x 0.05 s is under the floor
+        pool.batch_started(w, 32)
+        answer["body"] = busy(0.01, 0.05)
+        await pool.probe_once()
+        answer["body"] = "not json"                               # stands for a probe that timed out
+        await pool.probe_once()
+        pool.watch()
+        assert w.status == "busy" and aborts == []               # no progress for ~0 s: within its allowance
+        w.last_progress = time.monotonic() - 2.5
+        pool.watch()
+        assert w.status == "stalled" and aborts == [(0, "stalled")] and not pool.any_healthy()
+        pool.watch()
+        assert aborts == [(0, "stalled")]                         # once
+        pool.batch_ended(w, 32)
+        answer["body"] = {**READY, "step_seconds_max": 0.05}      # SIGCONT: it answers, idle, progressing
+        await pool.probe_once()
+        assert w.status == "stalled"
+        await pool.probe_once()
+        assert w.status == "idle"
+        # an idle worker that stops answering is unhealthy after unhealthy_threshold probes, never stalled
+        answer["body"] = "not json"
+        w.last_progress = time.monotonic() - 100
+        for _ in range(3):
+            await pool.probe_once()
+            pool.watch()
+        assert w.status == "unhealthy" and aborts == [(0, "stalled")]
+
+
+async def test_slow_steps_stretch_the_allowance_and_stall_timeout_caps_it():
+    answer = {"body": {**READY, "step_seconds_max": 2.0}}
+    async with pool_with(answer, stall_timeout=30.0, stall_floor=1.0, stall_steps=5) as (pool, aborts):
+        w = pool.workers[0]
+        await pool.probe_once()
+        assert pool.stall_after(w) == 10.0                       # 5 steps of 2 s
+        pool.batch_started(w, 4)
+        answer["body"] = "not json"
+        await pool.probe_once()
+        w.last_progress = time.monotonic() - 8.0
+        pool.watch()
+        assert w.status == "busy"                                # 8 s without a step: within 5 of its 2 s steps
+        w.last_progress = time.monotonic() - 11.0
+        pool.watch()
+        assert w.status == "stalled" and aborts == [(0, "stalled")]
+        w.last_health = {**READY, "step_seconds_max": 100.0}
+        assert pool.stall_after(w) == 30.0                       # capped by stall_timeout
+        for step in (None, "x", True, -1):                       # no step time reported (yet): stall_timeout
+            w.last_health = {**READY, "step_seconds_max": step}
+            assert pool.stall_after(w) == 30.0
+
+
+async def test_a_worker_that_answers_but_makes_no_step_stalls_after_a_few_of_its_own_steps():
+    """Its device loop hangs while its event loop answers: /health reports the time since its last step."""
+    answer = {"body": {**READY, "step_seconds_max": 0.1}}
+    async with pool_with(answer, stall_timeout=60.0, stall_floor=1.0, stall_steps=5) as (pool, aborts):
+        w = pool.workers[0]
+        await pool.probe_once()
+        pool.batch_started(w, 8)
+        answer["body"] = busy(0.9, 0.1)
+        await pool.probe_once()
+        assert w.status == "busy" and aborts == []               # one slow step, under the floor
+        answer["body"] = busy(1.5, 0.1)
+        w.last_progress = time.monotonic() - 1.5
+        await pool.probe_once()
+        assert w.status == "stalled" and aborts == [(0, "stalled")]
+
+
+async def test_before_its_first_step_a_worker_gets_stall_timeout():
+    """No step time yet (the first step after start, which may compile or warm up): only stall_timeout applies."""
+    answer = {"body": READY}
+    async with pool_with(answer, stall_timeout=60.0, stall_floor=1.0) as (pool, aborts):
+        w = pool.workers[0]
+        await pool.probe_once()
+        pool.batch_started(w, 8)
+        answer["body"] = busy(20.0, None)
+        w.last_progress = time.monotonic() - 20.0
+        await pool.probe_once()
+        answer["body"] = "not json"
+        await pool.probe_once()
+        pool.watch()
+        assert w.status == "busy" and aborts == []
+
+
+async def test_a_dispatch_to_a_worker_without_work_starts_its_stall_clock():
+    async with pool_with({"body": READY}) as (pool, _):
+        w = pool.workers[0]
+        w.last_progress = time.monotonic() - 50
+        pool.batch_started(w, 1)
+        assert time.monotonic() - w.last_progress < 1
+        w.last_progress = time.monotonic() - 50
+        pool.batch_started(w, 1)                                 # a second batch does not hide a stall
+        assert time.monotonic() - w.last_progress >= 50
+
+
+def test_the_step_clock_measures_steps_while_busy_and_never_idle_time():
+    from types import SimpleNamespace
+    from worker.stepclock import StepClock
+    engine, batcher = SimpleNamespace(last_step_time=0.0), SimpleNamespace(busy=False)
+    clock = StepClock(engine, batcher)
+    assert clock.step_seconds_max is None
+    clock.sample(100.0)                    # idle for 100 s: nothing
+    batcher.busy = True
+    clock.sample(100.0)                    # a batch starts
+    engine.last_step_time = 100.3
+    clock.sample(100.35)                   # its first step: 0.3 s from the start of the busy spell, not 100.3 s
+    engine.last_step_time = 100.5
+    clock.sample(100.55)
+    assert list(clock.gaps) == [pytest.approx(0.3), pytest.approx(0.2)] and clock.step_seconds_max == 0.3
+    batcher.busy = False
+    engine.last_step_time = 101.0
+    clock.sample(101.0)
+    clock.sample(200.0)
+    batcher.busy = True
+    clock.sample(200.0)
+    engine.last_step_time = 201.5          # one slow step
+    clock.sample(201.5)
+    assert clock.step_seconds_max == 1.5 and len(clock.gaps) == 3

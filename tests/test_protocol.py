@@ -106,3 +106,38 @@ def test_responses_become_chat_requests():
     assert body["max_tokens"] == 7 and body["temperature"] == 0.5 and body["steps"] == 4
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
     assert parse_request("chat", body).max_new_tokens == 7
+
+
+# Issue 29: a neutral-only field takes a JSON number or an empty object/array, never a boolean standing in for one
+# (Python's True == 1 and False == 0 let "top_p": true and "best_of": true through as 1).
+STRICT = [("top_p", True), ("best_of", True), ("repetition_penalty", True), ("frequency_penalty", False),
+          ("presence_penalty", False), ("top_p", "1"), ("logit_bias", False), ("logit_bias", []), ("logit_bias", 0),
+          ("tools", False), ("tools", {}), ("functions", 0), ("functions", "")]
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+@pytest.mark.parametrize("field, value", STRICT + [("top_logprobs", False)])
+def test_neutral_fields_take_numbers_not_booleans(kind, field, value):
+    body = {"prompt": "x"} if kind == "completion" else {"messages": [{"role": "user", "content": "x"}]}
+    with pytest.raises(APIError) as e:
+        parse_request(kind, {**body, field: value})
+    assert e.value.status == 400 and e.value.param == field
+
+
+@pytest.mark.parametrize("field, value", [("top_p", True), ("top_logprobs", False), ("tools", False),
+                                          ("reasoning", False), ("reasoning", [])])
+def test_responses_neutral_fields_take_numbers_not_booleans(field, value):
+    with pytest.raises(APIError) as e:
+        parse_request("responses", {"input": "x", field: value})
+    assert e.value.status == 400 and e.value.param == field
+
+
+def test_neutral_values_are_still_accepted():
+    for kind, body in (("completion", {"prompt": "x"}), ("chat", {"messages": [{"role": "user", "content": "x"}]})):
+        parse_request(kind, {**body, "top_p": 1, "best_of": 1, "repetition_penalty": 1.0, "frequency_penalty": 0,
+                             "presence_penalty": 0.0, "logit_bias": {}, "tools": [], "functions": [],
+                             "tool_choice": "none", "suffix": None})
+    parse_request("completion", {"prompt": "x", "top_logprobs": 0})
+    parse_request("responses", {"input": "x", "top_p": 1.0, "top_logprobs": 0, "tools": [], "reasoning": {},
+                                "tool_choice": "auto"})
+    parse_request("responses", {"input": "x", "reasoning": None})

@@ -40,11 +40,12 @@ async def test_health_loading_then_ready_and_status_endpoints(aiohttp_client, mo
     gate.set()
     await wait_ready(client)
     h = await (await client.get("/health")).json()
-    assert h["model"] == "tiny-llada" and h["family"] == "llada" and h["device"] == "cpu"
+    assert h["model"] == str(TINY_LLADA.resolve()) and h["family"] == "llada" and h["device"] == "cpu"
     assert {"busy", "running_batch_size", "queue_depth", "seconds_since_last_step"} <= set(h)
     models = await (await client.get("/v1/models")).json()
     m = models["data"][0]
-    assert m["id"] == "tiny-llada" and m["max_model_len"] == 4096 and {"object", "created", "owned_by", "root"} <= set(m)
+    assert m["id"] == str(TINY_LLADA.resolve()) and m["max_model_len"] == 4096
+    assert {"object", "created", "owned_by", "root"} <= set(m)
     algos = await (await client.get("/generation/algorithms")).json()
     basic = next(a for a in algos["algorithms"] if a["name"] == "basic")
     assert basic["exact"] is True and "steps" in basic["parameters"]
@@ -203,6 +204,18 @@ async def test_a_row_cancelled_before_scheduling_is_not_computed():
     assert engine.calls == [2] and b.dropped_before_start == 1
     assert got[1] == ("done", Result([], "cancelled", 0, [], 1))    # still ends, so its request can finish
     assert got[0][1].nfe == got[2][1].nfe == 1
+
+
+async def test_the_default_id_is_the_checkpoint_path_and_its_name_an_alias(aiohttp_client):
+    """As vLLM: a client on this machine resolves the id to the tokenizer (AutoTokenizer.from_pretrained(id)) with
+    its defaults, offline; the directory's name, the id before, still works in requests."""
+    client, _ = await ready_client(aiohttp_client)
+    path = str(TINY_LLADA.resolve())
+    assert [m["id"] for m in (await (await client.get("/v1/models")).json())["data"]] == [path]
+    for name in (path, "tiny-llada"):
+        assert (await (await client.get("/v1/models/" + name)).json())["id"] == name    # /v1/models//abs/path too
+        r = await client.post("/v1/completions", json={"model": name, "prompt": [1, 2], "max_tokens": 2})
+        assert r.status == 200 and (await r.json())["model"] == path
 
 
 async def test_several_served_names_and_models_retrieve(aiohttp_client):

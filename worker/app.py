@@ -20,8 +20,8 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from common.http import (EXIT_PORT_IN_USE, MAX_BATCH_BYTES, MAX_BODY_BYTES, json_response, middlewares,
-                         read_body)
+from common.http import (BODY_BUDGET, EXIT_PORT_IN_USE, MAX_BATCH_BYTES, AppRunner, BodyBudget, json_response,
+                         middlewares, read_body, read_bytes)
 from common.metrics import RequestMetrics
 from common.openai_http import add_routes
 from common.protocol import MAX_DEPTH, APIError, error_body, loads
@@ -64,15 +64,17 @@ class WorkerState:
     active: int = 0                              # requests being answered
     error: str | None = None
     metrics: Metrics | None = None
+    steps: object = None                         # worker.stepclock.StepClock, once loaded (/health step_seconds_max)
     instance_id: str = field(default_factory=lambda: secrets.token_hex(8))      # this process, on /health
     launch_id: str | None = field(default_factory=lambda: os.environ.get("DLLM_LAUNCH_ID") or None)
 
     @property
     def model_names(self) -> list[str]:
-        """--served-model-name (comma-separated: several names, the first reported), else the directory name."""
-        from pathlib import Path
+        """--served-model-name (comma-separated: several names, the first reported), else common.resolve's
+        served_names: a checkpoint directory's absolute path, then its name."""
+        from common.resolve import served_names
         names = [n.strip() for n in (self.config.served_model_name or "").split(",") if n.strip()]
-        return names or [Path(self.config.model_path).name]
+        return names or served_names(self.config.model_path)
 
     @property
     def model_name(self) -> str:
@@ -90,10 +92,7 @@ OPEN_PATHS = ("/health", "/metrics")
 # ---------------------------------------------------------------- helpers
 async def read_request(request: web.Request):
     """An OpenAI request body, read exactly as the balancer reads it (common/http.py, common/protocol.py)."""
-    raw = await read_body(request)
-    if len(raw) > MAX_BODY_BYTES:
-        raise APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
-    return loads(raw)
+    return loads(await read_body(request))
 
 
 def require_ready(state: WorkerState) -> None:
@@ -135,7 +134,8 @@ async def worker_batch(request: web.Request) -> web.StreamResponse:
     happen. Each request's last line carries ``"end": true``."""
     state = request.app[STATE]
     require_ready(state)
-    body = loads(await request.read(), MAX_DEPTH + 3)   # each row's body nests as the balancer allowed, 3 levels down
+    # each row's body nests as the balancer allowed, 3 levels down
+    body = loads(await read_bytes(request, MAX_BATCH_BYTES), MAX_DEPTH + 3)
     items = body.get("requests") if isinstance(body, dict) else None
     if not isinstance(items, list) or not items:
         raise APIError(400, "body must be {\"requests\": [{\"id\", \"kind\", \"body\"}, ...]}", param="requests")
@@ -226,7 +226,7 @@ async def tokenizer_info(request: web.Request) -> web.Response:
 
 async def worker_cancel(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    body = loads(await request.read())
+    body = loads(await read_bytes(request))
     ids = body.get("ids") if isinstance(body, dict) else None
     if not isinstance(ids, list):
         raise APIError(400, "body must be {\"ids\": [...]}", param="ids")
@@ -250,6 +250,7 @@ async def health(request: web.Request) -> web.Response:
         "queue_depth": b.queue_depth if b else 0,
         **({k: v for k, v in b.rates().items() if k.endswith("_per_s")} if b else {}),
         "seconds_since_last_step": round(time.monotonic() - e.last_step_time, 3) if e else None,
+        "step_seconds_max": state.steps.step_seconds_max if state.steps else None,
         "model": state.model_name,
         "family": e.family if e else None,
         "device": str(e.device) if e else state.config.device,
@@ -343,6 +344,7 @@ async def _load(app: web.Application) -> None:
             engine = await asyncio.get_running_loop().run_in_executor(
                 None, lambda: Engine.from_pretrained(c.model_path, device=c.device, dtype=c.dtype,
                                                       compile=c.compile))
+        engine.long_row_cost = c.long_row_cost          # fair share in the step loop (worker.engine.engine._Batch)
         from worker.models import DEFAULT_ALGORITHM
         from worker.models.checkpoint import default_max_new_tokens
         if c.default_max_tokens is None:
@@ -350,21 +352,26 @@ async def _load(app: web.Application) -> None:
         if c.default_algorithm is None:
             c.default_algorithm = DEFAULT_ALGORITHM.get(engine.family, "basic")
         engine.plan([1], GenerationParams(algorithm=c.default_algorithm))
-    except Exception as e:
-        log.exception("model load failed")
+    except Exception as e:      # one line (the traceback at --log-level debug): the process then exits 1
+        log.error("model load failed: %s: %s", type(e).__name__, e)
+        log.debug("model load failed", exc_info=True)
         state.status, state.error = "failed", f"{type(e).__name__}: {e}"
         app[LOAD_FAILED].set()
         return
     batcher = Batcher(engine, batch_size=c.batch_size, max_wait_time=c.max_wait_time, max_queue=c.max_queue,
                       continuous=c.continuous_batching, max_batch_tokens=c.max_batch_tokens,
-                      switch_wait=c.switch_wait)
+                      switch_wait=c.switch_wait, long_row_cost=c.long_row_cost, long_row_share=c.long_row_share)
     batcher.on_batch = lambda n, secs: (state.metrics.batch_size.observe(n), state.metrics.batch_seconds.observe(secs))
     batcher.start()
     state.engine, state.batcher = engine, batcher
+    from worker.stepclock import StepClock
+    state.steps = StepClock(engine, batcher)
+    state.steps.start()
     aliases = (c.model_path, *state.model_names[1:])
     serving = Serving(engine, batcher, state.model_name,
                       Defaults(c.default_algorithm, c.default_max_tokens, c.default_block_length,
-                               c.score_mc_num, c.score_batch_size, c.score_cfg_scale, c.score_window), aliases)
+                               c.score_mc_num, c.score_batch_size, c.score_cfg_scale, c.score_window,
+                               max_request_cost=c.max_request_cost), aliases)
     serving.on_tokens = lambda tokens, nfe: (state.metrics.tokens.inc(tokens), state.metrics.nfe.inc(nfe))
     state.serving = serving
     gc.freeze()      # the model, tokenizer and libraries are permanent: keep them out of every GC pass
@@ -377,13 +384,16 @@ async def _lifecycle(app: web.Application):
     yield
     task.cancel()
     state = app[STATE]
+    if state.steps:
+        state.steps.stop()
     if state.batcher:
         await state.batcher.close()
 
 
 def make_app(config: WorkerConfig) -> web.Application:
-    app = web.Application(middlewares=middlewares(config.api_key, lambda path: not path.startswith(OPEN_PATHS)),
+    app = web.Application(middlewares=middlewares(config.api_key, lambda path: path not in OPEN_PATHS),
                           client_max_size=MAX_BATCH_BYTES)
+    app[BODY_BUDGET] = BodyBudget(config.max_body_bytes_in_flight)
     state = WorkerState(config)
     state.metrics = Metrics(state)
     app[STATE] = state
@@ -408,7 +418,7 @@ def make_app(config: WorkerConfig) -> web.Application:
 async def serve(config: WorkerConfig) -> int:
     """Run until SIGTERM/SIGINT (drain: stop admitting, finish what is running, exit) or a failed model load."""
     app = make_app(config)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port, reuse_address=True)
     try:
@@ -440,7 +450,22 @@ async def serve(config: WorkerConfig) -> int:
     return code
 
 
+def fixed_mmap_threshold(nbytes: int = 128 * 1024) -> None:
+    """glibc: allocations of ``nbytes`` and more are mmap'd and given back when freed. Without this, glibc raises the
+    threshold each time such a block is freed, and the device thread's arena then keeps the freed tensors' memory:
+    a long likelihood request grew a worker by 1.8 GB in 25 s that way, and by under 0.1 GB with it
+    (docs/reliability.md). No-op where the C library is not glibc."""
+    import ctypes
+    import ctypes.util
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(-3, nbytes)        # M_MMAP_THRESHOLD: fixed, so no longer adjusted dynamically
+    except (OSError, AttributeError):
+        pass
+
+
 def run(config: WorkerConfig) -> int:
+    fixed_mmap_threshold()
     try:
         import uvloop
         return uvloop.run(serve(config))

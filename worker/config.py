@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import click
 
 from common.config import PORT, setting
+from common.http import WORKER_BODY_BYTES_IN_FLIGHT
 
 DTYPES = ["auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"]   # checked before anything starts
 
@@ -51,6 +52,16 @@ class WorkerConfig:
     switch_wait: float = setting(1.0, "Continuous batching: seconds a queued likelihood-scoring request (which runs "
                                       "in batches of its own) lets generation rows join the running batch ahead of "
                                       "it; then the batch drains and it goes next.", type=click.FloatRange(0))
+    max_request_cost: int = setting(1 << 25, "A request implying more token-forwards than this is refused with 400 "
+                                             "naming it (0: no limit). A row's nominal cost: its schedule's forwards "
+                                             "x (prompt + canvas tokens), x2 with cfg_scale; a scoring request's: "
+                                             "(splits x mc_num + greedy-check forwards) x its tokens "
+                                             "(docs/reliability.md).", type=click.IntRange(0))
+    long_row_cost: int = setting(1 << 20, "Rows above this nominal cost (token-forwards) are long: they hold at "
+                                          "most --long-row-share of a batch's rows, so short rows are never held "
+                                          "behind them (0: no distinction).", type=click.IntRange(0))
+    long_row_share: float = setting(0.5, "Share of --batch-size that long rows may hold (at least one row).",
+                                    type=click.FloatRange(0, 1))
     device: str = setting("auto", "cuda, cuda:N, cpu or auto.")
     dtype: str = setting("auto", "auto: bfloat16 on a GPU, float32 on the CPU.", type=click.Choice(DTYPES))
     compile: bool = setting(False, "torch.compile the dense half of every block (output projection, RMSNorm, SwiGLU "
@@ -83,6 +94,11 @@ class WorkerConfig:
                                                   "first is reported.",
                                             multiple=True, convert=names)
     api_key: str | None = setting(None, "Require 'Authorization: Bearer KEY'.", envvar="DLLM_API_KEY")
+    max_body_bytes_in_flight: int = setting(
+        WORKER_BODY_BYTES_IN_FLIGHT, "Bytes of request bodies held at once over all requests, /worker/batch "
+                                     "included (bodies over 1 MiB may fill three quarters: keep that above the "
+                                     "balancer's --max-inflight-per-worker x 128 MiB); past it a request gets 503 "
+                                     "+ Retry-After.", type=click.IntRange(1))
     request_timeout: float = setting(1800.0, "Seconds before a request is abandoned with 504.",
                                      type=click.FloatRange(0, min_open=True))
     drain_timeout: float = setting(60.0, "Seconds SIGTERM waits for running work before exiting.",

@@ -21,6 +21,8 @@ from common.protocol import (MAX_ROWS, APIError, DetokenizeRequest, ResponsesReq
 from common.openai_http import EventBox
 from worker.engine import Engine, GenerationParams, ParamError, Request, Result, StepHooks
 from worker.engine.algorithms import needs_rng
+from worker.engine.likelihood import cost as score_cost
+from worker.engine.params import row_cost
 from worker.responses import ResponsesEvents
 from worker.tokenizer import apply_chat_template, max_token_chars, text_decoder
 
@@ -39,6 +41,7 @@ class Defaults:
     score_cfg_scale: float = 0.0
     score_window: int = 32
     score_seed: int = 1234
+    max_request_cost: int = 1 << 25     # token-forwards a request may imply (0: no limit; docs/reliability.md)
 
 
 @dataclass
@@ -51,6 +54,7 @@ class Prepared:
     created: int = field(default_factory=lambda: int(time.time()))
     responses: ResponsesRequest | None = None     # a /v1/responses request, run as this chat request
     scores: list | None = None      # likelihood.ScoreRequest per prompt: a scoring request (no generation)
+    costs: list[int] | None = None  # nominal token-forwards per row (admission: worker.engine.params.row_cost)
 
 
 class Serving:
@@ -102,14 +106,16 @@ class Serving:
         if len(prompts) * n > MAX_ROWS:
             raise APIError(400, f"{len(prompts)} prompts x n={n} is more than {MAX_ROWS} choices in one request",
                            param="n")
-        params = []
+        params, costs = [], []
         for ids in prompts:
-            p = self._params(req, ids)
+            p, c = self._params(req, ids)
+            costs += [c] * n
             # choice j of a seeded request uses seed + j: reproducible, and distinct when sampling
             params += [p if j == 0 or p.seed is None else replace(p, seed=(p.seed + j) % (1 << 63)) for j in range(n)]
+        self._check_cost(sum(costs), "max_tokens", "prompt length + max_tokens, steps, n and cfg_scale")
         prompts = [ids for ids in prompts for _ in range(n)]
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
-        return Prepared(kind, req, prompts, params, rid=new_id(prefix))
+        return Prepared(kind, req, prompts, params, rid=new_id(prefix), costs=costs)
 
     def _prepare_scoring(self, req: CompletionRequest, prompts: list[list[int]]) -> Prepared:
         from worker.engine.likelihood import ScoreRequest, check
@@ -150,7 +156,10 @@ class Serving:
             except ValueError as e:
                 raise APIError(400, f"mc_num: {e} (mc_num {mc_num}, mc_batch_size {bs})", param="mc_num")
             scores.append(sr)
-        return Prepared("completion", req, prompts, [None] * len(prompts), rid=new_id("cmpl"), scores=scores)
+        costs = [score_cost(sr) for sr in scores]
+        self._check_cost(sum(costs), "mc_num", "prompt length, mc_num, score_window (or context_length) and cfg_scale")
+        return Prepared("completion", req, prompts, [None] * len(prompts), rid=new_id("cmpl"), scores=scores,
+                        costs=costs)
 
     def _params(self, req, ids: list[int]) -> GenerationParams:
         d = self.defaults
@@ -177,13 +186,22 @@ class Serving:
             seed=None if req.seed is None else req.seed % (1 << 63),
             ignore_eos=req.ignore_eos, extra=dict(req.algorithm_params or {}), logprobs=req.token_logprobs)
         try:
-            self.engine.plan(ids, p)
+            pl = self.engine.plan(ids, p)
         except ParamError as e:
             param = e.param
             if param == "max_tokens" and req.max_completion_tokens is not None:
                 param = "max_completion_tokens"
             raise APIError(400, e.message, param=param)
-        return p
+        return p, row_cost(pl)
+
+    def _check_cost(self, cost: int, param: str, what: str) -> None:
+        """Admission by cost: a request whose nominal token-forwards exceed --max-request-cost is refused, naming
+        the limit and the value, before it takes any of the worker."""
+        limit = self.defaults.max_request_cost
+        if limit and cost > limit:
+            raise APIError(400, f"this request implies {cost:,} token-forwards (from its {what}), more than this "
+                                f"server's limit --max-request-cost {limit:,}: ask for less, or split it",
+                           param=param, code="request_too_costly")
 
     # ------------------------------------------------------------ generated tokens' log-probabilities
     def token_text(self, token_id: int) -> str:
@@ -288,7 +306,7 @@ class Serving:
             run.emit = ResponsesEvents(prep.responses, prep.rid, self.model_name, prep.created, run.emit)
         progress = prep.req.stream or bool(prep.req.stop)
         run.jobs = [Job(ids, p, sink=run.on_row, index=i, wants_progress=progress,
-                        score=prep.scores[i] if prep.scores else None)
+                        score=prep.scores[i] if prep.scores else None, cost=prep.costs[i] if prep.costs else 0)
                     for i, (ids, p) in enumerate(zip(prep.prompts, prep.params))]
         if self.batcher.queue_depth + len(run.jobs) > self.batcher.max_queue:
             raise APIError(429, f"the worker queue is full ({self.batcher.max_queue} rows waiting)",
@@ -542,6 +560,7 @@ class Job:
     start_by: float = 0.0             # the scheduler waits for more rows until then (at most)
     score: object = None              # a likelihood.ScoreRequest: a scoring row (params unused); "done" gives a
                                       # ScoreResult
+    cost: int = 0                     # nominal token-forwards (Serving._check_cost); above long_row_cost: "long"
 
 
 def canvas_tokens(job: Job) -> int:
@@ -559,11 +578,15 @@ class Batcher:
     and ``max_batch_tokens`` canvas tokens; a row whose algorithm is not running starts its own group beside the
     others (the groups take their steps in turn). Scoring rows run in batches of their own: one queued lets
     generation rows join ahead of it for at most ``switch_wait`` seconds, then the batch drains and it goes next.
-    Finished rows leave the batch and are answered at once."""
+    Finished rows leave the batch and are answered at once.
+
+    Fair share: rows whose nominal cost exceeds ``long_row_cost`` token-forwards hold at most ``long_row_share`` of
+    the batch's ``batch_size`` rows (at least one); past that a long row waits in the queue while shorter rows behind
+    it take the free places, so a short request is never held behind long ones (long rows keep their order)."""
 
     def __init__(self, engine: Engine, *, batch_size: int = 8, max_wait_time: float = 0.05, max_queue: int = 1024,
                  loop: asyncio.AbstractEventLoop | None = None, continuous: bool = True, max_batch_tokens: int = 0,
-                 switch_wait: float = 1.0):
+                 switch_wait: float = 1.0, long_row_cost: int = 1 << 20, long_row_share: float = 0.5):
         self.engine = engine
         self.batch_size = batch_size
         self.max_wait_time = max_wait_time
@@ -571,6 +594,8 @@ class Batcher:
         self.continuous = continuous
         self.max_batch_tokens = max_batch_tokens       # 0: no limit
         self.switch_wait = switch_wait                 # seconds a row of another algorithm lets rows join ahead of it
+        self.long_row_cost = long_row_cost             # 0: every row alike
+        self.long_slots = max(1, int(batch_size * long_row_share))
         self.pending: collections.deque[Job] = collections.deque()
         self._lock = threading.Lock()     # ``pending`` is also taken from by the device thread (joining rows)
         self.running: list[Job] = []
@@ -680,15 +705,8 @@ class Batcher:
                     break
                 self._drop_cancelled()
             self._drop_cancelled()
-            batch, tokens = [], 0
             with self._lock:
-                while self.pending and len(batch) < self.batch_size:
-                    if self.max_batch_tokens:
-                        need = canvas_tokens(self.pending[0])
-                        if batch and tokens + need > self.max_batch_tokens:
-                            break
-                        tokens += need
-                    batch.append(self.pending.popleft())
+                batch = self._take(0, 0, 0, first=True)
             if not batch:
                 continue
             for j in batch:
@@ -710,6 +728,40 @@ class Batcher:
             for job, kind, payload in outcome:      # after the statistics, so a client sees them counted
                 self._retired(job)
                 job.sink(job.index, kind, payload)
+
+    def is_long(self, job: Job) -> bool:
+        return bool(self.long_row_cost) and job.score is None and job.cost > self.long_row_cost
+
+    def _take(self, rows: int, tokens: int, long: int, first: bool = False) -> list[Job]:
+        """Under the lock: queued rows, in order, that fit ``batch_size`` rows and ``max_batch_tokens`` beside
+        ``rows`` / ``tokens`` running (``long`` of them long), removed from the queue. A long row past its share
+        is passed over (shorter rows overtake it); a row past the token budget stops the taking (in order).
+        A new batch (``first``) takes scoring rows too (they run first, apart: ``_run``); joining rows pass them
+        for ``switch_wait`` seconds, then the batch takes no more and drains."""
+        taken, now = [], time.monotonic()
+        for j in self.pending:
+            if rows + len(taken) >= self.batch_size:
+                break
+            if j.cancelled:
+                continue
+            if j.score is not None and not first:
+                if now - j.enqueued_at > self.switch_wait:
+                    break
+                continue
+            if self.is_long(j):
+                if long >= self.long_slots:
+                    continue
+                long += 1
+            if self.max_batch_tokens:
+                need = canvas_tokens(j)
+                if (taken or rows) and tokens + need > self.max_batch_tokens:
+                    break
+                tokens += need
+            taken.append(j)
+        if taken:
+            ids = {id(j) for j in taken}
+            self.pending = collections.deque(j for j in self.pending if id(j) not in ids)
+        return taken
 
     def _drop_cancelled(self) -> None:
         """Drop rows cancelled while waiting; each still gets its terminal event (never computed, nfe 0)."""
@@ -836,27 +888,10 @@ class _Feed:
         ``tokens`` running. Scoring rows never join (they run in batches of their own): they let generation rows
         join ahead of them for ``switch_wait`` seconds, then the batch takes no more and drains."""
         b = self.b
-        out, now = [], time.monotonic()
+        out = []
+        long = sum(1 for i, j in enumerate(self.jobs) if i not in self.answered and b.is_long(j))
         with b._lock:
-            taken = []
-            for j in b.pending:
-                if rows + len(taken) >= b.batch_size:
-                    break
-                if j.cancelled:
-                    continue
-                if j.score is not None:
-                    if now - j.enqueued_at > b.switch_wait:
-                        break
-                    continue
-                if b.max_batch_tokens:
-                    need = canvas_tokens(j)
-                    if tokens + need > b.max_batch_tokens:
-                        break       # in order: a later, smaller row does not overtake this one
-                    tokens += need
-                taken.append(j)
-            if taken:
-                ids = {id(j) for j in taken}
-                b.pending = collections.deque(j for j in b.pending if id(j) not in ids)
+            taken = b._take(rows, tokens, long)
             for j in taken:
                 j.queued = False
                 out.append((len(self.jobs), Request(j.prompt_ids, j.params)))

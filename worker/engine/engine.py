@@ -18,7 +18,7 @@ from ..models import detect_family, load_model
 from ..models.checkpoint import read_config
 from ..tokenizer import load_tokenizer, mask_token_id, stop_token_ids
 from . import algorithms
-from .params import GenerationParams, ParamError, Plan, plan
+from .params import GenerationParams, ParamError, Plan, plan, row_cost
 from .rows import Finisher, Row, StepHooks, TokenLogprobs
 
 log = logging.getLogger(__name__)
@@ -49,6 +49,7 @@ class Engine:
         self.pad_id = int(pad_id if pad_id is not None else (self.stop_ids[0] if self.stop_ids else 0))
         self.tokenizer = tokenizer
         self.family = family
+        self.long_row_cost = 0      # rows above this nominal cost step in groups of their own (fair share; 0: off)
         self.name = name
         self.last_step_time = time.monotonic()   # the worker's /health reads this (progress of the device loop)
 
@@ -159,32 +160,52 @@ class _Group:
         self.inbox: list[Row] = []
         self.running = list(rows)
         self.steps = alg.run(batch.engine, rows, self.fin)
+        self.vtime = min((g.vtime for g in batch.groups.values()), default=0.0)   # device time per row, charged
+
+    def charge(self) -> None:
+        """After a step: each running row is charged its share of the step's forward (the tokens it held)."""
+        live = [r for r in self.running if not r.done] or self.running
+        if live:
+            self.vtime += sum(r.plan.prompt_length + r.plan.canvas_length for r in live) / len(live)
 
 
 class _Batch:
-    """Drives a batch's algorithm groups step by step, in turn, and admits rows from the feed between rounds."""
+    """Drives a batch's algorithm groups step by step and admits rows from the feed between steps.
+
+    Fair share: a group is an algorithm's rows, split into short and long ones when ``engine.long_row_cost`` is set
+    (a row is long above that many nominal token-forwards, worker.engine.params.row_cost). The next step goes to
+    the group whose rows have been charged the least device time (each step charges every row of the group the
+    tokens it holds, ``_Group.charge``), so a short row is never paced by a long row's forwards: groups of equal
+    cost take their steps in turn, as rounds; a cheap group takes several steps per step of an expensive one."""
 
     def __init__(self, engine: "Engine", early_exit: bool, hooks, feed):
         self.engine, self.early_exit, self.hooks, self.feed = engine, early_exit, hooks, feed
         self.groups: dict[str, _Group] = {}
 
     def start(self, name: str, rows: list[Row]) -> None:
-        self.groups[name] = _Group(self, algorithms.get(name, self.engine.family), rows)
+        self.groups[name] = _Group(self, algorithms.get(rows[0].params.algorithm, self.engine.family), rows)
+
+    def key(self, r: Row) -> str:
+        """The group a row steps in: its algorithm, apart for long rows."""
+        long = self.engine.long_row_cost and row_cost(r.plan) > self.engine.long_row_cost
+        return r.params.algorithm + ("/long" if long else "")
 
     def run(self, rows: list[Row]) -> None:
-        by_alg: dict[str, list[Row]] = {}
+        by_key: dict[str, list[Row]] = {}
         for r in rows:
-            by_alg.setdefault(r.params.algorithm, []).append(r)
-        for name, group in by_alg.items():
+            by_key.setdefault(self.key(r), []).append(r)
+        for name, group in by_key.items():
             self.start(name, group)
         while self.groups:
-            for name in list(self.groups):
-                try:
-                    next(self.groups[name].steps)
-                except StopIteration:      # rows that came for it after its last step start the next group
-                    rest = self.groups.pop(name).inbox
-                    if rest:
-                        self.start(name, rest)
+            name = min(self.groups, key=lambda n: self.groups[n].vtime)
+            g = self.groups[name]
+            try:
+                next(g.steps)
+                g.charge()
+            except StopIteration:      # rows that came for it after its last step start the next group
+                rest = self.groups.pop(name).inbox
+                if rest:
+                    self.start(name, rest)
             if self.feed is not None:
                 self.admit()
 
@@ -193,7 +214,7 @@ class _Batch:
         tokens = sum(r.plan.prompt_length + r.plan.canvas_length for r in live)
         for index, req in self.feed.admit(len(live), tokens):
             row = self.engine.row(index, req, self.engine.plan(req.prompt_ids, req.params))
-            name = req.params.algorithm
+            name = self.key(row)
             g = self.groups.get(name)
             if g is None:
                 self.start(name, [row])

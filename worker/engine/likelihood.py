@@ -49,6 +49,15 @@ class Cancelled(Exception):
     pass
 
 
+def cost(req: ScoreRequest) -> int:
+    """A scoring request's nominal cost in token-forwards (as params.row_cost): ``mc_num`` copies per split, the
+    greedy check's one forward per target token, the next-token forward; doubled with classifier-free guidance."""
+    n = len(req.ids)
+    copies = len(req.splits) * req.mc_num
+    greedy = sum(n - s for s in req.splits) if req.check_greedy else 0
+    return (copies + greedy + int(req.next_token)) * (n + 1) * (2 if req.cfg_scale > 0 else 1)
+
+
 def check(req: ScoreRequest) -> None:
     n = len(req.ids)
     if not req.splits or any(not 1 <= s < n for s in req.splits):
@@ -91,11 +100,15 @@ def _draw(req: ScoreRequest, split: int, mask_id: int, seq: torch.Tensor, rows: 
 MAX_FORWARD_TOKENS = 32768     # canvas tokens per scoring forward (bounds activation memory on long prompts)
 
 
+MAX_CHUNK_ROWS = 4096         # distinct noisy rows drawn and held at once (bounds host memory for any mc_num)
+
+
 def _forward_rows(model, mask_id: int, cfg_scale: float, items: list, max_rows: int, cancelled,
-                  max_tokens: int = MAX_FORWARD_TOKENS) -> list:
+                  max_tokens: int = MAX_FORWARD_TOKENS, reduce=None) -> list:
     """items: (prefix_len, noisy row [L] long, needed positions [m] long). Returns, per item, the logits at its
-    needed positions (with classifier-free guidance mixed in when cfg_scale > 0), in batches of at most
-    ``max_rows`` forward rows and ``max_tokens`` tokens, right-padded to the longest row of the batch."""
+    needed positions (with classifier-free guidance mixed in when cfg_scale > 0), or ``reduce(i, logits)`` of them
+    (kept instead of the logits: memory), in batches of at most ``max_rows`` forward rows and ``max_tokens``
+    tokens, right-padded to the longest row of the batch."""
     out: list = [None] * len(items)
     per = 2 if cfg_scale > 0 else 1
     order = sorted(range(len(items)), key=lambda i: -len(items[i][1]))
@@ -129,7 +142,7 @@ def _forward_rows(model, mask_id: int, cfg_scale: float, items: list, max_rows: 
             if per == 2:
                 un_logits = model.logits(h[len(chunk) + j, need])
                 logits = un_logits + (cfg_scale + 1) * (logits - un_logits)
-            out[i] = logits
+            out[i] = logits if reduce is None else reduce(i, logits)
     return out
 
 
@@ -144,61 +157,57 @@ def score(model, mask_id: int, requests: list[ScoreRequest], *, max_rows: int = 
                                          for r in requests]
     live = lambda i: results[i] is not None and not cancelled(i)
 
-    # --- Monte Carlo estimates: distinct noisy rows per request, forwarded together (one cfg scale per forward)
+    # --- Monte Carlo estimates: distinct noisy rows, forwarded together (one cfg scale per forward), in chunks of
+    # at most MAX_CHUNK_ROWS rows (whole splits), each row's logits reduced to its cross entropies at once: host and
+    # device memory are bounded whatever mc_num asks, and a cancelled request stops between chunks and forwards
     for cfg in sorted({r.cfg_scale for r in requests}):
         group = [i for i, r in enumerate(requests) if r.cfg_scale == cfg]
-        items, owners, ests = [], [], []
-        for i in group:
-            r = requests[i]
-            seq = torch.tensor(r.ids)[None, :].repeat(r.batch_size, 1)
-            rows: dict = {}
-            mine = []
-            for s in r.splits:
+        work = [(i, s) for i in group for s in requests[i].splits]
+        while work:
+            if not any(live(i) for i in group):
+                break
+            items, owners, ests = [], [], []
+            while work and (not items or len(items) < MAX_CHUNK_ROWS):
+                i, s = work.pop(0)
+                if not live(i):
+                    continue
+                r = requests[i]
                 e = _Estimate(i, s)
-                _draw(r, s, mask_id, seq, rows, e)
-                mine.append(e)
-            base = len(items)
-            for _, p, row in rows.values():
-                items.append((p, row, (row == mask_id).nonzero().squeeze(1)))
-                owners.append(i)
-            for e in mine:
+                rows: dict = {}
+                _draw(r, s, mask_id, torch.tensor(r.ids)[None, :].repeat(r.batch_size, 1), rows, e)
+                base = len(items)
+                for _, p, row in rows.values():
+                    items.append((p, row, (row == mask_id).nonzero().squeeze(1)))
+                    owners.append(i)
                 e.batches = [([base + w for w in which], x) for which, x in e.batches]
-            ests += mine
-        try:
-            logits = _forward_rows(model, mask_id, cfg, items, max_rows,
-                                   lambda: not any(live(i) for i in group))
-        except Cancelled:
-            for i in group:
-                results[i] = None
-            continue
+                ests.append(e)
+            targets = {i: torch.tensor(requests[i].ids, device=model.device) for i in set(owners)}
+            # the reference's arithmetic per mini-batch: cross entropy of every masked position of every copy
+            # (row-major, as logits[mask_index] orders them) divided by the copy's ratio, summed, / batch_size
+            ce = lambda k, lg: F.cross_entropy(lg, targets[owners[k]][items[k][2].to(model.device)], reduction="none")
+            try:
+                ces = _forward_rows(model, mask_id, cfg, items, max_rows, lambda: not any(live(i) for i in group),
+                                    reduce=ce)
+            except Cancelled:
+                break
+            for i in set(owners):
+                if results[i] is not None:
+                    results[i].forward_rows += sum(1 for o in owners if o == i) * (2 if cfg > 0 else 1)
+            for e in ests:
+                res, r = results[e.req], requests[e.req]
+                if res is None:
+                    continue
+                n = len(r.ids) - e.prefix
+                losses = []
+                for which, x in e.batches:
+                    parts = [ces[w] / torch.full((len(items[w][2]),), xi / n, dtype=torch.float32,
+                                                 device=model.device) for w, xi in zip(which, x.tolist())]
+                    losses.append((torch.cat(parts).sum() / r.batch_size).item())
+                res.log_likelihoods[r.splits.index(e.prefix)] = -sum(losses) / len(losses)
+            del items, ces
         for i in group:
             if cancelled(i):
                 results[i] = None
-            elif results[i] is not None:
-                results[i].forward_rows += sum(1 for o in owners if o == i) * (2 if cfg > 0 else 1)
-        # the reference's arithmetic per mini-batch: cross entropy of every masked position of every copy (row-major,
-        # as logits[mask_index] orders them) divided by the copy's ratio, summed, divided by batch_size
-        ce_cache: dict[int, torch.Tensor] = {}
-        for e in ests:
-            res = results[e.req]
-            if res is None:
-                continue
-            r = requests[e.req]
-            n = len(r.ids) - e.prefix
-            target = torch.tensor(r.ids, device=model.device)
-            losses = []
-            for which, x in e.batches:
-                parts = []
-                for w, xi in zip(which, x.tolist()):
-                    if w not in ce_cache:
-                        need = items[w][2].to(model.device)
-                        ce_cache[w] = F.cross_entropy(logits[w], target[need], reduction="none")
-                    p_mask = torch.full((len(items[w][2]),), xi / n, dtype=torch.float32, device=model.device)
-                    parts.append(ce_cache[w] / p_mask)
-                loss = torch.cat(parts)
-                losses.append((loss.sum() / r.batch_size).item())
-            res.log_likelihoods[r.splits.index(e.prefix)] = -sum(losses) / len(losses)
-        del logits, ce_cache
 
     # --- greedy checks, all splits in lockstep: [request, split index, canvas, steps left]
     states = []

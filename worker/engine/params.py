@@ -92,3 +92,12 @@ def plan(params: GenerationParams, prompt_length: int, max_sequence_length: int)
     spb = min(max(1, -(-steps // num_blocks)), block)
     return Plan(p, prompt_length, p.gen_length, block, canvas, num_blocks, spb)
 
+
+def row_cost(pl: Plan) -> int:
+    """A row's nominal cost in token-forwards: the forwards of its schedule (blocks x steps per block, or ``steps``
+    where an algorithm runs them uncapped) x the tokens a full forward holds (prompt + canvas), doubled with
+    classifier-free guidance. An upper bound for the cached algorithms, which forward fewer tokens per step, and
+    for the threshold rules, which often take fewer steps; what admission limits and orders by (docs/reliability.md)."""
+    forwards = max(pl.num_blocks * pl.steps_per_block, pl.params.steps or 0)
+    return forwards * (pl.prompt_length + pl.canvas_length) * (2 if pl.params.cfg_scale > 0 else 1)
+

@@ -1,0 +1,99 @@
+"""No single request can take a worker (issue 29, items 1 and 2): a cost for every request checked at admission
+(--max-request-cost), likelihood scoring in bounded chunks that stops when its client leaves, and a fair share of the
+device between rows (long rows hold at most --long-row-share of a batch and step in a group of their own, charged
+their forwards), so a small request is answered quickly while long ones run."""
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from tests.conftest import TINY_LLADA
+from tests.helpers import post_json, start_worker
+from tests.test_worker_app import ready_client
+from worker.engine import GenerationParams, Request
+from worker.engine import likelihood
+
+HOSTILE_SCORE = {"prompt": [5 + i % 280 for i in range(300)], "echo": True, "logprobs": 1, "max_tokens": 0, "mc_num": 4096,
+                 "mc_batch_size": 4096}
+LONG = {"prompt": "a", "max_tokens": 4000, "block_length": 1}
+
+
+async def test_costly_requests_are_refused_naming_the_limit(aiohttp_client):
+    client, _ = await ready_client(aiohttp_client)
+    for body in (HOSTILE_SCORE, {**LONG, "n": 3}, {**LONG, "temperature": 0.5, "n": 2, "cfg_scale": 1.0}):
+        r = await client.post("/v1/completions", json=body)
+        err = (await r.json())["error"]
+        assert r.status == 400 and err["code"] == "request_too_costly", err
+        assert "--max-request-cost 33,554,432" in err["message"] and "token-forwards" in err["message"]
+    r = await client.post("/v1/completions", json={"prompt": [5, 6, 7, 8], "echo": True, "logprobs": 1,
+                                                   "max_tokens": 0, "mc_num": 8, "mc_batch_size": 8})
+    assert r.status == 200
+    client, _ = await ready_client(aiohttp_client, max_request_cost=1000)     # the limit is the operator's
+    r = await client.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 64})
+    assert r.status == 400 and "--max-request-cost 1,000" in (await r.json())["error"]["message"]
+
+
+def test_scoring_holds_one_chunk_of_rows_and_stops_when_cancelled(llada_engine, monkeypatch):
+    """The Monte Carlo copies are drawn and forwarded a chunk of splits at a time (each forward's logits reduced to
+    cross entropies at once), and a cancelled request stops after the chunk running, not after all of them."""
+    monkeypatch.setattr(likelihood, "MAX_CHUNK_ROWS", 64)
+    seen, forward = [], likelihood._forward_rows
+
+    def spy(model, mask_id, cfg, items, *a, **k):
+        seen.append(len(items))
+        return forward(model, mask_id, cfg, items, *a, **k)
+    monkeypatch.setattr(likelihood, "_forward_rows", spy)
+    req = likelihood.ScoreRequest(list(range(5, 45)), list(range(20, 40)), mc_num=64, batch_size=64,
+                                  check_greedy=False)
+    full = likelihood.score(llada_engine.model, llada_engine.mask_id, [req])[0]
+    # a chunk closes once it holds 64 rows (a split, at most 64 distinct rows here, is never cut)
+    assert len(seen) > 5 and max(seen) < 64 + 64 and all(v < 0 for v in full.log_likelihoods)
+    chunks = len(seen)
+    # the same estimates as one chunk holding every split (the chunking changes no number beyond rounding)
+    monkeypatch.setattr(likelihood, "MAX_CHUNK_ROWS", 1 << 20)
+    one = likelihood.score(llada_engine.model, llada_engine.mask_id, [req])[0]
+    assert one.log_likelihoods == pytest.approx(full.log_likelihoods, rel=1e-5, abs=1e-5)
+    monkeypatch.setattr(likelihood, "MAX_CHUNK_ROWS", 64)
+    seen.clear()
+    gone = threading.Event()
+    res = likelihood.score(llada_engine.model, llada_engine.mask_id, [req],
+                           cancelled=lambda i: (len(seen) >= 2 and gone.set()) or gone.is_set())
+    assert res == [None] and len(seen) == 2 < chunks
+
+
+def test_long_rows_step_apart_and_short_rows_overtake_them(llada_engine):
+    """Engine: with long_row_cost set, a short row joining beside long ones finishes after at most one of their
+    steps per few of its own, and every row equals itself alone (exactness is kept)."""
+    from tests.test_continuous import check_against_alone
+    llada_engine.long_row_cost = 10_000
+    try:
+        long = [Request([5, 6], GenerationParams(gen_length=64, block_length=8)) for _ in range(2)]
+        short = Request([7, 8, 9], GenerationParams(gen_length=8, block_length=8))
+        feed = check_against_alone(llada_engine, long, [(1, short)])
+        (i, _, _), = feed.joined
+        assert list(feed.results)[0] == i      # the short row, joined after the first step, finished first
+    finally:
+        llada_engine.long_row_cost = 0
+
+
+@pytest.mark.slow
+def test_a_small_request_is_answered_within_10s_while_long_ones_run(tmp_path):
+    """The audit's case: ten 4000-step requests on a worker of batch size 8, then an 8-token request. Before: the
+    long rows filled the batch and the small one waited past 30 s. Now it is answered within 10 s."""
+    w = start_worker(tmp_path, TINY_LLADA, "--batch-size", "8", "--request-timeout", "60")
+    pool = ThreadPoolExecutor(10)
+    try:
+        w.wait_ready(90)
+        longs = [pool.submit(post_json, w.url + "/v1/completions", LONG, 40.0) for _ in range(10)]
+        time.sleep(3)                                  # the long rows are running
+        t0 = time.monotonic()
+        status, body = post_json(w.url + "/v1/completions", {"prompt": "di vo", "max_tokens": 8}, timeout=30)
+        took = time.monotonic() - t0
+        assert status == 200 and body["choices"][0]["finish_reason"] in ("stop", "length")
+        print(f"\nFAIR SHARE: 8-token request beside 10 long rows answered in {took:.2f} s")
+        assert took < 10, took
+        assert not any(f.done() for f in longs)        # the long ones were still running
+    finally:
+        w.stop()
+        pool.shutdown(wait=False, cancel_futures=True)
