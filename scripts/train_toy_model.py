@@ -131,7 +131,14 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--mlp", type=int, default=384)
-    ap.add_argument("--answer-length", type=int, default=16)
+    ap.add_argument("--answer-length", type=int, default=16,
+                    help="answers padded to this many tokens; with --answer-lengths, each step draws one of those")
+    ap.add_argument("--answer-lengths", default=None, help="comma-separated answer lengths, one drawn per step "
+                                                          "(e.g. 16,32,64,128,256: the model then ends its answer "
+                                                          "with padding on canvases up to 256 tokens)")
+    ap.add_argument("--init", default=None, help="start from this checkpoint's weights (fine-tuning) instead of a "
+                                                 "random initialisation (same shape)")
+    ap.add_argument("--warmup", type=int, default=300, help="learning-rate warm-up steps")
     ap.add_argument("--eps", type=float, default=1e-3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--log-every", type=int, default=200)
@@ -157,7 +164,15 @@ def main() -> None:
     for name, p in model.named_parameters():
         if p.dim() > 1:
             torch.nn.init.normal_(p, std=0.02 if "wte" in name else 1 / math.sqrt(p.shape[1]))
+    if args.init:
+        from safetensors.torch import load_file
+        state = load_file(str(Path(args.init) / "model.safetensors"))
+        model.load_state_dict({k.removeprefix("model.transformer."): v for k, v in state.items()})
     model.init_rope()
+    lengths = [int(n) for n in args.answer_lengths.split(",")] if args.answer_lengths else None
+    # lengths from a generator of their own: the problems drawn are the same sequence as without --answer-lengths
+    # (a fine-tune with the same seed sees problems its base run saw: bench/quality.py's held-out set stays held out)
+    length_rng = random.Random(args.seed + 1)
     n_params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.98), weight_decay=0.01)
     mask_id = vocab["<|mdm_mask|>"]
@@ -167,11 +182,12 @@ def main() -> None:
     step, ema = 0, None
     while step < args.max_steps and time.monotonic() - t0 < budget:
         frac = (time.monotonic() - t0) / budget
-        lr = args.lr * min(1.0, (step + 1) / 300) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+        lr = args.lr * min(1.0, (step + 1) / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
         for g in opt.param_groups:
             g["lr"] = lr
         problems = [make_problem(rng, rng.choices(TASKS, weights)[0]) for _ in range(args.batch_size)]
-        ids, pos, key, ans = encode_batch(problems, enc, vocab, args.answer_length, "cpu")
+        answer_len = length_rng.choice(lengths) if lengths else args.answer_length
+        ids, pos, key, ans = encode_batch(problems, enc, vocab, answer_len, "cpu")
         t = args.eps + (1 - args.eps) * torch.rand(ids.shape[0])
         masked = ans & (torch.rand(ids.shape) < t[:, None])
         noisy = torch.where(masked, torch.full_like(ids, mask_id), ids)
