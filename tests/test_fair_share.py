@@ -97,3 +97,17 @@ def test_a_small_request_is_answered_within_10s_while_long_ones_run(tmp_path):
     finally:
         w.stop()
         pool.shutdown(wait=False, cancel_futures=True)
+
+
+def test_long_rows_hold_at_most_their_share_of_a_batch_and_short_ones_overtake_them(llada_engine):
+    import asyncio
+
+    from worker.serving import Batcher, Job
+    b = Batcher(llada_engine, batch_size=4, loop=asyncio.new_event_loop(), long_row_cost=100, long_row_share=0.5)
+    p = GenerationParams(gen_length=8, block_length=8)
+    jobs = [Job([5], p, sink=None, index=i, cost=1000 if i < 5 else 10) for i in range(7)]   # 5 long, 2 short
+    b.pending.extend(jobs)
+    taken = b._take(0, 0, 0, first=True)
+    assert taken == [jobs[0], jobs[1], jobs[5], jobs[6]]          # two long (half of 4), then the short ones
+    assert list(b.pending) == jobs[2:5]                            # the long ones wait, in order
+    assert b._take(3, 0, 2) == [] and b._take(3, 0, 1) == [jobs[2]]

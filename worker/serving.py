@@ -863,6 +863,7 @@ class _Feed:
         self.b = batcher
         self.jobs = list(jobs)
         self.answered: set[int] = set()
+        self.long = sum(1 for j in jobs if batcher.is_long(j))     # long rows running (fair share)
         self._events: list = []            # (function, args) for the event loop, in order
         self._posted = False               # a flush is scheduled
         self._lock = threading.Lock()
@@ -889,10 +890,10 @@ class _Feed:
         join ahead of them for ``switch_wait`` seconds, then the batch takes no more and drains."""
         b = self.b
         out = []
-        long = sum(1 for i, j in enumerate(self.jobs) if i not in self.answered and b.is_long(j))
         with b._lock:
-            taken = b._take(rows, tokens, long)
+            taken = b._take(rows, tokens, self.long)
             for j in taken:
+                self.long += b.is_long(j)
                 j.queued = False
                 out.append((len(self.jobs), Request(j.prompt_ids, j.params)))
                 self.jobs.append(j)
@@ -903,6 +904,7 @@ class _Feed:
     def done(self, index: int, result: Result) -> None:
         j = self.jobs[index]
         self.answered.add(index)
+        self.long -= self.b.is_long(j)
         self.post(self._answer, j, result)
 
     def _answer(self, j: Job, result: Result) -> None:      # on the event loop
