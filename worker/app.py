@@ -450,22 +450,7 @@ async def serve(config: WorkerConfig) -> int:
     return code
 
 
-def fixed_mmap_threshold(nbytes: int = 128 * 1024) -> None:
-    """glibc: allocations of ``nbytes`` and more are mmap'd and given back when freed. Without this, glibc raises the
-    threshold each time such a block is freed, and the device thread's arena then keeps the freed tensors' memory:
-    a long likelihood request grew a worker by 1.8 GB in 25 s that way, and by under 0.1 GB with it
-    (docs/reliability.md). No-op where the C library is not glibc."""
-    import ctypes
-    import ctypes.util
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.mallopt(-3, nbytes)        # M_MMAP_THRESHOLD: fixed, so no longer adjusted dynamically
-    except (OSError, AttributeError):
-        pass
-
-
 def run(config: WorkerConfig) -> int:
-    fixed_mmap_threshold()
     try:
         import uvloop
         return uvloop.run(serve(config))

@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
+import ctypes
+import ctypes.util
 import logging
 import random
 import threading
@@ -544,6 +547,28 @@ class _Choice:
         return self._delta(len(self.text))
 
 
+def _mmap_threshold(nbytes: int) -> None:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(-3, nbytes)        # M_MMAP_THRESHOLD (glibc); fixed from then on
+    except (OSError, AttributeError):   # not glibc
+        pass
+
+
+@contextlib.contextmanager
+def freed_memory_returned():
+    """While likelihood scoring runs (thousands of forwards whose activations are freed and allocated again on the
+    device thread), glibc mmaps blocks of 1 MiB and more and gives them back when freed. Otherwise glibc raises its
+    mmap threshold as such blocks are freed and the device thread's arena keeps their memory: a long scoring request
+    grew a worker by 1.8 GB in 25 s (docs/reliability.md). Afterwards the threshold is 32 MiB (glibc's own ceiling),
+    so generation allocates as before (a low threshold for everything cost CPU generation 10-60%)."""
+    _mmap_threshold(1 << 20)
+    try:
+        yield
+    finally:
+        _mmap_threshold(32 << 20)
+
+
 # ---------------------------------------------------------------- the queue and the device thread
 @dataclass(eq=False)      # a row is itself: identity, not field-by-field equality (queue and batch lookups)
 class Job:
@@ -841,7 +866,8 @@ class Batcher:
         """Device thread: the scoring rows of a batch, their forwards shared (worker.engine.likelihood)."""
         import torch
         try:
-            results = self.engine.score([j.score for j in jobs], cancelled=lambda i: jobs[i].cancelled)
+            with freed_memory_returned():
+                results = self.engine.score([j.score for j in jobs], cancelled=lambda i: jobs[i].cancelled)
         except torch.cuda.OutOfMemoryError:
             torch.cuda.empty_cache()
             if len(jobs) == 1:
