@@ -25,7 +25,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,15 +33,11 @@ import time
 import urllib.request
 from pathlib import Path
 
+from _local import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "tests" / "fixtures" / "tiny-llada"
 BODY = {"prompt": [5, 6, 7, 8], "max_tokens": 8}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_http(url: str, timeout: float = 120, check=lambda d: True) -> None:

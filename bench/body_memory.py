@@ -17,7 +17,6 @@ import asyncio
 import http.client
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -26,13 +25,9 @@ from pathlib import Path
 
 from aiohttp import web
 
+from _local import free_port
+
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def fake_worker(port: int, hold: float) -> None:

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from _local import free_port, wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -31,12 +32,6 @@ def post(url: str, body: dict, timeout: float) -> float:
     return time.monotonic() - t0
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(model: str, flags: list[str], n_long: int, n_small: int, long_body: dict, wait: float) -> list[float]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -44,14 +39,7 @@ def run(model: str, flags: list[str], n_long: int, n_small: int, long_body: dict
                           "--device", "cpu", "--batch-size", "8", "--request-timeout", "120", *flags], cwd=ROOT,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        for _ in range(600):
-            try:
-                with urllib.request.urlopen(url + "/health", timeout=1) as r:
-                    if json.loads(r.read())["status"] == "ready":
-                        break
-            except OSError:
-                pass
-            time.sleep(0.1)
+        wait_ready(url)
         pool = ThreadPoolExecutor(n_long)
         for _ in range(n_long):
             pool.submit(post, url + "/v1/completions", long_body, 120)

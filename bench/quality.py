@@ -28,6 +28,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import aiohttp  # noqa: E402
 
+from _local import wait_ready  # noqa: E402
 from train_toy_model import TASKS, make_problem  # noqa: E402
 
 SETTINGS = [   # (label, request fields)
@@ -102,14 +103,7 @@ def main() -> None:
                                  str(port), "--batch-size", "64", "--max-wait-time", "0.01", "--device", "cpu",
                                  "--log-level", "warning"], cwd=ROOT)
         url = f"http://127.0.0.1:{port}"
-        import urllib.request
-        for _ in range(600):
-            try:
-                if json.loads(urllib.request.urlopen(url + "/health", timeout=1).read())["status"] == "ready":
-                    break
-            except OSError:
-                pass
-            time.sleep(0.2)
+        wait_ready(url)
     rows = []
     try:
         print(f"{len(problems)} held-out problems ({args.problems // 3} per task, seed {args.seed}, none seen in "

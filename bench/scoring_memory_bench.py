@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -21,6 +20,8 @@ import urllib.request
 from pathlib import Path
 
 import psutil
+
+from _local import free_port, wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -47,22 +48,14 @@ def main() -> None:
     ap.add_argument("--mc-num", type=int, default=4096)
     ap.add_argument("--mc-batch-size", type=int, default=4096)
     a = ap.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     extra = ["--max-request-cost", "0"] if Path(a.tree).resolve() == ROOT else []
     p = subprocess.Popen([sys.executable, "-m", "common.cli", "worker", "--model-path", a.model_path, "--port",
                           str(port), "--device", "cpu", *extra], cwd=a.tree, stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": a.tree})
     try:
-        for _ in range(600):
-            try:
-                if json.loads(urllib.request.urlopen(url + "/health", timeout=1).read())["status"] == "ready":
-                    break
-            except OSError:
-                pass
-            time.sleep(0.1)
+        wait_ready(url)
         proc = psutil.Process(p.pid)
         start = peak = proc.memory_info().rss
         heavy = {"prompt": [5 + i % 280 for i in range(300)], "echo": True, "logprobs": 1, "max_tokens": 0,
