@@ -314,7 +314,8 @@ async def generation_algorithms(request: web.Request) -> web.Response:
         "defaults": {"max_tokens": c.default_max_tokens, "block_length": c.default_block_length,
                      "steps": "max_tokens (one step per token)", "temperature": 0.0, "remasking": "low_confidence",
                      "cfg_scale": 0.0, "threshold": None, "factor": None},
-        "algorithms": [a.describe() for a in ALGORITHMS.values() if state.engine is None or state.engine.supports(a)],
+        "algorithms": [a.describe(None if state.engine is None else state.engine.algorithm_defaults.get(a.name))
+                       for a in ALGORITHMS.values() if state.engine is None or state.engine.supports(a)],
     })
 
 

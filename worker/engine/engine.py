@@ -8,13 +8,13 @@ import logging
 import os
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
 import torch
 
-from ..models import detect_family, load_model
+from ..models import FAMILIES, detect_family, load_model
 from ..models.checkpoint import read_config
 from ..tokenizer import load_tokenizer, mask_token_id, stop_token_ids
 from . import algorithms
@@ -52,6 +52,7 @@ class Engine:
         self.long_row_cost = 0      # rows above this nominal cost step in groups of their own (fair share; 0: off)
         self.name = name
         self.last_step_time = time.monotonic()   # the worker's /health reads this (progress of the device loop)
+        self.algorithm_defaults: dict[str, dict] = {}   # the checkpoint's algorithm_params defaults, per algorithm
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, device=None, dtype=None, compile: bool = False) -> "Engine":
@@ -64,8 +65,13 @@ class Engine:
         model = load_model(path, device, dtype)
         if compile:
             model.compile_dense()
-        return cls(model, mask_id=mask_token_id(tokenizer, config), stop_ids=stop_token_ids(path, tokenizer, config),
-                   pad_id=config.get("pad_token_id"), tokenizer=tokenizer, family=family, name=path.name)
+        fam = FAMILIES[family]
+        engine = cls(model, mask_id=mask_token_id(tokenizer, config) if fam.mask_token else -1,
+                     stop_ids=stop_token_ids(path, tokenizer, config), pad_id=config.get("pad_token_id"),
+                     tokenizer=tokenizer, family=family, name=path.name)
+        if fam.algorithm_defaults is not None:
+            engine.algorithm_defaults = fam.algorithm_defaults(path)
+        return engine
 
     @property
     def max_sequence_length(self) -> int:
@@ -78,6 +84,9 @@ class Engine:
     def plan(self, prompt_ids: list[int], params: GenerationParams) -> Plan:
         """Validate a request and apply its algorithm's defaults; raises ParamError naming the parameter."""
         alg = algorithms.get(params.algorithm, self.family)
+        own = self.algorithm_defaults.get(alg.name)
+        if own:
+            params = replace(params, extra={**own, **params.extra})
         params = alg.normalize(params)
         vocab = self.model.cfg.embedding_size
         bad = [t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < vocab)]
@@ -86,6 +95,8 @@ class Engine:
         pl = plan(params, len(prompt_ids), self.max_sequence_length)
         if alg.check_plan is not None:
             alg.check_plan(pl, self.max_sequence_length)
+        if alg.check_model is not None:
+            alg.check_model(pl, self.model)
         return pl
 
     @property

@@ -98,6 +98,10 @@ def row_cost(pl: Plan) -> int:
     where an algorithm runs them uncapped) x the tokens a full forward holds (prompt + canvas), doubled with
     classifier-free guidance. An upper bound for the cached algorithms, which forward fewer tokens per step, and
     for the threshold rules, which often take fewer steps; what admission limits and orders by (docs/reliability.md)."""
+    from .algorithms import REGISTRY       # (late: the algorithms import this module)
+    alg = REGISTRY.get(pl.params.algorithm)
+    if alg is not None and alg.cost is not None:
+        return alg.cost(pl)
     forwards = max(pl.num_blocks * pl.steps_per_block, pl.params.steps or 0)
     return forwards * (pl.prompt_length + pl.canvas_length) * (2 if pl.params.cfg_scale > 0 else 1)
 

@@ -11,7 +11,7 @@ import torch
 from .checkpoint import CheckpointError, read_config, resolve_device, resolve_dtype
 from .family import DiffusionLM, Family
 
-FAMILY_MODULES = ("llada", "llada_moe", "llada2", "nemotron", "dream", "sdar")
+FAMILY_MODULES = ("llada", "llada_moe", "llada2", "nemotron", "dream", "sdar", "diffusion_gemma")
 FAMILIES: dict[str, Family] = {f.name: f for f in (importlib.import_module(f"{__name__}.{m}").FAMILY
                                                    for m in FAMILY_MODULES)}
 DEFAULT_ALGORITHM = {name: f.default_algorithm for name, f in FAMILIES.items()}

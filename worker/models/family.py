@@ -60,3 +60,6 @@ class Family:
     load: Callable[[str | Path, torch.device, torch.dtype], DiffusionLM]
     default_algorithm: str                     # worker/engine/algorithms registry name
     scoring: bool = False                      # LLaDA's Monte Carlo likelihood estimator applies
+    mask_token: bool = True                    # decodes from a mask token (DiffusionGemma's canvases are random tokens)
+    algorithm_defaults: Callable[[str | Path], dict[str, dict]] | None = None   # the checkpoint's own defaults of
+                                               # algorithm_params, per algorithm (from generation_config.json)

@@ -64,6 +64,9 @@ class Algorithm:
     check: Callable[[GenerationParams], GenerationParams] | None = None  # the algorithm's own rules, after defaults
     stochastic: Callable[[GenerationParams], bool] | None = None         # draws random numbers beyond temperature
     check_plan: Callable | None = None                                   # (plan, max positions): its own length rule
+    check_model: Callable | None = None                                  # (plan, model): rules the checkpoint sets
+    cost: Callable | None = None                                         # (plan) -> nominal token-forwards, if not
+                                                                         # worker.engine.params.row_cost's rule
 
     def normalize(self, p: GenerationParams) -> GenerationParams:
         """Apply this algorithm's defaults and check its parameters (raises ParamError)."""
@@ -84,13 +87,15 @@ class Algorithm:
         p = replace(p, extra=extra, **changes)
         return self.check(p) if self.check is not None else p
 
-    def describe(self) -> dict:
+    def describe(self, defaults: dict | None = None) -> dict:
+        """For /generation/algorithms; ``defaults``: the checkpoint's own defaults for ``algorithm_params``."""
+        defaults = defaults or {}
         return {
             "name": self.name, "description": self.description, "exact": self.exact,
             "families": list(self.families),
             "parameters": {p.name: {"default": self.defaults.get(p.name, p.default), "description": p.description}
                            for p in self.params},
-            "algorithm_params": {p.name: {"default": p.default, "description": p.description,
+            "algorithm_params": {p.name: {"default": defaults.get(p.name, p.default), "description": p.description,
                                           **({"choices": list(p.choices)} if p.choices else {})}
                                  for p in self.extra_params},
             "cfg_scale_supported": self.cfg,
@@ -122,4 +127,4 @@ def get(name: str, family: str) -> Algorithm:
     return alg
 
 
-from . import basic, cached, dinfer, dream, dream_cache, llada2, nemotron, sdar  # noqa: E402,F401  (they register themselves)
+from . import basic, cached, diffusion_gemma, dinfer, dream, dream_cache, llada2, nemotron, sdar  # noqa: E402,F401  (they register themselves)

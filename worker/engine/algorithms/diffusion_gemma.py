@@ -1,0 +1,257 @@
+"""``diffusion_gemma``: DiffusionGemma's multi-canvas decoding (transformers' ``DiffusionGemmaGenerationMixin.generate``),
+each row with its own prompt, length and settings, at any batch size, rows joining and leaving between steps.
+
+A row's prompt is encoded once into its slot of the model's context cache. Then canvas after canvas: the canvas starts
+as ``canvas_length`` uniformly random tokens (the whole vocabulary); every step runs the bidirectional denoiser over
+the canvas (self-conditioned on the previous step's logits), divides the logits by the step's temperature (linear
+from ``t_max`` at the first step towards ``t_min``, ``max_denoising_steps`` steps at most), samples every position,
+accepts the lowest-entropy positions while their entropies (but the largest) sum to at most ``entropy_bound``, and
+renoises the others with fresh random tokens; it stops early once the argmax canvas has not changed for
+``stability_threshold`` steps and the mean entropy is below ``confidence_threshold``. The canvas kept is the last
+step's argmax; the encoder appends it to the context, and the next canvas starts, until an eos id appears anywhere in
+a canvas or ``max_tokens`` are covered (whole canvases: the answer is cut back to ``max_tokens``).
+
+Random draws, per row from the row's own generator (seeded with the request's ``seed``), in the reference's order: the
+canvas (``randint`` over the vocabulary), then per step ``multinomial`` over the [canvas_length, vocab] probabilities
+and the renoising ``randint``, every step. On CPU these are the reference's own draws, so a seeded row reproduces the
+reference run alone after ``torch.manual_seed(seed)``, whatever batch it runs in (the reference's own batches draw for
+all rows at once, so its rows depend on their batch). On CUDA they come from the row's CUDA generator (the reference
+on CUDA draws from CUDA's global generator). The step's acceptance needs no host sync beyond the ones the rule
+implies: the stopping test of every row (one transfer per step for the batch)."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from ..params import GenerationParams, ParamError, Plan
+from ..rows import Finisher, Row
+from . import Algorithm, ParamInfo, register
+
+# The reference's global defaults (DiffusionGemmaGenerationConfig._get_default_generation_params); a checkpoint's
+# generation_config.json overrides them (worker/models/diffusion_gemma.py ``generation_defaults``).
+PARAMS = (
+    ParamInfo("max_denoising_steps", 48, "denoising steps per canvas at most (the temperature schedule's length)"),
+    ParamInfo("entropy_bound", 0.1, "a step accepts the lowest-entropy positions while the sum of their entropies "
+              "minus the largest stays <= this (more: more tokens per step)"),
+    ParamInfo("t_min", 0.4, "temperature the linear schedule tends to (reached after the last step)"),
+    ParamInfo("t_max", 0.8, "temperature of the first step"),
+    ParamInfo("stability_threshold", 1, "adaptive stopping: steps the argmax canvas must stay unchanged (0: always "
+              "stable)"),
+    ParamInfo("confidence_threshold", 0.005, "adaptive stopping: the canvas's mean entropy must be below it"),
+)
+
+
+class _State:
+    """A row's progress: its CPU-side settings, its canvas, its self-conditioning logits and stopping history."""
+    __slots__ = ("L", "V", "N", "t_min", "t_max", "bound", "S", "conf", "canvases", "left", "encode", "canvas", "sc",
+                 "hist", "out", "steps", "gen")
+
+    def __init__(self, row: Row, L: int, V: int, gen: torch.Generator):
+        e = row.params.extra
+        self.L, self.V = L, V
+        self.N, self.t_min, self.t_max = e["max_denoising_steps"], e["t_min"], e["t_max"]
+        self.bound, self.S, self.conf = e["entropy_bound"], e["stability_threshold"], e["confidence_threshold"]
+        self.canvases = -(-row.plan.gen_length // L)       # at most
+        self.left = 0                      # steps remaining in this canvas (the reference's cur_step)
+        self.encode: list[int] = list(row.prompt)          # tokens the encoder must append before the next canvas
+        self.canvas = None                 # [L] on the device
+        self.sc = None                     # [L, V] previous step's scaled logits (embedding dtype)
+        self.hist = None                   # [S, L] argmax history
+        self.out: list[int] = []           # finished canvases (argmax)
+        self.steps: list[int] = []         # decoder steps per canvas
+        self.gen = gen
+
+    def temperature(self) -> torch.Tensor:
+        """The schedule's temperature at ``left`` steps remaining, with the reference's float32 arithmetic (an int32
+        step over a Python int, times a Python float, plus a Python float)."""
+        t = torch.tensor(self.left, dtype=torch.int32)
+        return self.t_min + ((self.t_max - self.t_min) * (t / self.N))
+
+
+def _generator(row: Row, device: torch.device) -> torch.Generator:
+    g = row.generator
+    if g is None or g.device.type != device.type:
+        seed = row.params.seed if row.params.seed is not None else (g.initial_seed() if g is not None else 0)
+        g = torch.Generator(device=device)
+        g.manual_seed(seed)
+    return g
+
+
+def entropy(x: torch.Tensor) -> torch.Tensor:
+    """``Categorical(logits=x).entropy()``, op for op: normalised logits, their softmax, ``-(clamp(l) * p).sum``."""
+    lg = x - x.logsumexp(dim=-1, keepdim=True)
+    p = torch.softmax(lg, dim=-1)
+    return -(torch.clamp(lg, min=torch.finfo(lg.dtype).min) * p).sum(-1)
+
+
+def run(engine, rows: list[Row], fin: Finisher):
+    model = engine.model
+    dev = model.device
+    L, V = model.cfg.canvas_length, model.cfg.vocab_size
+    emb_dtype = model.dtype
+    state: dict[int, _State] = {}
+    active: list[Row] = []
+    cache = model.new_cache(0, 0)
+
+    def join(new: list[Row]) -> None:
+        for r in new:
+            state[r.index] = _State(r, L, V, _generator(r, dev))
+        cache.add_slots(len(new))
+        active.extend(new)
+
+    def keep(idx: list[int]) -> None:
+        if len(idx) < len(active):
+            cache.keep(idx)
+            active[:] = [active[b] for b in idx]
+
+    join(rows)
+    while True:
+        keep([b for b, r in enumerate(active) if not fin.cancelled(r)])
+        new = fin.admit(active)
+        if new:
+            join(new)
+        if not active:
+            return
+        # 1. the encoder: prompts of new rows and the canvases finished last step, in one call
+        enc = [b for b, r in enumerate(active) if state[r.index].encode]
+        if enc:
+            lengths = [len(state[active[b].index].encode) for b in enc]
+            ids = torch.zeros((len(enc), max(lengths)), dtype=torch.long)
+            for i, b in enumerate(enc):
+                ids[i, :lengths[i]] = torch.tensor(state[active[b].index].encode)
+            model.encode(ids.to(dev), lengths, cache, enc)
+            for b in enc:
+                s = state[active[b].index]
+                s.encode = []
+                s.canvas = torch.randint(0, V, (1, L), generator=s.gen, device=dev)[0]
+                s.sc, s.hist, s.left = None, None, s.N
+                s.steps.append(0)
+        # 2. one denoiser forward for every row
+        sts = [state[r.index] for r in active]
+        sc_rows = [b for b, s in enumerate(sts) if s.sc is not None]
+        sc = None
+        if sc_rows:
+            sc = sts[sc_rows[0]].sc[None] if len(sc_rows) == 1 else torch.stack([sts[b].sc for b in sc_rows])
+        canvas = torch.stack([s.canvas for s in sts])
+        raw = model.denoise(canvas, sc, sc_rows, cache, list(range(len(active))))
+        temps = torch.stack([s.temperature() for s in sts]).to(dev)
+        x = raw / temps[:, None, None]
+        probs = torch.softmax(x, dim=-1, dtype=torch.float32)
+        sample = torch.stack([torch.multinomial(probs[b], 1, generator=s.gen)[:, 0] for b, s in enumerate(sts)])
+        argmax = torch.argmax(x, dim=-1)
+        ent = entropy(x)
+        order_ent, order = torch.sort(ent, dim=-1)
+        over = torch.cumsum(order_ent, dim=-1) - order_ent
+        bounds = torch.tensor([s.bound for s in sts], dtype=torch.float32, device=dev)
+        accept = torch.zeros_like(over, dtype=torch.bool).scatter(-1, order, over <= bounds[:, None])
+        accepted = torch.where(accept, sample, canvas)
+        noise = torch.stack([torch.randint(0, V, (1, L), generator=s.gen, device=dev)[0] for s in sts])
+        nxt = torch.where(accept, accepted, noise)
+        # adaptive stopping: stable (argmax unchanged for S steps) and confident (mean entropy below the threshold)
+        stable = []
+        for b, s in enumerate(sts):
+            if s.S == 0:
+                stable.append(None)
+                continue
+            if s.hist is None:
+                s.hist = torch.full((s.S, L), -1, dtype=torch.long, device=dev)
+            stable.append((s.hist == argmax[b][None]).all())
+            s.hist = torch.roll(s.hist, shifts=-1, dims=0)
+            s.hist[-1] = argmax[b]
+        mean_ent = ent.mean(dim=-1)
+        confs = torch.tensor([s.conf for s in sts], dtype=torch.float32, device=dev)
+        confident = mean_ent < confs
+        stable_t = torch.stack([torch.ones((), dtype=torch.bool, device=dev) if v is None else v for v in stable])
+        stop = (stable_t & confident).tolist()
+        sc_next = x.to(emb_dtype)
+        finished_canvas = []
+        for b, (r, s) in enumerate(zip(active, sts)):
+            r.nfe += 1
+            s.steps[-1] += 1
+            s.left -= 1
+            if stop[b] or s.left == 0:
+                finished_canvas.append(b)
+            else:
+                s.canvas, s.sc = nxt[b], sc_next[b]
+        if finished_canvas:
+            am = argmax[finished_canvas].tolist()
+            for i, b in enumerate(finished_canvas):
+                r, s = active[b], sts[b]
+                if r.logprobs is not None:
+                    pos = torch.arange(len(s.out), len(s.out) + L)
+                    r.logprobs.record(pos, argmax[b].cpu(), x[b].cpu())
+                s.out += am[i]
+                s.sc = s.canvas = None
+                stops = fin.stops(r)
+                done = len(s.out) >= r.plan.gen_length or any(t in stops for t in am[i])
+                view = s.out + [engine.mask_id] * max(0, r.plan.gen_length - len(s.out))
+                fin.update(r, view, done)
+                if not r.done:
+                    s.encode = am[i]
+        keep([b for b, r in enumerate(active) if not r.done])
+        yield
+
+
+def check(p: GenerationParams) -> GenerationParams:
+    for field in ("steps", "factor", "threshold"):
+        if getattr(p, field) is not None:
+            raise ParamError(field, f"diffusion_gemma takes algorithm_params max_denoising_steps, entropy_bound, "
+                                    f"t_min, t_max, stability_threshold and confidence_threshold, not {field}")
+    if p.remasking != "low_confidence":
+        raise ParamError("remasking", "diffusion_gemma accepts by entropy (algorithm_params entropy_bound), not "
+                                      "remasking")
+    if p.temperature:
+        raise ParamError("temperature", "DiffusionGemma samples with its own temperature schedule, from t_max at a "
+                                        "canvas's first step towards t_min: set algorithm_params t_min and t_max (0 "
+                                        "or no temperature uses them)")
+    e = p.extra
+    if not isinstance(e["max_denoising_steps"], int) or e["max_denoising_steps"] < 1:
+        raise ParamError("algorithm_params", f"diffusion_gemma: max_denoising_steps must be a positive integer, got "
+                                             f"{e['max_denoising_steps']!r}")
+    for name in ("entropy_bound", "confidence_threshold"):
+        if not e[name] > 0:
+            raise ParamError("algorithm_params", f"diffusion_gemma: {name} must be > 0, got {e[name]!r}")
+    if not e["t_max"] > e["t_min"]:
+        raise ParamError("algorithm_params", f"diffusion_gemma: t_max ({e['t_max']!r}) must be greater than t_min "
+                                             f"({e['t_min']!r})")
+    if e["t_max"] > 100:
+        raise ParamError("algorithm_params", f"diffusion_gemma: t_max must be at most 100, got {e['t_max']!r}")
+    return replace(p, extra={**e, "entropy_bound": float(e["entropy_bound"]), "t_min": float(e["t_min"]),
+                             "t_max": float(e["t_max"]), "confidence_threshold": float(e["confidence_threshold"])})
+
+
+def check_model(pl: Plan, model) -> None:
+    """The canvas is the checkpoint's (``block_length`` can only be it); whole canvases must fit the positions."""
+    L = model.cfg.canvas_length
+    if pl.params.block_length != L:
+        raise ParamError("block_length", f"DiffusionGemma denoises canvases of {L} tokens (the checkpoint's "
+                                         f"canvas_length); block_length cannot be {pl.params.block_length}")
+    total = pl.prompt_length + -(-pl.gen_length // L) * L
+    if total > model.max_sequence_length:
+        raise ParamError("max_tokens", f"prompt ({pl.prompt_length} tokens) + generation ({pl.gen_length}) in whole "
+                                       f"canvases of {L} ({total} positions) exceeds the model's maximum sequence "
+                                       f"length {model.max_sequence_length}")
+
+
+def cost(pl: Plan) -> int:
+    """Nominal token-forwards: every canvas's steps at most, each over the canvas and the context."""
+    L = pl.block_length
+    canvases = -(-pl.gen_length // L)
+    return canvases * pl.params.extra["max_denoising_steps"] * (pl.prompt_length + canvases * L)
+
+
+register(Algorithm(
+    name="diffusion_gemma",
+    description="DiffusionGemma's multi-canvas decoding (DiffusionGemmaGenerationMixin.generate): the prompt encoded "
+                "once into an exact KV cache, each canvas denoised from random tokens with a linear temperature "
+                "schedule, entropy-bound acceptance, renoising and adaptive stopping, its argmax appended to the "
+                "cache",
+    exact=True, run=run, families=("diffusion_gemma",), cfg=False, check=check, check_model=check_model,
+    stochastic=lambda p: True, cost=cost,
+    params=(
+        ParamInfo("block_length", None, "the checkpoint's canvas_length (fixed)"),
+        ParamInfo("seed", None, "per-request seed for the canvases, sampling and renoising"),
+    ),
+    extra_params=PARAMS,
+))

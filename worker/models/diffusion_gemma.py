@@ -1,0 +1,606 @@
+"""DiffusionGemma (google/diffusiongemma-26B-A4B-it, ``DiffusionGemmaForBlockDiffusion``): a Gemma 4 mixture-of-experts
+text stack used twice. As a causal **encoder** it reads the prompt, then each finished canvas, into the KV cache; as a
+bidirectional **decoder** it denoises the next ``canvas_length`` tokens, attending to the cached context and to the
+canvas, without writing the cache. The two share every weight except the per-layer ``layer_scalar``, which the
+checkpoint stores twice. The arithmetic below is the reference's (transformers' ``modeling_diffusion_gemma.py``) op
+for op; docs/diffusion_gemma.md lists it with its pitfalls. The decoding loop is worker/engine/algorithms/
+diffusion_gemma.py.
+
+Per layer (``x``: the residual stream): ``a = post_attention_layernorm(attn(input_layernorm(x)))``, ``r = x + a``;
+the feed-forward runs a dense GELU-tanh MLP on ``pre_feedforward_layernorm(r)`` and, in parallel, the experts on
+``pre_feedforward_layernorm_2(r)`` routed from ``r`` itself (a scale-less RMSNorm, ``router.scale``, ``H ** -0.5``,
+a float32 softmax, the top ``top_k_experts`` renormalised and times ``per_expert_scale``); each branch has its own
+post-norm, their sum another; ``x = (r + ffn) * layer_scalar``. Attention: q/k per-head RMSNorm (the weight used as
+is), values a scale-less RMSNorm of ``v_proj`` on sliding layers and of the *raw key projection* on full layers (they
+have no ``v_proj``), rotate-half RoPE with tables cast to the model dtype (sliding layers: ``head_dim``, theta 1e4;
+full layers: ``global_head_dim``, proportional: the first ``partial_rotary_factor`` of the frequencies rotate, their
+exponent over the whole head dim), attention scale 1.0. Sliding layers see the last ``sliding_window - 1`` cached
+positions (the encoder also masks its own keys to the window); the decoder sees them all at once, no window inside.
+Logits: the final norm, the tied embedding, then ``30 * tanh(logits / 30)`` in float32. The decoder's input is
+``post_norm(embed(canvas) + mlp(pre_norm(softmax(previous logits) @ E * sqrt(H))))`` (self-conditioning; zeros on a
+canvas's first step). The vision tower is in the checkpoint and is not loaded: text only."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .checkpoint import CheckpointError, generation_defaults, load_native
+from .family import Family
+
+SOFTCAP_DEFAULT = 30.0
+
+
+@dataclass(frozen=True)
+class DiffusionGemmaConfig:
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    sliding: tuple[bool, ...]            # per layer: a sliding-window layer (else full attention)
+    head_dims: tuple[int, ...]           # per layer
+    kv_heads: tuple[int, ...]            # per layer
+    intermediate_size: int
+    moe_intermediate_size: int
+    num_experts: int
+    top_k_experts: int
+    vocab_size: int
+    sliding_window: int
+    sliding_theta: float
+    full_theta: float
+    full_rotary_factor: float
+    softcap: float | None
+    rms_norm_eps: float
+    max_position_embeddings: int
+    canvas_length: int
+    image_token_id: int | None
+    video_token_id: int | None = None
+
+    @property
+    def embedding_size(self) -> int:
+        return self.vocab_size
+
+    @property
+    def block_size(self) -> int:
+        """The canvas: what a request's ``block_length`` is for this family (Engine.default_block_length)."""
+        return self.canvas_length
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> "DiffusionGemmaConfig":
+        """Through transformers' own config class (it resolves ``per_layer_config`` and ``global_head_dim``, the
+        default layer pattern and the last layer forced to full attention)."""
+        from transformers import AutoConfig
+        try:
+            c = AutoConfig.from_pretrained(str(path))
+        except Exception as e:      # noqa: BLE001  (any parse failure is a bad checkpoint, in one line)
+            raise CheckpointError(f"{str(path)!r}: config.json is not a DiffusionGemma config ({e})")
+        t = getattr(c, "text_config", None)
+        if t is None or getattr(c, "canvas_length", None) is None:
+            raise CheckpointError(f"{str(path)!r}: config.json lacks DiffusionGemma's text_config or canvas_length")
+        if t.use_bidirectional_attention == "all":
+            raise CheckpointError("unsupported DiffusionGemma config: use_bidirectional_attention='all' (a "
+                                  "bidirectional encoder); this server serves the causal prompt encoder")
+        if t.hidden_activation != "gelu_pytorch_tanh":
+            raise CheckpointError(f"unsupported DiffusionGemma config: hidden_activation={t.hidden_activation!r}")
+        if t.attention_bias:
+            raise CheckpointError("unsupported DiffusionGemma config: attention_bias=true")
+        types = list(t.layer_types)
+        rope = t.rope_parameters
+        for kind, want in (("sliding_attention", "default"), ("full_attention", "proportional")):
+            got = (rope.get(kind) or {}).get("rope_type")
+            if kind in types and got != want:
+                raise CheckpointError(f"unsupported DiffusionGemma config: rope_type {got!r} for {kind} layers")
+            if kind in types and (rope.get(kind) or {}).get("factor", 1.0) != 1.0:
+                raise CheckpointError(f"unsupported DiffusionGemma config: a RoPE factor for {kind} layers")
+        n = int(t.num_hidden_layers)
+        heads = int(t.num_attention_heads)
+        dims = tuple(int(t.per_layer_config[i].head_dim) for i in range(n))
+        kvh = tuple(int(t.per_layer_config[i].num_key_value_heads) for i in range(n))
+        if any(heads % k for k in kvh):
+            raise CheckpointError(f"num_attention_heads={heads} is not a multiple of every layer's kv heads {kvh}")
+        full = rope.get("full_attention") or {}
+        return cls(hidden_size=int(t.hidden_size), num_layers=n, num_heads=heads,
+                   sliding=tuple(x == "sliding_attention" for x in types), head_dims=dims, kv_heads=kvh,
+                   intermediate_size=int(t.intermediate_size), moe_intermediate_size=int(t.moe_intermediate_size),
+                   num_experts=int(t.num_experts), top_k_experts=int(t.top_k_experts),
+                   vocab_size=int(t.vocab_size), sliding_window=int(t.sliding_window),
+                   sliding_theta=float((rope.get("sliding_attention") or {}).get("rope_theta", 10000.0)),
+                   full_theta=float(full.get("rope_theta", 1e6)),
+                   full_rotary_factor=float(full.get("partial_rotary_factor", 1.0)),
+                   softcap=t.final_logit_softcapping, rms_norm_eps=float(t.rms_norm_eps),
+                   max_position_embeddings=int(t.max_position_embeddings), canvas_length=int(c.canvas_length),
+                   image_token_id=getattr(c, "image_token_id", None),
+                   video_token_id=getattr(c, "video_token_id", None))
+
+
+# ---------------------------------------------------------------- building blocks
+def rms(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """DiffusionGemma's RMSNorm: in float32 with ``pow(mean + eps, -0.5)``, the weight (if any) as is, cast back."""
+    xf = x.float()
+    y = xf * torch.pow(xf.pow(2).mean(-1, keepdim=True) + eps, -0.5)
+    if weight is not None:
+        y = y * weight.float()
+    return y.type_as(x)
+
+
+class Norm(nn.Module):
+    def __init__(self, dim: int, eps: float, scale: bool = True):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim)) if scale else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms(x, self.weight, self.eps)
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope(inv_freq: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [B, T, 2 * len(inv_freq)] at positions ``pos`` [B, T], computed per call as the reference does
+    (float32, then cast): a precomputed table would give the same products but not always the same cos/sin, whose
+    vectorised and scalar paths differ in the last bit depending on the tensor's length."""
+    freqs = pos.float()[..., None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def inv_freq_default(dim: int, theta: float) -> torch.Tensor:
+    return 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+
+
+def inv_freq_proportional(dim: int, theta: float, factor: float) -> torch.Tensor:
+    angles = int(factor * dim // 2)
+    rotated = 1.0 / (theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64).float() / dim))
+    rest = dim // 2 - angles
+    return torch.cat((rotated, torch.zeros(rest, dtype=torch.float32))) if rest > 0 else rotated
+
+
+class Attention(nn.Module):
+    """``q_proj``, ``k_proj``, ``v_proj`` (sliding layers only), ``o_proj``, ``q_norm``, ``k_norm``."""
+
+    def __init__(self, cfg: DiffusionGemmaConfig, i: int):
+        super().__init__()
+        H, d, kv = cfg.hidden_size, cfg.head_dims[i], cfg.kv_heads[i]
+        self.heads, self.kv, self.d, self.eps = cfg.num_heads, kv, d, cfg.rms_norm_eps
+        self.q_proj = nn.Linear(H, cfg.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(H, kv * d, bias=False)
+        self.v_proj = nn.Linear(H, kv * d, bias=False) if cfg.sliding[i] else None
+        self.o_proj = nn.Linear(cfg.num_heads * d, H, bias=False)
+        self.q_norm = Norm(d, cfg.rms_norm_eps)
+        self.k_norm = Norm(d, cfg.rms_norm_eps)
+
+    def qkv(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """q [B, heads, T, d], k and v [B, kv, T, d] (rotated keys, normalised values); cos/sin [B, T, d]."""
+        B, T, _ = x.shape
+        c, s = cos[:, :, None], sin[:, :, None]
+        q = self.q_norm(self.q_proj(x).view(B, T, -1, self.d))
+        q = (q * c + rotate_half(q) * s).transpose(1, 2)
+        k_raw = self.k_proj(x).view(B, T, -1, self.d)
+        v = k_raw if self.v_proj is None else self.v_proj(x).view(B, T, -1, self.d)
+        k = self.k_norm(k_raw)
+        k = (k * c + rotate_half(k) * s).transpose(1, 2)
+        v = rms(v, None, self.eps).transpose(1, 2)
+        return q, k, v
+
+    def attend(self, q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
+        """SDPA with scale 1.0 as the reference calls it: grouped-query by ``enable_gqa`` without a mask, by repeating
+        the kv heads with one (transformers' sdpa_attention_forward); then ``o_proj``."""
+        B, _, T, _ = q.shape
+        g = self.heads // self.kv
+        if mask is None:
+            a = F.scaled_dot_product_attention(q, k, v, scale=1.0, enable_gqa=g > 1)
+        else:
+            if g > 1:
+                k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
+        return self.o_proj(a.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """``router.proj.weight`` [E, H], ``router.scale`` [H], ``router.per_expert_scale`` [E]."""
+
+    def __init__(self, cfg: DiffusionGemmaConfig):
+        super().__init__()
+        self.proj = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.scale = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.per_expert_scale = nn.Parameter(torch.ones(cfg.num_experts))
+        self.k, self.eps, self.root = cfg.top_k_experts, cfg.rms_norm_eps, cfg.hidden_size ** -0.5
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(float32 weights [T, k], expert ids [T, k]) for tokens x [T, H]."""
+        z = rms(x, None, self.eps) * self.scale * self.root
+        p = F.softmax(self.proj(z), dim=-1, dtype=torch.float32)
+        w, idx = torch.topk(p, k=self.k, dim=-1)
+        w /= w.sum(dim=-1, keepdim=True)
+        return w * self.per_expert_scale[idx], idx
+
+
+class Experts(nn.Module):
+    """``experts.gate_up_proj`` [E, 2 I, H] (gate rows first) and ``experts.down_proj`` [E, H, I]. The (token,
+    expert) pairs are sorted by expert and each expert runs once on its tokens (one host sync for the counts); the
+    weighted outputs are summed over each token's choices in float32, in top-k order, as transformers' default
+    ``grouped_mm`` experts do."""
+
+    def __init__(self, cfg: DiffusionGemmaConfig):
+        super().__init__()
+        E, I, H = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))
+        self.down_proj = nn.Parameter(torch.empty(E, H, I))
+
+    def forward(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        T, k = idx.shape
+        ids, perm = torch.sort(idx.reshape(-1))
+        xs = x[perm // k]
+        out = torch.empty_like(xs)
+        counts = torch.bincount(ids, minlength=self.gate_up_proj.shape[0]).tolist()
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                gate, up = F.linear(xs[start:start + n], self.gate_up_proj[e]).chunk(2, dim=-1)
+                out[start:start + n] = F.linear(gelu_tanh(gate) * up, self.down_proj[e])
+                start += n
+        weighted = out * w.reshape(-1)[perm][:, None]
+        back = torch.empty_like(weighted)
+        back[perm] = weighted
+        return back.view(T, k, -1).sum(dim=1).to(x.dtype)
+
+
+class Layer(nn.Module):
+    def __init__(self, cfg: DiffusionGemmaConfig, i: int):
+        super().__init__()
+        H, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.self_attn = Attention(cfg, i)
+        self.mlp = MLP(H, cfg.intermediate_size)
+        self.input_layernorm = Norm(H, eps)
+        self.post_attention_layernorm = Norm(H, eps)
+        self.pre_feedforward_layernorm = Norm(H, eps)
+        self.post_feedforward_layernorm = Norm(H, eps)
+        self.router = Router(cfg)
+        self.experts = Experts(cfg)
+        self.post_feedforward_layernorm_1 = Norm(H, eps)
+        self.post_feedforward_layernorm_2 = Norm(H, eps)
+        self.pre_feedforward_layernorm_2 = Norm(H, eps)
+        self.layer_scalar = nn.Parameter(torch.ones(1))      # the decoder's; the encoder's is apart (Scalars)
+
+    def feed_forward(self, r: torch.Tensor, scalar: torch.Tensor) -> torch.Tensor:
+        h1 = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(r)))
+        flat = r.reshape(-1, r.shape[-1])
+        w, idx = self.router(flat)
+        h2 = self.experts(self.pre_feedforward_layernorm_2(flat), w, idx).reshape(r.shape)
+        h2 = self.post_feedforward_layernorm_2(h2)
+        return (r + self.post_feedforward_layernorm(h1 + h2)) * scalar
+
+
+class SelfConditioning(nn.Module):
+    def __init__(self, cfg: DiffusionGemmaConfig):
+        super().__init__()
+        H, eps = cfg.hidden_size, cfg.rms_norm_eps
+        self.pre_norm = Norm(H, eps)
+        self.post_norm = Norm(H, eps, scale=False)
+        self.gate_proj = nn.Linear(H, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(H, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, H, bias=False)
+
+    def forward(self, e: torch.Tensor, soft: torch.Tensor) -> torch.Tensor:
+        n = self.pre_norm(soft)
+        return self.post_norm(e + self.down_proj(gelu_tanh(self.gate_proj(n)) * self.up_proj(n)))
+
+
+class Stack(nn.Module):
+    """``model.decoder``: the shared weights (embeddings, layers, final norm) and self-conditioning."""
+
+    def __init__(self, cfg: DiffusionGemmaConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Layer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = Norm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_conditioning = SelfConditioning(cfg)
+
+
+class Scalars(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer_scalar = nn.Parameter(torch.ones(1))
+
+
+class EncoderLM(nn.Module):
+    """``model.encoder.language_model``: only its ``layer_scalar`` copies are its own."""
+
+    def __init__(self, cfg: DiffusionGemmaConfig):
+        super().__init__()
+        self.layers = nn.ModuleList(Scalars() for _ in range(cfg.num_layers))
+
+
+class Encoder(nn.Module):
+    def __init__(self, cfg: DiffusionGemmaConfig):
+        super().__init__()
+        self.language_model = EncoderLM(cfg)
+
+
+class Inner(nn.Module):
+    def __init__(self, cfg: DiffusionGemmaConfig):
+        super().__init__()
+        self.decoder = Stack(cfg)
+        self.encoder = Encoder(cfg)
+
+
+# ---------------------------------------------------------------- the KV cache
+class ContextCache:
+    """Every row's encoded context, per layer, in batch slots. Full-attention layers keep every position,
+    left-aligned (row ``s`` holds ``length[s]`` columns); sliding layers keep the last ``sliding_window - 1``
+    positions right-aligned in a buffer of that width (what the reference's sliding cache keeps), so a step reads
+    contiguous keys in position order, as the reference's concatenation does."""
+
+    def __init__(self, cfg: DiffusionGemmaConfig, slots: int, width: int, dtype, device):
+        self.cfg, self.dtype, self.device = cfg, dtype, device
+        self.window = cfg.sliding_window - 1
+        self.length = [0] * slots
+        self.k: list[torch.Tensor] = []
+        self.v: list[torch.Tensor] = []
+        for i in range(cfg.num_layers):
+            w = self.window if cfg.sliding[i] else width
+            shape = (slots, cfg.kv_heads[i], w, cfg.head_dims[i])
+            self.k.append(torch.zeros(shape, dtype=dtype, device=device))
+            self.v.append(torch.zeros(shape, dtype=dtype, device=device))
+
+    @property
+    def slots(self) -> int:
+        return len(self.length)
+
+    def ensure(self, width: int) -> None:
+        """Full layers at least ``width`` columns wide (grown by half again at least, so growth is rare)."""
+        for i in range(self.cfg.num_layers):
+            if self.cfg.sliding[i] or self.k[i].shape[2] >= width:
+                continue
+            S, h, W, d = self.k[i].shape
+            new = max(width, W + W // 2)
+            for store in (self.k, self.v):
+                t = store[i].new_zeros((S, h, new, d))
+                t[:, :, :W] = store[i]
+                store[i] = t
+
+    def add_slots(self, n: int) -> None:
+        self.length += [0] * n
+        for store in (self.k, self.v):
+            for i, t in enumerate(store):
+                store[i] = torch.cat([t, t.new_zeros((n,) + tuple(t.shape[1:]))])
+
+    def keep(self, rows: list[int]) -> None:
+        idx = torch.tensor(rows, dtype=torch.long, device=self.device)
+        self.length = [self.length[r] for r in rows]
+        for store in (self.k, self.v):
+            for i, t in enumerate(store):
+                store[i] = t.index_select(0, idx)
+
+
+# ---------------------------------------------------------------- the model
+class DiffusionGemmaModel(nn.Module):
+    """:meth:`encode` appends tokens to rows' contexts; :meth:`denoise` gives a canvas's float32 soft-capped logits
+    (worker/engine/algorithms/diffusion_gemma.py drives them)."""
+    family = "diffusion_gemma"
+
+    def __init__(self, cfg: DiffusionGemmaConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.model = Inner(cfg)
+        self.inv_freq: dict[bool, torch.Tensor] = {}      # per layer kind (sliding or not)
+
+    @property
+    def stack(self) -> Stack:
+        return self.model.decoder
+
+    @property
+    def max_sequence_length(self) -> int:
+        return self.cfg.max_position_embeddings
+
+    @property
+    def device(self) -> torch.device:
+        return self.stack.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.stack.embed_tokens.weight.dtype
+
+    def init_rope(self) -> None:
+        c = self.cfg
+        if any(c.sliding):
+            self.inv_freq[True] = inv_freq_default(c.head_dims[c.sliding.index(True)], c.sliding_theta)
+        if not all(c.sliding):
+            d = c.head_dims[c.sliding.index(False)]
+            self.inv_freq[False] = inv_freq_proportional(d, c.full_theta, c.full_rotary_factor)
+        self.inv_freq = {k: v.to(self.device) for k, v in self.inv_freq.items()}
+
+    def compile_dense(self):
+        """Nothing to compile: every layer routes tokens to experts data-dependently (eager)."""
+        return None
+
+    def new_cache(self, slots: int, width: int) -> ContextCache:
+        return ContextCache(self.cfg, slots, width, self.dtype, self.device)
+
+    @property
+    def embed_scale(self) -> torch.Tensor:
+        """sqrt(H) as the reference's float32 buffer, cast to the weights' dtype (53.066 -> 53.0 in bfloat16)."""
+        return torch.tensor(self.cfg.hidden_size ** 0.5, dtype=torch.float32).to(self.dtype)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.stack.embed_tokens.weight) * self.embed_scale.to(ids.device)
+
+    def _cos_sin(self, pos: torch.Tensor) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:
+        return {k: rope(f, pos, self.dtype) for k, f in self.inv_freq.items()}
+
+    @torch.inference_mode()
+    def encode(self, ids: torch.Tensor, lengths: list[int], cache: ContextCache, slots: list[int]) -> None:
+        """Append each row's ``ids[b, :lengths[b]]`` (right-padded [B, T]) to its context in cache slot
+        ``slots[b]``: the causal encoder (sliding layers within the window), keys/values stored, nothing returned."""
+        B, T = ids.shape
+        dev = ids.device
+        cfg = self.cfg
+        start = [cache.length[s] for s in slots]
+        ar = torch.arange(T, device=dev)
+        st = torch.tensor(start, device=dev)
+        ln = torch.tensor(lengths, device=dev)
+        pos = torch.minimum(st[:, None] + ar[None, :], (st + ln - 1)[:, None])           # padding repeats the row's last position
+        rope = self._cos_sin(pos)
+        slot_idx = torch.tensor(slots, device=dev)
+        n_full = max(start)
+        m = [min(s, cache.window) for s in start]
+        n_slide = max(m)
+        cache.ensure(max(s + n for s, n in zip(start, lengths)))
+        qpos = pos                                                  # [B, T]
+        new_valid = ar[None, :] < ln[:, None]                       # [B, T]
+        causal = (ar[None, :, None] >= ar[None, None, :]) & new_valid[:, None, :]      # [B, Tq, Tk]
+        # full layers: [cached 0..n_full) ; new]
+        if n_full:
+            old_valid = torch.arange(n_full, device=dev)[None, :] < st[:, None]        # [B, n_full]
+            full_mask = torch.cat([old_valid[:, None, :].expand(B, T, n_full), causal], dim=2)[:, None]
+        else:
+            full_mask = causal[:, None]
+        # sliding layers: [last n_slide cached ; new], window on absolute positions
+        if n_slide:
+            mt = torch.tensor(m, device=dev)
+            j = torch.arange(n_slide, device=dev)
+            old_pos = st[:, None] - n_slide + j[None, :]                               # [B, n_slide]
+            old_ok = j[None, :] >= (n_slide - mt)[:, None]
+            old_win = old_ok[:, None, :] & (old_pos[:, None, :] > qpos[:, :, None] - cfg.sliding_window)
+            slide_mask = torch.cat([old_win, causal & (qpos[:, None, :] > qpos[:, :, None] - cfg.sliding_window)],
+                                   dim=2)[:, None]
+        else:
+            slide_mask = (causal & (qpos[:, None, :] > qpos[:, :, None] - cfg.sliding_window))[:, None]
+        x = self.embed(ids)
+        scalars = self.model.encoder.language_model.layers
+        for i, layer in enumerate(self.stack.layers):
+            sl = cfg.sliding[i]
+            cos, sin = rope[sl]
+            attn = layer.self_attn
+            q, k, v = attn.qkv(layer.input_layernorm(x), cos, sin)
+            ck, cv = cache.k[i], cache.v[i]
+            if sl:
+                kk = torch.cat([ck[slot_idx, :, cache.window - n_slide:], k], dim=2)
+                vv = torch.cat([cv[slot_idx, :, cache.window - n_slide:], v], dim=2)
+                a = attn.attend(q, kk, vv, slide_mask)
+                # keep the last window-1 positions of [cached ; new valid]
+                both_k = torch.cat([ck[slot_idx], k], dim=2)
+                both_v = torch.cat([cv[slot_idx], v], dim=2)
+                if all(n == lengths[0] for n in lengths):
+                    ck[slot_idx] = both_k[:, :, lengths[0]:lengths[0] + cache.window]
+                    cv[slot_idx] = both_v[:, :, lengths[0]:lengths[0] + cache.window]
+                else:
+                    cols = (ln[:, None] + torch.arange(cache.window, device=dev)[None, :])           # [B, W-1]
+                    gi = cols[:, None, :, None].expand(B, k.shape[1], cache.window, k.shape[3])
+                    ck[slot_idx] = both_k.gather(2, gi)
+                    cv[slot_idx] = both_v.gather(2, gi)
+            else:
+                kk = torch.cat([ck[slot_idx, :, :n_full], k], dim=2)
+                vv = torch.cat([cv[slot_idx, :, :n_full], v], dim=2)
+                a = attn.attend(q, kk, vv, full_mask)
+                bi, ti = new_valid.nonzero(as_tuple=True)
+                ck[slot_idx[bi], :, (st[bi] + ti)] = k[bi, :, ti]
+                cv[slot_idx[bi], :, (st[bi] + ti)] = v[bi, :, ti]
+            r = x + layer.post_attention_layernorm(a)
+            if i + 1 < cfg.num_layers:          # the last layer's FFN feeds nothing the cache keeps
+                x = layer.feed_forward(r, scalars[i].layer_scalar)
+        for s, n in zip(slots, lengths):
+            cache.length[s] += n
+
+    @torch.inference_mode()
+    def denoise(self, canvas: torch.Tensor, sc_logits: torch.Tensor | None, sc_rows: list[int], cache: ContextCache,
+                slots: list[int]) -> torch.Tensor:
+        """Float32 soft-capped logits [B, L, V] of canvases [B, L] over rows' contexts (read, not written).
+        Self-conditioning: ``sc_logits`` [len(sc_rows), L, V], the previous step's logits of the rows ``sc_rows`` (batch
+        indices) in the embedding dtype (temperature-scaled, as the reference passes them); the other rows are at a
+        canvas's first step and get zeros."""
+        B, L = canvas.shape
+        dev = canvas.device
+        cfg = self.cfg
+        start = [cache.length[s] for s in slots]
+        st = torch.tensor(start, device=dev)
+        pos = st[:, None] + torch.arange(L, device=dev)[None, :]
+        rope = self._cos_sin(pos)
+        slot_idx = torch.tensor(slots, device=dev)
+        n_full = max(start)
+        m = [min(s, cache.window) for s in start]
+        n_slide = max(m)
+        full_mask = slide_mask = None
+        if len(set(start)) > 1:
+            ok = torch.arange(n_full, device=dev)[None, :] < st[:, None]
+            full_mask = torch.cat([ok, ok.new_ones(B, L)], dim=1)[:, None, None, :]
+        if len(set(m)) > 1:
+            mt = torch.tensor(m, device=dev)
+            ok = torch.arange(n_slide, device=dev)[None, :] >= (n_slide - mt)[:, None]
+            slide_mask = torch.cat([ok, ok.new_ones(B, L)], dim=1)[:, None, None, :]
+        e = self.embed(canvas)
+        W = self.stack.embed_tokens.weight
+        soft = torch.zeros_like(e)
+        if sc_rows:
+            s = torch.matmul(sc_logits.softmax(dim=-1, dtype=torch.float32).to(W.dtype), W) * self.embed_scale
+            if len(sc_rows) == B:
+                soft = s
+            else:
+                soft[torch.tensor(sc_rows, device=dev)] = s
+        x = self.stack.self_conditioning(e, soft)
+        for i, layer in enumerate(self.stack.layers):
+            sl = cfg.sliding[i]
+            cos, sin = rope[sl]
+            attn = layer.self_attn
+            q, k, v = attn.qkv(layer.input_layernorm(x), cos, sin)
+            ck, cv = cache.k[i], cache.v[i]
+            if sl:
+                kk = torch.cat([ck[slot_idx, :, cache.window - n_slide:], k], dim=2)
+                vv = torch.cat([cv[slot_idx, :, cache.window - n_slide:], v], dim=2)
+                a = attn.attend(q, kk, vv, slide_mask)
+            else:
+                kk = torch.cat([ck[slot_idx, :, :n_full], k], dim=2)
+                vv = torch.cat([cv[slot_idx, :, :n_full], v], dim=2)
+                a = attn.attend(q, kk, vv, full_mask)
+            x = layer.feed_forward(x + layer.post_attention_layernorm(a), layer.layer_scalar)
+        h = self.stack.norm(x)
+        logits = F.linear(h, W).to(torch.float32)
+        if cfg.softcap:
+            logits = torch.tanh(logits / cfg.softcap) * cfg.softcap
+        return logits
+
+
+def algorithm_defaults(path: str | Path) -> dict[str, dict]:
+    """The checkpoint's generation_config.json settings of the ``diffusion_gemma`` algorithm (as the reference's
+    ``generate`` takes them, over its global defaults): max_denoising_steps, t_min, t_max, stability_threshold,
+    confidence_threshold and ``sampler_config.entropy_bound``."""
+    g = generation_defaults(path)
+    out = {k: g[k] for k in ("max_denoising_steps", "t_min", "t_max", "stability_threshold", "confidence_threshold")
+           if g.get(k) is not None}
+    sampler = g.get("sampler_config")
+    if isinstance(sampler, dict) and sampler.get("entropy_bound") is not None:
+        out["entropy_bound"] = sampler["entropy_bound"]
+    return {"diffusion_gemma": out}
+
+
+def load(path: str | Path, device: torch.device, dtype: torch.dtype) -> DiffusionGemmaModel:
+    cfg = DiffusionGemmaConfig.from_pretrained(path)
+    return load_native(path, lambda: DiffusionGemmaModel(cfg), "DiffusionGemma", device, dtype)
+
+
+FAMILY = Family(name="diffusion_gemma", title="DiffusionGemma (DiffusionGemmaForBlockDiffusion)",
+                architectures=("DiffusionGemmaForBlockDiffusion",), model_types=("diffusion_gemma",),
+                tensors=("model.decoder.self_conditioning.gate_proj.weight",
+                         "model.decoder.layers.0.router.per_expert_scale"),
+                load=load, default_algorithm="diffusion_gemma", mask_token=False,
+                algorithm_defaults=algorithm_defaults)
