@@ -227,6 +227,23 @@ class CompletionRequest(ScoreFields, CommonFields):
         return list(p)
 
 
+# content parts that carry media: refused with a message that says so (this server generates from text; a model's
+# vision tower, DiffusionGemma's for one, is not loaded)
+MEDIA_PARTS = ("image_url", "input_image", "image", "video_url", "video", "input_video", "input_audio", "audio",
+               "audio_url", "file", "input_file")
+
+
+def text_parts_only(data):
+    """A before-validator for messages: a media part gets a 400 naming it, not a type error about strings."""
+    if isinstance(data, dict) and isinstance(data.get("content"), list):
+        for i, part in enumerate(data["content"]):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind in MEDIA_PARTS:
+                raise ValueError(f"content part {i} is of type {kind!r}: this server generates from text only (images, "
+                                 f"video, audio and files are not accepted; a model's vision tower is not loaded)")
+    return data
+
+
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     type: Literal["text"]
@@ -238,6 +255,8 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+
+    _media = model_validator(mode="before")(classmethod(lambda cls, data: text_parts_only(data)))
 
     def text(self) -> str:
         if self.content is None:
@@ -311,6 +330,8 @@ class ResponsesInputItem(BaseModel):
     type: Literal["message"] = "message"
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ResponsesContentPart]
+
+    _media = model_validator(mode="before")(classmethod(lambda cls, data: text_parts_only(data)))
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
@@ -408,7 +429,9 @@ def parse_body(cls: type[BaseModel], data: Any):
     try:
         return cls.model_validate(defaults_and_neutral(data, {}))
     except ValidationError as e:
-        err = e.errors()[0]
+        errors = e.errors()
+        # a rule's own message (value_error) says more than a union member's type error
+        err = next((x for x in errors if x.get("type") == "value_error"), errors[0])
         param = ".".join(str(x) for x in err.get("loc", ()) if not str(x).startswith("list[")) or None
         msg = err["msg"].removeprefix("Value error, ")
         raise APIError(400, f"{param or 'body'}: {msg}", param=param)
@@ -437,7 +460,8 @@ def _validate(cls, data: dict, neutral: dict):
     try:
         return cls.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
+        errors = e.errors()
+        err = next((x for x in errors if x.get("type") == "value_error" and x.get("loc")), errors[0])
         loc = [str(x) for x in err.get("loc", ())]
         # union members appear in loc (e.g. prompt.str): keep the field path only
         param = ".".join(x for x in loc if x not in ("str", "int", "TextPart") and not x.startswith("list[")) or None

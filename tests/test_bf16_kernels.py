@@ -19,7 +19,7 @@ import pytest
 from tests.conftest import BF16_ENV, ROOT
 
 # the files with `bf16` tests (test_every_bf16_test_is_driven keeps this list complete)
-FILES = ["tests/test_llada2.py", "tests/test_llada_moe.py", "tests/test_llada_model.py"]
+FILES = ["tests/test_llada2.py", "tests/test_llada_moe.py", "tests/test_llada_model.py", "tests/test_diffusion_gemma.py"]
 ORDER = ["DEFAULT", "AVX2", "AVX512"]
 
 

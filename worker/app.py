@@ -352,7 +352,8 @@ async def _load(app: web.Application) -> None:
             c.default_max_tokens = default_max_new_tokens(c.model_path, 256)
         if c.default_algorithm is None:
             c.default_algorithm = DEFAULT_ALGORITHM.get(engine.family, "basic")
-        engine.plan([1], GenerationParams(algorithm=c.default_algorithm))
+        engine.plan([1], GenerationParams(algorithm=c.default_algorithm,
+                                          block_length=engine.default_block_length or c.default_block_length))
     except Exception as e:      # one line (the traceback at --log-level debug): the process then exits 1
         log.error("model load failed: %s: %s", type(e).__name__, e)
         log.debug("model load failed", exc_info=True)
