@@ -233,15 +233,16 @@ MEDIA_PARTS = ("image_url", "input_image", "image", "video_url", "video", "input
                "audio_url", "file", "input_file")
 
 
-def text_parts_only(data):
-    """A before-validator for messages: a media part gets a 400 naming it, not a type error about strings."""
-    if isinstance(data, dict) and isinstance(data.get("content"), list):
-        for i, part in enumerate(data["content"]):
+def text_parts_only(content):
+    """A before-validator of a message's content: a media part gets a 400 naming it, not a type error about
+    strings."""
+    if isinstance(content, list):
+        for i, part in enumerate(content):
             kind = part.get("type") if isinstance(part, dict) else None
             if kind in MEDIA_PARTS:
                 raise ValueError(f"content part {i} is of type {kind!r}: this server generates from text only (images, "
                                  f"video, audio and files are not accepted; a model's vision tower is not loaded)")
-    return data
+    return content
 
 
 class TextPart(BaseModel):
@@ -256,7 +257,7 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] | None = None
     name: str | None = None
 
-    _media = model_validator(mode="before")(classmethod(lambda cls, data: text_parts_only(data)))
+    _media = field_validator("content", mode="before")(classmethod(lambda cls, v: text_parts_only(v)))
 
     def text(self) -> str:
         if self.content is None:
@@ -331,7 +332,7 @@ class ResponsesInputItem(BaseModel):
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[ResponsesContentPart]
 
-    _media = model_validator(mode="before")(classmethod(lambda cls, data: text_parts_only(data)))
+    _media = field_validator("content", mode="before")(classmethod(lambda cls, v: text_parts_only(v)))
 
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)

@@ -87,7 +87,7 @@ def test_request_metrics_exposition():
     ({"input": []}, "input"),
     ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools"),
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.content"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "text"),
 ])
