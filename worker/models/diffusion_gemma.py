@@ -391,6 +391,16 @@ class ContextCache:
             for i, t in enumerate(store):
                 store[i] = torch.cat([t, t.new_zeros((n,) + tuple(t.shape[1:]))])
 
+    def with_new(self, i: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int):
+        """Layer ``i``'s keys and values for rows ``slots``: their last ``n`` cached columns (sliding layers) or first
+        ``n`` (full layers), then the new ``k``/``v``, concatenated as the reference does."""
+        ck, cv = self.k[i][slots], self.v[i][slots]
+        if self.cfg.sliding[i]:
+            ck, cv = ck[:, :, self.window - n:], cv[:, :, self.window - n:]
+        else:
+            ck, cv = ck[:, :, :n], cv[:, :, :n]
+        return torch.cat([ck, k], dim=2), torch.cat([cv, v], dim=2)
+
     def keep(self, rows: list[int]) -> None:
         idx = torch.tensor(rows, dtype=torch.long, device=self.device)
         self.length = [self.length[r] for r in rows]
@@ -500,10 +510,9 @@ class DiffusionGemmaModel(nn.Module):
             attn = layer.self_attn
             q, k, v = attn.qkv(layer.input_layernorm(x), cos, sin)
             ck, cv = cache.k[i], cache.v[i]
+            kk, vv = cache.with_new(i, slot_idx, k, v, n_slide if sl else n_full)
+            a = attn.attend(q, kk, vv, slide_mask if sl else full_mask)
             if sl:
-                kk = torch.cat([ck[slot_idx, :, cache.window - n_slide:], k], dim=2)
-                vv = torch.cat([cv[slot_idx, :, cache.window - n_slide:], v], dim=2)
-                a = attn.attend(q, kk, vv, slide_mask)
                 # keep the last window-1 positions of [cached ; new valid]
                 both_k = torch.cat([ck[slot_idx], k], dim=2)
                 both_v = torch.cat([cv[slot_idx], v], dim=2)
@@ -516,9 +525,6 @@ class DiffusionGemmaModel(nn.Module):
                     ck[slot_idx] = both_k.gather(2, gi)
                     cv[slot_idx] = both_v.gather(2, gi)
             else:
-                kk = torch.cat([ck[slot_idx, :, :n_full], k], dim=2)
-                vv = torch.cat([cv[slot_idx, :, :n_full], v], dim=2)
-                a = attn.attend(q, kk, vv, full_mask)
                 bi, ti = new_valid.nonzero(as_tuple=True)
                 ck[slot_idx[bi], :, (st[bi] + ti)] = k[bi, :, ti]
                 cv[slot_idx[bi], :, (st[bi] + ti)] = v[bi, :, ti]
@@ -569,15 +575,8 @@ class DiffusionGemmaModel(nn.Module):
             cos, sin = rope[sl]
             attn = layer.self_attn
             q, k, v = attn.qkv(layer.input_layernorm(x), cos, sin)
-            ck, cv = cache.k[i], cache.v[i]
-            if sl:
-                kk = torch.cat([ck[slot_idx, :, cache.window - n_slide:], k], dim=2)
-                vv = torch.cat([cv[slot_idx, :, cache.window - n_slide:], v], dim=2)
-                a = attn.attend(q, kk, vv, slide_mask)
-            else:
-                kk = torch.cat([ck[slot_idx, :, :n_full], k], dim=2)
-                vv = torch.cat([cv[slot_idx, :, :n_full], v], dim=2)
-                a = attn.attend(q, kk, vv, full_mask)
+            kk, vv = cache.with_new(i, slot_idx, k, v, n_slide if sl else n_full)
+            a = attn.attend(q, kk, vv, slide_mask if sl else full_mask)
             x = layer.feed_forward(x + layer.post_attention_layernorm(a), layer.layer_scalar)
         h = self.stack.norm(x)
         logits = F.linear(h, W).to(torch.float32)
