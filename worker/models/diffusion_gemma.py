@@ -30,6 +30,7 @@ from torch import nn
 
 from .checkpoint import CheckpointError, generation_defaults, load_native
 from .family import Family
+from .layers import rotate_half
 
 SOFTCAP_DEFAULT = 30.0
 
@@ -55,8 +56,6 @@ class DiffusionGemmaConfig:
     rms_norm_eps: float
     max_position_embeddings: int
     canvas_length: int
-    image_token_id: int | None
-    video_token_id: int | None = None
 
     @property
     def embedding_size(self) -> int:
@@ -110,9 +109,7 @@ class DiffusionGemmaConfig:
                    full_theta=float(full.get("rope_theta", 1e6)),
                    full_rotary_factor=float(full.get("partial_rotary_factor", 1.0)),
                    softcap=t.final_logit_softcapping, rms_norm_eps=float(t.rms_norm_eps),
-                   max_position_embeddings=int(t.max_position_embeddings), canvas_length=int(c.canvas_length),
-                   image_token_id=getattr(c, "image_token_id", None),
-                   video_token_id=getattr(c, "video_token_id", None))
+                   max_position_embeddings=int(t.max_position_embeddings), canvas_length=int(c.canvas_length))
 
 
 # ---------------------------------------------------------------- building blocks
@@ -137,11 +134,6 @@ class Norm(nn.Module):
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
 def rope(inv_freq: torch.Tensor, pos: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -44,22 +44,19 @@ PARAMS = (
 
 class _State:
     """A row's progress: its CPU-side settings, its canvas, its self-conditioning logits and stopping history."""
-    __slots__ = ("L", "V", "N", "t_min", "t_max", "bound", "S", "conf", "canvases", "left", "encode", "canvas", "sc",
-                 "hist", "out", "steps", "gen")
+    __slots__ = ("N", "t_min", "t_max", "bound", "S", "conf", "left", "encode", "canvas", "sc", "hist", "out",
+                 "gen")
 
-    def __init__(self, row: Row, L: int, V: int, gen: torch.Generator):
+    def __init__(self, row: Row, gen: torch.Generator):
         e = row.params.extra
-        self.L, self.V = L, V
         self.N, self.t_min, self.t_max = e["max_denoising_steps"], e["t_min"], e["t_max"]
         self.bound, self.S, self.conf = e["entropy_bound"], e["stability_threshold"], e["confidence_threshold"]
-        self.canvases = -(-row.plan.gen_length // L)       # at most
         self.left = 0                      # steps remaining in this canvas (the reference's cur_step)
         self.encode: list[int] = list(row.prompt)          # tokens the encoder must append before the next canvas
         self.canvas = None                 # [L] on the device
         self.sc = None                     # [L, V] previous step's scaled logits (embedding dtype)
         self.hist = None                   # [S, L] argmax history
         self.out: list[int] = []           # finished canvases (argmax)
-        self.steps: list[int] = []         # decoder steps per canvas
         self.gen = gen
 
     def temperature(self) -> torch.Tensor:
@@ -96,7 +93,7 @@ def run(engine, rows: list[Row], fin: Finisher):
 
     def join(new: list[Row]) -> None:
         for r in new:
-            state[r.index] = _State(r, L, V, _generator(r, dev))
+            state[r.index] = _State(r, _generator(r, dev))
         cache.add_slots(len(new))
         active.extend(new)
 
@@ -126,7 +123,6 @@ def run(engine, rows: list[Row], fin: Finisher):
                 s.encode = []
                 s.canvas = torch.randint(0, V, (1, L), generator=s.gen, device=dev)[0]
                 s.sc, s.hist, s.left = None, None, s.N
-                s.steps.append(0)
         # 2. one denoiser forward for every row
         sts = [state[r.index] for r in active]
         sc_rows = [b for b, s in enumerate(sts) if s.sc is not None]
@@ -168,7 +164,6 @@ def run(engine, rows: list[Row], fin: Finisher):
         finished_canvas = []
         for b, (r, s) in enumerate(zip(active, sts)):
             r.nfe += 1
-            s.steps[-1] += 1
             s.left -= 1
             if stop[b] or s.left == 0:
                 finished_canvas.append(b)
