@@ -15,7 +15,11 @@ needs the transformers version that has ``models/diffusion_gemma``). Then, each 
   decoder forwards are compared with the reference's and the rows that agree are counted. These random weights are
   not the tests' goldens: they keep every canvas near-uniform for all its steps (no early stop), so a single
   last-bit difference in a logit (float32 kernels differ with shape and, for ``grouped_mm``, with buffer alignment)
-  can flip one of the ~10^5 draws a row takes and the row goes its own way. The exactness checks are the goldens'
+  can flip one of the ~10^5 draws a row takes and the row goes its own way. One such difference is the reference's
+  loader's: it keeps float32 weights where safetensors' mmap puts them (4-byte aligned), and CPU ``grouped_mm``
+  rounds differently for weights not 64-byte aligned; so the reference process here copies its weights into fresh
+  (aligned) storage first, as our loader has them: the same values, the same arithmetic as ours. Batched rows run
+  other matrix shapes, so they may still diverge here. The exactness checks are the goldens'
   (tests/test_diffusion_gemma.py, fixture chosen so that the reference's float32 and float64 runs agree);
 - loading: peak host RSS above the process's baseline while our loader reads the checkpoint, against the bytes of
   the weights it keeps (the vision tower is not loaded).
@@ -92,6 +96,9 @@ logging.set_verbosity_error()
 path, job = sys.argv[1], json.loads(sys.argv[2])
 dtype = getattr(torch, job["dtype"])
 model = DiffusionGemmaForBlockDiffusion.from_pretrained(path, dtype=dtype).to(job["device"]).eval()
+with torch.no_grad():     # fresh, 64-byte aligned storage, as our loader gives (the values are the same)
+    for t in list(model.parameters()) + list(model.buffers()):
+        t.data = t.data.clone()
 calls = {"n": 0}
 model.model.decoder.register_forward_hook(lambda *a: calls.__setitem__("n", calls["n"] + 1))
 out = []
