@@ -4,6 +4,7 @@ on the same random weights, same prompts and seeds, in separate processes. Not a
   python bench/diffusion_gemma_bench.py                       # CPU, one thread, the dg-small shape
   python bench/diffusion_gemma_bench.py --device cuda --dtype bfloat16 --shape dg-1b --batch 32
   python bench/diffusion_gemma_bench.py --reference-python /tmp/dg-ref/bin/python   # the reference in another venv
+  python bench/diffusion_gemma_bench.py --memory --shape dg-1b --dtype bfloat16   # loading's host RSS only
 
 The random checkpoint is made once (``--checkpoint``, default under the system temp folder) with transformers' own
 classes and ``save_pretrained`` (vision tower included), by ``--reference-python`` (default: this interpreter; it
@@ -162,6 +163,12 @@ print(json.dumps({"rss_before_kib": before, "rss_peak_kib": peak, "kept_bytes": 
 """
 
 
+def load_line(load: dict) -> str:
+    grew = (load["rss_peak_kib"] - load["rss_before_kib"]) * 1024
+    return (f"loading: peak host RSS +{grew / 2**20:.1f} MiB for {load['kept_bytes'] / 2**20:.1f} MiB of weights "
+            f"({grew / load['kept_bytes']:.2f}x)")
+
+
 def run_json(cmd: list[str], env=None) -> object:
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if p.returncode:
@@ -182,6 +189,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16, help="rows (prompts) in all")
     ap.add_argument("--prompt-length", type=int, default=64)
     ap.add_argument("--gen", type=int, default=64, help="max_new_tokens (whole canvases)")
+    ap.add_argument("--memory", action="store_true", help="only the loading figure")
     args = ap.parse_args()
 
     shape = SHAPES[args.shape]
@@ -192,13 +200,16 @@ def main() -> None:
         tok = ROOT / "tests/fixtures/tiny-diffusion-gemma"
         for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
             (ckpt / name).write_bytes((tok / name).read_bytes())   # a tokenizer for the loader (ids unused here)
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    if args.memory:
+        print(load_line(run_json([sys.executable, "-c", LOAD, str(ckpt), str(ROOT), args.dtype], env)))
+        return
     import random
     rng = random.Random(28)
     V = shape["vocab_size"]
     rows = [([rng.randrange(7, V) for _ in range(args.prompt_length)], rng.randrange(1 << 30))
             for _ in range(args.batch)]
     job = {"rows": rows, "gen": args.gen, "device": args.device, "dtype": args.dtype}
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     print(f"shape {args.shape} ({shape}), {args.batch} prompts of {args.prompt_length} tokens, max_new_tokens "
           f"{args.gen}, {args.device} {args.dtype}, {args.threads} thread(s)", flush=True)
     ref = run_json([args.reference_python, "-c", REFERENCE, str(ckpt), json.dumps(job), str(args.threads)], env)
@@ -227,9 +238,7 @@ def main() -> None:
     print(f"tokens per decoder forward: {sum(tokens(r) for r in ref) / fw:.3f} (reference), "
           f"{sum(a['tokens'] for a in ours['alone']) / sum(a['forwards'] for a in ours['alone']):.3f} (ours); "
           f"decoder forwards per row {fw / len(ref):.1f}")
-    grew = (load["rss_peak_kib"] - load["rss_before_kib"]) * 1024
-    print(f"loading: peak host RSS +{grew / 2**20:.1f} MiB for {load['kept_bytes'] / 2**20:.1f} MiB of weights "
-          f"({grew / load['kept_bytes']:.2f}x)")
+    print(load_line(load))
     if args.device == "cpu":
         print(f"rows with the reference's tokens and forwards: {same['alone']}/{len(ref)} alone, "
               f"{same['batch']}/{len(ref)} batched")

@@ -246,7 +246,9 @@ class Experts(nn.Module):
         ids, perm = torch.sort(idx.reshape(-1))
         xs = x[perm // k]
         if hasattr(F, "grouped_mm"):
-            offs = torch.cumsum(torch.bincount(ids, minlength=E), dim=0, dtype=torch.int32)
+            # histc, as the reference: fixed bins, so no device-to-host sync (bincount sizes its output on the host)
+            counts = torch.histc(ids.float() if ids.device.type == "cpu" else ids.int(), bins=E, min=0, max=E - 1)
+            offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
             gate, up = F.grouped_mm(xs, self.gate_up_proj.transpose(-2, -1), offs=offs).chunk(2, dim=-1)
             out = F.grouped_mm(gelu_tanh(gate) * up, self.down_proj.transpose(-2, -1), offs=offs)
         else:
