@@ -44,13 +44,17 @@ PARAMS = (
 
 class _State:
     """A row's progress: its CPU-side settings, its canvas, its self-conditioning logits and stopping history."""
-    __slots__ = ("N", "t_min", "t_max", "bound", "S", "conf", "left", "encode", "canvas", "sc", "hist", "out",
+    __slots__ = ("N", "t_min", "t_max", "S", "limits", "temps", "left", "encode", "canvas", "sc", "hist", "out",
                  "gen")
 
-    def __init__(self, row: Row, gen: torch.Generator):
+    def __init__(self, row: Row, gen: torch.Generator, device: torch.device):
         e = row.params.extra
         self.N, self.t_min, self.t_max = e["max_denoising_steps"], e["t_min"], e["t_max"]
-        self.bound, self.S, self.conf = e["entropy_bound"], e["stability_threshold"], e["confidence_threshold"]
+        self.S = e["stability_threshold"]
+        # (entropy_bound, confidence_threshold) as float32 on the device: the reference compares float32 with them
+        self.limits = torch.tensor([e["entropy_bound"], e["confidence_threshold"]], dtype=torch.float32,
+                                   device=device)
+        self.temps = None                  # [N] the canvas's temperatures on the device, step by step
         self.left = 0                      # steps remaining in this canvas (the reference's cur_step)
         self.encode: list[int] = list(row.prompt)          # tokens the encoder must append before the next canvas
         self.canvas = None                 # [L] on the device
@@ -59,11 +63,11 @@ class _State:
         self.out: list[int] = []           # finished canvases (argmax)
         self.gen = gen
 
-    def temperature(self) -> torch.Tensor:
-        """The schedule's temperature at ``left`` steps remaining, with the reference's float32 arithmetic (an int32
-        step over a Python int, times a Python float, plus a Python float)."""
-        t = torch.tensor(self.left, dtype=torch.int32)
-        return self.t_min + ((self.t_max - self.t_min) * (t / self.N))
+    def schedule(self) -> torch.Tensor:
+        """The temperatures of a canvas's steps (N steps remaining down to 1), each with the reference's float32
+        arithmetic (an int32 step over a Python int, times a Python float, plus a Python float)."""
+        return torch.stack([self.t_min + ((self.t_max - self.t_min) * (torch.tensor(t, dtype=torch.int32) / self.N))
+                            for t in range(self.N, 0, -1)])
 
 
 def _generator(row: Row, device: torch.device) -> torch.Generator:
@@ -93,7 +97,7 @@ def run(engine, rows: list[Row], fin: Finisher):
 
     def join(new: list[Row]) -> None:
         for r in new:
-            state[r.index] = _State(r, _generator(r, dev))
+            state[r.index] = _State(r, _generator(r, dev), dev)
         cache.add_slots(len(new))
         active.extend(new)
 
@@ -123,6 +127,8 @@ def run(engine, rows: list[Row], fin: Finisher):
                 s.encode = []
                 s.canvas = torch.randint(0, V, (1, L), generator=s.gen, device=dev)[0]
                 s.sc, s.hist, s.left = None, None, s.N
+                if s.temps is None:        # copied to the device once per row, not per step
+                    s.temps = s.schedule().to(dev)
         # 2. one denoiser forward for every row
         sts = [state[r.index] for r in active]
         sc_rows = [b for b, s in enumerate(sts) if s.sc is not None]
@@ -131,7 +137,8 @@ def run(engine, rows: list[Row], fin: Finisher):
             sc = sts[sc_rows[0]].sc[None] if len(sc_rows) == 1 else torch.stack([sts[b].sc for b in sc_rows])
         canvas = torch.stack([s.canvas for s in sts])
         raw = model.denoise(canvas, sc, sc_rows, cache, list(range(len(active))))
-        temps = torch.stack([s.temperature() for s in sts]).to(dev)
+        temps = torch.stack([s.temps[s.N - s.left] for s in sts])
+        limits = torch.stack([s.limits for s in sts])
         x = raw / temps[:, None, None]
         probs = torch.softmax(x, dim=-1, dtype=torch.float32)
         sample = torch.stack([torch.multinomial(probs[b], 1, generator=s.gen)[:, 0] for b, s in enumerate(sts)])
@@ -139,8 +146,7 @@ def run(engine, rows: list[Row], fin: Finisher):
         ent = entropy(x)
         order_ent, order = torch.sort(ent, dim=-1)
         over = torch.cumsum(order_ent, dim=-1) - order_ent
-        bounds = torch.tensor([s.bound for s in sts], dtype=torch.float32, device=dev)
-        accept = torch.zeros_like(over, dtype=torch.bool).scatter(-1, order, over <= bounds[:, None])
+        accept = torch.zeros_like(over, dtype=torch.bool).scatter(-1, order, over <= limits[:, :1])
         accepted = torch.where(accept, sample, canvas)
         noise = torch.stack([torch.randint(0, V, (1, L), generator=s.gen, device=dev)[0] for s in sts])
         nxt = torch.where(accept, accepted, noise)
@@ -156,8 +162,7 @@ def run(engine, rows: list[Row], fin: Finisher):
             s.hist = torch.roll(s.hist, shifts=-1, dims=0)
             s.hist[-1] = argmax[b]
         mean_ent = ent.mean(dim=-1)
-        confs = torch.tensor([s.conf for s in sts], dtype=torch.float32, device=dev)
-        confident = mean_ent < confs
+        confident = mean_ent < limits[:, 1]
         stable_t = torch.stack([torch.ones((), dtype=torch.bool, device=dev) if v is None else v for v in stable])
         stop = (stable_t & confident).tolist()
         sc_next = x.to(emb_dtype)
