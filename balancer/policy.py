@@ -3,7 +3,7 @@
 A policy only orders the free workers (healthy, below --max-inflight-per-worker); the batcher sends the next batch
 to the first of them that can take a queued request (a request that failed on a worker is not sent there again while
 another worker is healthy). When a batch goes, and how large it is, stay the batcher's (--batch-size,
---batch-wait-time). Imports nothing beyond the standard library (``common.cli`` lists the names)."""
+--batch-wait-time). Imports nothing beyond the standard library (``dllm_serve.cli`` lists the names)."""
 from __future__ import annotations
 
 from typing import TYPE_CHECKING

@@ -27,7 +27,7 @@ from balancer.batcher import BatchConfig
 from common.config import PORT, setting, to_args
 from common.http import EXIT_PORT_IN_USE, AppRunner
 from common.resolve import served_names
-from worker.config import WorkerConfig
+from common.worker_config import WorkerConfig
 
 log = logging.getLogger("dllm.supervisor")
 
@@ -177,7 +177,7 @@ class Supervisor:
     # ------------------------------------------------------------ workers
     def _spawn(self, w: WorkerProc) -> None:
         c = self.cfg
-        args = [sys.executable, "-m", "common.cli", "worker", "--model-path", c.model_path,
+        args = [sys.executable, "-m", "dllm_serve", "worker", "--model-path", c.model_path,
                 "--host", c.worker_host, "--port", str(w.port), *c.worker_command()]
         env = dict(os.environ)
         env.pop("DLLM_API_KEY", None)

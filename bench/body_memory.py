@@ -82,7 +82,7 @@ def main() -> int:
 
     wport, bport = free_port(), free_port()
     fake_worker(wport, args.hold)
-    cmd = [sys.executable, "-m", "common.cli", "balancer", "--worker-urls", f"http://127.0.0.1:{wport}",
+    cmd = [sys.executable, "-m", "dllm_serve", "balancer", "--worker-urls", f"http://127.0.0.1:{wport}",
            "--port", str(bport), "--log-level", "warning"]
     if args.max_body_bytes_in_flight is not None:
         cmd += ["--max-body-bytes-in-flight", str(args.max_body_bytes_in_flight or 1 << 50)]

@@ -86,7 +86,7 @@ def main() -> None:
             urls = {}
             for mode in ("static", "continuous"):
                 port = free_port()
-                cmd = [sys.executable, "-m", "common.cli", "worker", "--model-path", str(ROOT / "tests/fixtures/tiny-llada"),
+                cmd = [sys.executable, "-m", "dllm_serve", "worker", "--model-path", str(ROOT / "tests/fixtures/tiny-llada"),
                        "--port", str(port), "--batch-size", str(args.batch_size), "--max-wait-time", "0",
                        "--max-queue", "100000", "--log-level", "warning", "--device", "cpu",
                        "--continuous-batching" if mode == "continuous" else "--no-continuous-batching"]

@@ -35,7 +35,7 @@ def post(url: str, body: dict, timeout: float) -> float:
 def run(model: str, flags: list[str], n_long: int, n_small: int, long_body: dict, wait: float) -> list[float]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    p = subprocess.Popen([sys.executable, "-m", "common.cli", "worker", "--model-path", model, "--port", str(port),
+    p = subprocess.Popen([sys.executable, "-m", "dllm_serve", "worker", "--model-path", model, "--port", str(port),
                           "--device", "cpu", "--batch-size", "8", "--request-timeout", "120", *flags], cwd=ROOT,
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

@@ -99,7 +99,7 @@ def main() -> None:
     url = args.url
     if url is None:
         port = 8791
-        proc = subprocess.Popen([sys.executable, "-m", "common.cli", "worker", "--model-path", str(model), "--port",
+        proc = subprocess.Popen([sys.executable, "-m", "dllm_serve", "worker", "--model-path", str(model), "--port",
                                  str(port), "--batch-size", "64", "--max-wait-time", "0.01", "--device", "cpu",
                                  "--log-level", "warning"], cwd=ROOT)
         url = f"http://127.0.0.1:{port}"

@@ -51,7 +51,7 @@ def main() -> None:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     extra = ["--max-request-cost", "0"] if Path(a.tree).resolve() == ROOT else []
-    p = subprocess.Popen([sys.executable, "-m", "common.cli", "worker", "--model-path", a.model_path, "--port",
+    p = subprocess.Popen([sys.executable, "-m", "dllm_serve", "worker", "--model-path", a.model_path, "--port",
                           str(port), "--device", "cpu", *extra], cwd=a.tree, stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": a.tree})
     try:

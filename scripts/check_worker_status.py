@@ -8,7 +8,7 @@ import sys
 
 import _venv  # noqa: F401  (re-runs this script with the project's .venv)
 
-from common.cli import main  # noqa: E402
+from dllm_serve.cli import main  # noqa: E402
 
 if __name__ == "__main__":
     main(["status", *sys.argv[1:]])

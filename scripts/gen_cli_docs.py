@@ -11,7 +11,7 @@ import _venv  # noqa: E402,F401  (re-runs this script with the project's .venv)
 
 def render() -> str:
     import click
-    from common.cli import main
+    from dllm_serve.cli import main
     out = ["# Command-line reference\n", "Generated from `--help` by `scripts/gen_cli_docs.py`; "
            "`tests/test_docs.py` fails when it is out of date.\n"]
     # a child of the group's context, as at run time (the group's settings, e.g. -h, apply)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import urllib.request
 
 ROOT = Path(__file__).resolve().parent.parent
-DLLM = [sys.executable, "-m", "common.cli"]
+DLLM = [sys.executable, "-m", "dllm_serve"]
 
 
 def get_json(url: str, timeout: float = 10.0) -> tuple[int, dict]:

@@ -210,7 +210,7 @@ async def test_sigterm_drains_through_fronts_then_stops_them():
     async with workers(fake_worker("ok", seen, delay=1.5)) as urls:
         port = free_port()
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "common.cli", "balancer", "--worker-urls", urls[0], "--port", str(port),
+            sys.executable, "-m", "dllm_serve", "balancer", "--worker-urls", urls[0], "--port", str(port),
             "--http-processes", "3", "--batch-size", "4", "--batch-wait-time", "0.01",
             "--health-check-interval", "0.1", cwd=ROOT, stdout=asyncio.subprocess.DEVNULL,
             stderr=asyncio.subprocess.PIPE)

@@ -9,9 +9,9 @@ from balancer.app import BalancerConfig
 from balancer.batcher import BatchConfig
 from balancer.pool import HealthConfig
 from balancer.supervisor import ServeConfig
-from common.cli import balancer as balancer_cmd, worker as worker_cmd
+from dllm_serve.cli import balancer as balancer_cmd, worker as worker_cmd
 from common.config import build, to_args
-from worker.config import WorkerConfig
+from common.worker_config import WorkerConfig
 
 
 def parse(cmd, args):

@@ -192,7 +192,7 @@ def test_logprobs_streaming_per_canvas_and_ignore_eos(engine, golden):
 
 
 def test_cli_generate_from_stdin_reproduces_goldens(golden):
-    from common.cli import main as cli
+    from dllm_serve.cli import main as cli
     cases = golden["cases"][::3]
     lines = [json.dumps({"prompt_ids": c["prompt"], "gen_length": max_tokens(c), "seed": c["seed"],
                          "algorithm_params": settings(c)}) for c in cases]

@@ -22,6 +22,34 @@ def test_readme_starts_with_the_two_commands():
 def test_balancer_never_imports_torch():
     import subprocess
     import sys
-    code = "import sys, balancer.app, balancer.supervisor, common.cli, common.status; print('torch' in sys.modules)"
+    code = "import sys, balancer.app, balancer.supervisor, dllm_serve.cli, dllm_serve.status; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+# the layers, bottom up, and what each may import of the project (docs/architecture.md "Imports go one way")
+LAYERS = {"common": {"common"}, "worker": {"common", "worker"}, "balancer": {"common", "balancer"},
+          "dllm_serve": {"common", "worker", "balancer", "dllm_serve"}}
+
+
+def project_imports(path: Path) -> set[str]:
+    """The project packages a module imports, at its top or inside functions (absolute imports; relative ones stay
+    inside their own package)."""
+    import ast
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.add(node.module.split(".")[0])
+    return out & set(LAYERS)
+
+
+def test_imports_go_one_way():
+    """common < worker, balancer < dllm_serve (the command line): no module imports a layer above its own, and the
+    worker and the balancer never import each other."""
+    bad = [f"{p.relative_to(ROOT)} imports {sorted(project_imports(p) - allowed)}"
+           for pkg, allowed in LAYERS.items() for p in sorted((ROOT / pkg).rglob("*.py"))
+           if project_imports(p) - allowed]
+    assert bad == []
+    assert project_imports(ROOT / "dllm_serve" / "cli.py") >= {"worker", "balancer"}   # the check sees imports

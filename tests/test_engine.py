@@ -5,7 +5,7 @@ import pytest
 from click.testing import CliRunner
 import orjson
 
-from common.cli import main as cli
+from dllm_serve.cli import main as cli
 from tests.conftest import TINY_LLADA
 from worker.engine import GenerationParams, ParamError, Request
 

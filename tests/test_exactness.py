@@ -7,7 +7,7 @@ import random
 import orjson
 from click.testing import CliRunner
 
-from common.cli import main as cli
+from dllm_serve.cli import main as cli
 from tests.conftest import TINY_LLADA, TINY_LLADA_PEAKY, TINY_NEMOTRON
 from worker.engine import GenerationParams, Request
 

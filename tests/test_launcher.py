@@ -14,7 +14,7 @@ import pytest
 from aiohttp import web
 from click.testing import CliRunner
 
-from common.cli import _gpu_ids, main as cli
+from dllm_serve.cli import _gpu_ids, main as cli
 from common.resolve import DEMO_MODEL, ResolveError, resolve_model, served_names
 from tests.conftest import TINY_LLADA
 from tests.helpers import DLLM, ROOT, free_port, get_json, post_json
@@ -295,7 +295,7 @@ def test_serve_reports_a_crash_loop_and_gives_up(tmp_path):
 def test_status_table_before_traffic_and_between_batches():
     from rich.console import Console
 
-    from common.status import render
+    from dllm_serve.status import render
     ws = {"healthy_workers": 1, "total_workers": 1, "system_status": "normal",
           "workers": [{"worker_id": 0, "url": "http://w0", "status": "busy", "in_flight": 4, "in_flight_batches": 1,
                        "requests_served": 0, "errors": 0, "last_activity_seconds_ago": None,

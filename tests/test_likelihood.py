@@ -7,7 +7,7 @@ import orjson
 import pytest
 from click.testing import CliRunner
 
-from common.cli import main as cli
+from dllm_serve.cli import main as cli
 from tests.conftest import TINY_LLADA, fixture_path
 from worker.engine.likelihood import greedy_suffix, log_likelihood
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from common.cli import main as cli
+from dllm_serve.cli import main as cli
 from tests.conftest import TINY_LLADA_MOE, bf16_golden
 from tests.helpers import get_json, post_json
 from tests.test_continuous import check_against_alone

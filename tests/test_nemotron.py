@@ -8,7 +8,7 @@ import torch
 from click.testing import CliRunner
 from safetensors.torch import load_file, save_file
 
-from common.cli import main as cli
+from dllm_serve.cli import main as cli
 from tests.conftest import TINY_LLADA, TINY_NEMOTRON
 from tests.helpers import get_json, post_json, start_worker
 from worker.engine import ALGORITHMS, GenerationParams, Request

@@ -187,7 +187,7 @@ def test_version():
 def test_a_missing_or_invalid_option_is_one_line_and_exit_2(args, option, monkeypatch):
     from click.testing import CliRunner
 
-    from common.cli import main as cli
+    from dllm_serve.cli import main as cli
     monkeypatch.chdir(ROOT)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     r = CliRunner().invoke(cli, args, prog_name="dllm-serve")

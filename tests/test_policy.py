@@ -44,7 +44,7 @@ def test_an_unknown_policy_names_the_known_ones():
 
 def test_the_balancer_command_passes_the_policy_into_its_batch_config(monkeypatch):
     import balancer.app
-    from common.cli import main
+    from dllm_serve.cli import main
     seen = []
     monkeypatch.setattr(balancer.app, "run", lambda cfg: seen.append(cfg) or 0)
     args = ["balancer", "--worker-urls", "http://127.0.0.1:9", "--log-level", "warning"]

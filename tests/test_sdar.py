@@ -8,7 +8,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from common.cli import main as cli
+from dllm_serve.cli import main as cli
 from tests.conftest import TINY_SDAR
 from tests.helpers import get_json, post_json
 from worker.engine import ALGORITHMS, GenerationParams, ParamError, Request

@@ -25,7 +25,7 @@ from common.http import (BODY_BUDGET, EXIT_PORT_IN_USE, MAX_BATCH_BYTES, AppRunn
 from common.metrics import RequestMetrics
 from common.openai_http import add_routes
 from common.protocol import MAX_DEPTH, APIError, error_body, loads
-from worker.config import WorkerConfig
+from common.worker_config import WorkerConfig
 
 log = logging.getLogger("dllm.worker")
 

@@ -12,7 +12,7 @@ from balancer.batcher import BatchConfig
 from balancer.pool import HealthConfig
 from balancer.supervisor import ServeConfig
 from common.config import build, options
-from worker.config import DTYPES, WorkerConfig
+from common.worker_config import DTYPES, WorkerConfig
 
 
 def _int_list(value: str | None, option: str) -> list[int] | None:
@@ -324,13 +324,13 @@ def serve(local, model_path, dcp_path, base_model, gpus, gpu_ids, workers, slurm
     from pathlib import Path
     _logging(log_level)
     if not local:
-        from common.slurm import submit
+        from dllm_serve.slurm import submit
         sys.exit(submit(slurm_script, sys.argv[2:] if len(sys.argv) > 2 else []))
     from balancer.supervisor import run
     from common.resolve import ResolveError, resolve_model
     try:
         if dcp_path:
-            from common.dcp_launch import ensure_converted
+            from dllm_serve.dcp_launch import ensure_converted
             resolved = ensure_converted(dcp_path, base_model, log=lambda m: click.echo(m, err=True))
         else:
             resolved = resolve_model(model_path)
@@ -414,7 +414,7 @@ def convert_dcp(dcp_path, base_model, output, no_cache):
             raise click.ClickException(str(e))
         click.echo(output)
         return
-    from common.dcp_launch import ensure_converted
+    from dllm_serve.dcp_launch import ensure_converted
     try:
         click.echo(ensure_converted(dcp_path, base_model, output, log=lambda m: click.echo(m, err=True)))
     except (RuntimeError, ValueError) as e:
@@ -429,7 +429,7 @@ def convert_dcp(dcp_path, base_model, output, no_cache):
 @click.option("--json", "as_json", is_flag=True, help="Print /worker-status and /stats as JSON.")
 def status(url, monitor, interval, as_json):
     """Worker status table. Exit code: 0 all healthy, 1 degraded, 2 down or unreachable."""
-    from common.status import main as status_main
+    from dllm_serve.status import main as status_main
     sys.exit(status_main(url, monitor, interval, as_json))
 
 

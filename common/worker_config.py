@@ -1,5 +1,7 @@
 """The worker's configuration, defined once: fields, defaults and help (``dllm-serve worker`` generates its options
-from them; ``dllm-serve serve`` passes the ones it shares on to its workers). No torch."""
+from them; ``dllm-serve serve`` passes the ones it shares on to its workers). Here in ``common`` because it is the
+contract between the worker and what launches it (the balancer's supervisor writes a worker's command line from it).
+No torch."""
 from __future__ import annotations
 
 from dataclasses import dataclass

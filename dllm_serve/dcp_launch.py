@@ -50,7 +50,7 @@ def ensure_converted(dcp_path: str | Path, base_model: str | Path, output: str |
         tmp = output.parent / f".{output.name}.tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         log(f"dllm-serve: converting DCP {dcp_path} (base {base}) -> {output}")
-        r = subprocess.run([sys.executable, "-m", "common.cli", "convert-dcp", "--dcp-path", str(dcp_path),
+        r = subprocess.run([sys.executable, "-m", "dllm_serve", "convert-dcp", "--dcp-path", str(dcp_path),
                             "--base-model", str(base), "--output", str(tmp), "--no-cache"],
                            capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
         if r.returncode != 0:
