@@ -84,7 +84,7 @@ class BalancerConfig:
 
 
 
-class Metrics:
+class BalancerMetrics:
     def __init__(self):
         r = self.registry = CollectorRegistry()
         self.requests = RequestMetrics("dllm_balancer", (.01, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600))
@@ -105,7 +105,7 @@ class BalancerState:
         headers = {"Authorization": f"Bearer {cfg.worker_api_key}"} if cfg.worker_api_key else {}
         self.pool = WorkerPool(cfg.worker_urls, lambda: self.session, cfg.health, headers, cfg.worker_launch_ids)
         self.batcher = CentralBatcher(self.pool, lambda: self.session, cfg.batch, headers)
-        self.metrics = Metrics()
+        self.metrics = BalancerMetrics()
         self.batcher.on_batch = self.metrics.batch_size.observe
         self.window = Window(60.0)
         self.total_requests = 0

@@ -75,3 +75,13 @@ def test_registry_describes_every_algorithm():
     assert d["dinfer_blockwise"]["parameters"]["threshold"]["default"] == 0.9
     assert d["dinfer_hierarchy"]["algorithm_params"]["low_threshold"]["default"] == 0.4
     assert d["dual_cache"]["cfg_scale_supported"] is False
+
+
+def test_every_family_lists_registered_algorithms_its_default_first():
+    from worker.engine.algorithms import REGISTRY
+    from worker.models import FAMILIES
+    for name, fam in FAMILIES.items():
+        assert fam.algorithms and fam.algorithms[0] == fam.default_algorithm, name
+        assert set(fam.algorithms) <= set(REGISTRY), name
+        assert all(name in REGISTRY[a].families for a in fam.algorithms)
+    assert all(a.families for a in REGISTRY.values())          # no algorithm without a family

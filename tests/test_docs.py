@@ -53,3 +53,21 @@ def test_imports_go_one_way():
            if project_imports(p) - allowed]
     assert bad == []
     assert project_imports(ROOT / "dllm_serve" / "cli.py") >= {"worker", "balancer"}   # the check sees imports
+
+
+def test_the_request_trace_names_real_files_every_family_and_every_algorithm():
+    """docs/architecture.md's trace of a request: every file it names exists, and its family and algorithm lists are
+    the registries'."""
+    import re
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    trace = text[text.index("## One request, file by file"):text.index("## Configuration")]
+    files = set(re.findall(r"`((?:common|worker|balancer|dllm_serve)/[\w/]+\.py)`", trace))
+    assert files and all((ROOT / f).is_file() for f in files), files
+    assert {"common/openai_http.py", "worker/serving.py", "worker/scheduler.py"} <= files
+    families = re.search(r"`worker/models/<family>\.py` \(([^)]*)\)", trace).group(1)
+    from worker.models import FAMILY_MODULES
+    assert re.findall(r"`(\w+)`", families) == list(FAMILY_MODULES)
+    algorithms = set(re.findall(r"`(\w+)`", re.search(r"`worker/engine/algorithms/<name>\.py` \(([^)]*)\)",
+                                                       trace).group(1)))
+    modules = {p.stem for p in (ROOT / "worker/engine/algorithms").glob("*.py")} - {"__init__", "block_causal"}
+    assert algorithms == modules

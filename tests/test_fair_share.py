@@ -102,8 +102,8 @@ def test_a_small_request_is_answered_within_10s_while_long_ones_run(tmp_path):
 def test_long_rows_hold_at_most_their_share_of_a_batch_and_short_ones_overtake_them(llada_engine):
     import asyncio
 
-    from worker.serving import Batcher, Job
-    b = Batcher(llada_engine, batch_size=4, loop=asyncio.new_event_loop(), long_row_cost=100, long_row_share=0.5)
+    from worker.scheduler import Job, RowScheduler
+    b = RowScheduler(llada_engine, batch_size=4, loop=asyncio.new_event_loop(), long_row_cost=100, long_row_share=0.5)
     p = GenerationParams(gen_length=8, block_length=8)
     jobs = [Job([5], p, sink=None, index=i, cost=1000 if i < 5 else 10) for i in range(7)]   # 5 long, 2 short
     b.pending.extend(jobs)

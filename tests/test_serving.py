@@ -7,7 +7,7 @@ import pytest
 
 from common.protocol import APIError
 from tests.conftest import TINY_LLADA
-from worker.serving import Batcher
+from worker.scheduler import RowScheduler
 from worker.engine import Engine
 from worker.engine.engine import Result
 from worker.serving import Defaults, Serving, _Choice
@@ -20,7 +20,7 @@ def engine():
 
 @pytest.fixture
 def serving(engine):
-    return Serving(engine, Batcher(engine, loop=asyncio.new_event_loop()), "tiny-llada", Defaults(max_tokens=64))
+    return Serving(engine, RowScheduler(engine, loop=asyncio.new_event_loop()), "tiny-llada", Defaults(max_tokens=64))
 
 
 def test_default_max_tokens_is_whole_blocks_that_fit(serving, engine):
@@ -112,7 +112,7 @@ def test_the_simulated_device_prepares_and_runs_rows_like_a_model():
     from worker.engine import Request
     from worker.simulated import SimulatedEngine
     sim = SimulatedEngine(str(TINY_LLADA), 0.0, 0.0)
-    s = Serving(sim, Batcher(sim, loop=asyncio.new_event_loop()), "tiny-llada", Defaults(max_tokens=16))
+    s = Serving(sim, RowScheduler(sim, loop=asyncio.new_event_loop()), "tiny-llada", Defaults(max_tokens=16))
     prep = s.prepare("completion", {"prompt": [5, 6, 7], "max_tokens": 8})
     assert prep.params[0].block_length == 32 and prep.params[0].gen_length == 8
     res = sim.generate([Request(ids, p) for ids, p in zip(prep.prompts, prep.params)])

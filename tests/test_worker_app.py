@@ -7,7 +7,7 @@ import torch
 
 from tests.conftest import TINY_LLADA
 from worker.app import STATE, WorkerConfig, make_app
-from worker.serving import Batcher, Job
+from worker.scheduler import Job, RowScheduler
 from worker.engine import GenerationParams, Result
 
 
@@ -170,7 +170,7 @@ class FakeEngine:
 @pytest.mark.parametrize("limit", [2, 0])
 async def test_oom_is_retried_in_smaller_pieces(limit):
     engine = FakeEngine(limit)
-    b = Batcher(engine, batch_size=8, max_wait_time=0.01)
+    b = RowScheduler(engine, batch_size=8, max_wait_time=0.01)
     b.start()
     got = {}
     jobs = [Job([i], GenerationParams(), sink=lambda i, kind, payload: got.setdefault(i, (kind, payload)), index=i)
@@ -190,7 +190,7 @@ async def test_oom_is_retried_in_smaller_pieces(limit):
 
 async def test_a_row_cancelled_before_scheduling_is_not_computed():
     engine = FakeEngine(limit=100)
-    b = Batcher(engine, batch_size=4, max_wait_time=0.05)
+    b = RowScheduler(engine, batch_size=4, max_wait_time=0.05)
     b.start()
     got = {}
     jobs = [Job([i], GenerationParams(), sink=lambda i, kind, payload: got.setdefault(i, (kind, payload)), index=i)

@@ -10,7 +10,7 @@ import pytest
 from tests.conftest import TINY_DREAM, TINY_LLADA
 from tests.helpers import get_json, post_json, settled_batch_stats, start_worker
 from worker.engine import GenerationParams
-from worker.serving import Batcher, Job
+from worker.scheduler import Job, RowScheduler
 from worker.simulated import SimulatedEngine
 
 
@@ -23,7 +23,7 @@ def job(prompt, gen, done, algorithm="basic", index=0):
 async def run_jobs(continuous, plan, step=0.002, switch_wait=1.0):
     """``plan``: [(delay after the previous submit, prompt, gen, algorithm)]; returns (finish order, batcher)."""
     engine = SimulatedEngine(str(TINY_LLADA), step, 0.0, per_step=True)
-    b = Batcher(engine, batch_size=8, max_wait_time=0.0, continuous=continuous, switch_wait=switch_wait)
+    b = RowScheduler(engine, batch_size=8, max_wait_time=0.0, continuous=continuous, switch_wait=switch_wait)
     b.start()
     done = []
     for i, (delay, prompt, gen, alg) in enumerate(plan):
@@ -55,7 +55,7 @@ async def test_rows_of_another_algorithm_join_beside_the_running_ones():
 
 async def test_batch_size_and_token_budget_bound_the_running_batch():
     engine = SimulatedEngine(str(TINY_LLADA), 0.002, 0.0, per_step=True)
-    b = Batcher(engine, batch_size=3, max_wait_time=0.0, max_batch_tokens=40)
+    b = RowScheduler(engine, batch_size=3, max_wait_time=0.0, max_batch_tokens=40)
     b.start()
     done, seen = [], []
     orig = engine._steps

@@ -30,7 +30,7 @@ from common.worker_config import WorkerConfig
 log = logging.getLogger("dllm.worker")
 
 
-class Metrics:
+class WorkerMetrics:
     def __init__(self, state: "WorkerState"):
         r = self.registry = CollectorRegistry()
         self.requests = RequestMetrics("dllm_worker", (.05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600))
@@ -63,7 +63,7 @@ class WorkerState:
     runs: dict = field(default_factory=dict)     # balancer request id -> Run (for /worker/cancel)
     active: int = 0                              # requests being answered
     error: str | None = None
-    metrics: Metrics | None = None
+    metrics: WorkerMetrics | None = None
     steps: object = None                         # worker.stepclock.StepClock, once loaded (/health step_seconds_max)
     instance_id: str = field(default_factory=lambda: secrets.token_hex(8))      # this process, on /health
     launch_id: str | None = field(default_factory=lambda: os.environ.get("DLLM_LAUNCH_ID") or None)
@@ -331,7 +331,7 @@ async def metrics(request: web.Request) -> web.Response:
 # ---------------------------------------------------------------- app and lifecycle
 async def _load(app: web.Application) -> None:
     """Load the model off the event loop; /health says 'loading' meanwhile."""
-    from worker.serving import Batcher
+    from worker.scheduler import RowScheduler
     from worker.engine import Engine, GenerationParams
     from worker.serving import Defaults, Serving
     state = app[STATE]
@@ -360,7 +360,7 @@ async def _load(app: web.Application) -> None:
         state.status, state.error = "failed", f"{type(e).__name__}: {e}"
         app[LOAD_FAILED].set()
         return
-    batcher = Batcher(engine, batch_size=c.batch_size, max_wait_time=c.max_wait_time, max_queue=c.max_queue,
+    batcher = RowScheduler(engine, batch_size=c.batch_size, max_wait_time=c.max_wait_time, max_queue=c.max_queue,
                       continuous=c.continuous_batching, max_batch_tokens=c.max_batch_tokens,
                       switch_wait=c.switch_wait, long_row_cost=c.long_row_cost, long_row_share=c.long_row_share)
     batcher.on_batch = lambda n, secs: (state.metrics.batch_size.observe(n), state.metrics.batch_seconds.observe(secs))
@@ -397,7 +397,7 @@ def make_app(config: WorkerConfig) -> web.Application:
                           client_max_size=MAX_BATCH_BYTES)
     app[BODY_BUDGET] = BodyBudget(config.max_body_bytes_in_flight)
     state = WorkerState(config)
-    state.metrics = Metrics(state)
+    state.metrics = WorkerMetrics(state)
     app[STATE] = state
     app[LOAD_FAILED] = asyncio.Event()
     app.cleanup_ctx.append(_lifecycle)

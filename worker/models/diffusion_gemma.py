@@ -601,5 +601,5 @@ FAMILY = Family(name="diffusion_gemma", title="DiffusionGemma (DiffusionGemmaFor
                 architectures=("DiffusionGemmaForBlockDiffusion",), model_types=("diffusion_gemma",),
                 tensors=("model.decoder.self_conditioning.gate_proj.weight",
                          "model.decoder.layers.0.router.per_expert_scale"),
-                load=load, default_algorithm="diffusion_gemma", mask_token=False,
+                load=load, default_algorithm="diffusion_gemma", algorithms=("diffusion_gemma",), mask_token=False,
                 algorithm_defaults=algorithm_defaults)

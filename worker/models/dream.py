@@ -113,4 +113,4 @@ def load(path: str | Path, device: torch.device, dtype: torch.dtype) -> DreamMod
 FAMILY = Family(name="dream", title="Dream (DreamModel; also DiffuCoder)", architectures=("DreamModel",),
                 model_types=("Dream", "dream"),
                 tensors=("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.bias"), load=load,
-                default_algorithm="dream")
+                default_algorithm="dream", algorithms=("dream", "dream_cache", "dream_dual_cache"))

@@ -10,6 +10,9 @@ import torch
 
 from .layers import KVCache
 
+# LLaDA's masked-diffusion decoders, shared by the bidirectional families whose reference is LLaDA's generate
+LLADA_ALGORITHMS = ("basic", "prefix_cache", "dual_cache", "dinfer_blockwise", "dinfer_hierarchy", "dinfer_credit")
+
 
 class DiffusionLM(Protocol):
     """A masked diffusion model, as the engine uses it (worker/models/llada.py is the reference implementation).
@@ -59,6 +62,7 @@ class Family:
     tensors: tuple[str, ...]
     load: Callable[[str | Path, torch.device, torch.dtype], DiffusionLM]
     default_algorithm: str                     # worker/engine/algorithms registry name
+    algorithms: tuple[str, ...]                # the registry's algorithms that decode it (its default first)
     scoring: bool = False                      # LLaDA's Monte Carlo likelihood estimator applies
     mask_token: bool = True                    # decodes from a mask token (DiffusionGemma's canvases are random tokens)
     algorithm_defaults: Callable[[str | Path], dict[str, dict]] | None = None   # the checkpoint's own defaults of

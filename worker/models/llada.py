@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from .checkpoint import CheckpointError, load_native, read_config
-from .family import Family
+from .family import LLADA_ALGORITHMS, Family
 from .layers import KVCache, LayerKV, RMSNorm, apply_rope, attention, compile_dense, dense_tail, rope_tables
 
 PREFIX = "model.transformer."
@@ -172,4 +172,5 @@ def load(path: str | Path, device: torch.device, dtype: torch.dtype) -> LLaDAMod
 
 
 FAMILY = Family(name="llada", title="LLaDA (LLaDAModelLM)", architectures=("LLaDAModelLM",), model_types=("llada",),
-                tensors=("model.transformer.wte.weight",), load=load, default_algorithm="basic", scoring=True)
+                tensors=("model.transformer.wte.weight",), load=load, default_algorithm="basic", scoring=True,
+                algorithms=LLADA_ALGORITHMS)

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .checkpoint import CheckpointError, load_native, read_config
-from .family import Family
+from .family import LLADA_ALGORITHMS, Family
 from .layers import Decoder, DecoderLM, QKNormAttention, RMSNorm, SwiGLU
 
 
@@ -200,4 +200,4 @@ FAMILY = Family(name="llada_moe", title="LLaDA-MoE (LLaDAMoEModelLM)", architect
                 model_types=("lladamoe", "llada"),
                 tensors=("model.embed_tokens.weight", "model.layers.0.mlp.gate.weight",
                          "model.layers.0.mlp.experts.0.gate_proj.weight"),
-                load=load, default_algorithm="basic")
+                load=load, default_algorithm="basic", algorithms=LLADA_ALGORITHMS)

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from .checkpoint import CheckpointError, load_native, read_config
-from .family import Family
+from .family import LLADA_ALGORITHMS, Family
 from .layers import Decoder, DecoderLayer, DecoderLM, QKNormAttention
 
 
@@ -91,4 +91,4 @@ def load(path: str | Path, device: torch.device, dtype: torch.dtype) -> Nemotron
 
 FAMILY = Family(name="nemotron", title="Nemotron-Diffusion (DiffEncoderModel)", architectures=("DiffEncoderModel",),
                 model_types=("nvrdiff",), tensors=("diffusion_head.weight", "encoder.embed_tokens.weight"), load=load,
-                default_algorithm="nemotron")
+                default_algorithm="nemotron", algorithms=("nemotron",) + LLADA_ALGORITHMS)

@@ -1,12 +1,18 @@
 """The algorithm registry. An algorithm decodes a group of rows (each with its own parameters) to the end; the
-engine picks it by the request's ``generation_algorithm``. Acceleration algorithms register here by name."""
+engine picks it by the request's ``generation_algorithm``. Acceleration algorithms register here by name; a model
+family lists the ones that decode it (``Family.algorithms``, worker/models/)."""
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Iterator
 
+from ...models import FAMILIES
 from ..params import GenerationParams, ParamError
+
+if TYPE_CHECKING:
+    from ..engine import Engine
+    from ..rows import Finisher, Row
 
 
 @dataclass(frozen=True)
@@ -55,8 +61,8 @@ class Algorithm:
     name: str
     description: str
     exact: bool                     # token-identical to the published reference loop
-    run: object                     # callable(engine, rows, finisher) -> None
-    families: tuple[str, ...] = ("llada", "llada_moe", "nemotron")
+    # a generator: decodes the rows, yielding after every step (the engine runs groups' steps in turn)
+    run: Callable[["Engine", "list[Row]", "Finisher"], Iterator[None]]
     params: tuple[ParamInfo, ...] = COMMON_PARAMS
     extra_params: tuple[ParamInfo, ...] = field(default_factory=tuple)   # go in ``algorithm_params``
     defaults: dict = field(default_factory=dict)                         # common parameters' own defaults here
@@ -67,6 +73,11 @@ class Algorithm:
     check_model: Callable | None = None                                  # (plan, model): rules the checkpoint sets
     cost: Callable | None = None                                         # (plan) -> nominal token-forwards, if not
                                                                          # worker.engine.params.row_cost's rule
+
+    @property
+    def families(self) -> tuple[str, ...]:
+        """The families that list this algorithm (in worker/models' order)."""
+        return tuple(name for name, f in FAMILIES.items() if self.name in f.algorithms)
 
     def normalize(self, p: GenerationParams) -> GenerationParams:
         """Apply this algorithm's defaults and check its parameters (raises ParamError)."""

@@ -247,7 +247,7 @@ register(Algorithm(
                 "once into an exact KV cache, each canvas denoised from random tokens with a linear temperature "
                 "schedule, entropy-bound acceptance, renoising and adaptive stopping, its argmax appended to the "
                 "cache",
-    exact=True, run=run, families=("diffusion_gemma",), cfg=False, check=check, check_model=check_model,
+    exact=True, run=run, cfg=False, check=check, check_model=check_model,
     stochastic=lambda p: True, cost=cost,
     params=(
         ParamInfo("block_length", None, "the checkpoint's canvas_length (fixed)"),

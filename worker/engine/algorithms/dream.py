@@ -198,7 +198,7 @@ register(Algorithm(
     description="Dream reference sampler (diffusion_generate): the whole generation as one sequence, shifted "
                 "logits, steps committing int(m * (1 - s/t)) masked positions chosen by alg (origin, maskgit_plus, "
                 "topk_margin, entropy), with temperature, top_p, top_k and alg_temp as the reference applies them",
-    exact=True, run=run, families=("dream",), cfg=False,
+    exact=True, run=run, cfg=False,
     params=(
         ParamInfo("steps", None, "denoising steps (default: one per token; not capped: each step is one forward)"),
         ParamInfo("temperature", 0.0, "0 = the most likely token; > 0 divides the logits and samples"),

@@ -190,5 +190,5 @@ for _name, _dual, _what in (("dream_cache", False, "block + suffix forwards agai
         description=f"Fast-dLLM's Dream cache: one full forward per block (committing its first token), then {_what}; "
                     f"threshold parallel decoding, or the entropy schedule",
         exact=True, run=(lambda dual: lambda engine, rows, fin: run_dream_cache(engine, rows, fin, dual))(_dual),
-        families=("dream",), cfg=False, params=COMMON, extra_params=CACHE_PARAMS, check=check, stochastic=stochastic,
+        cfg=False, params=COMMON, extra_params=CACHE_PARAMS, check=check, stochastic=stochastic,
         ))

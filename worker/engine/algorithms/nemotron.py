@@ -154,7 +154,7 @@ register(Algorithm(
     name="nemotron",
     description="Nemotron-Diffusion block sampler: prompt prefilled into a KV cache, each block denoised against it "
                 "(fixed schedule or threshold rule), then committed to the cache by one more counted forward",
-    exact=True, run=run, families=("nemotron",), cfg=False,
+    exact=True, run=run, cfg=False,
     extra_params=(ParamInfo("shift_logits", False, "position j uses the logit of position j-1 (the block's first "
                             "position: the last logit of the previous forward)"),),
 ))

@@ -183,7 +183,7 @@ register(Algorithm(
     name="sdar",
     description="SDAR block diffusion (block_diffusion_generate): block-causal attention with an exact KV cache, "
                 "prompt blocks prefilled once, each block denoised by remasking_strategy then stored",
-    exact=True, run=run, families=("sdar",), cfg=False, check=check, check_plan=check_plan,
+    exact=True, run=run, cfg=False, check=check, check_plan=check_plan,
     stochastic=lambda p: True,
     params=(
         ParamInfo("block_length", None, "block size (default: the checkpoint's block_size, else the server's)"),

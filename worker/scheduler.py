@@ -1,0 +1,419 @@
+"""The worker's row scheduler: its queue and its device thread (:class:`RowScheduler`, :class:`Job`). Requests arriving
+within ``max_wait_time`` of the first request of a forming batch (or until ``batch_size`` are waiting) run together
+in one engine call, whatever parameters they carry; rows of a batch formed upstream (the balancer's /worker/batch)
+start without that wait; with continuous batching rows also join the running batch between denoising steps. The
+engine runs on one dedicated thread, so the event loop stays free for /health, stats and streaming while a batch
+runs. worker/serving.py turns requests into jobs and their events into OpenAI answers."""
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import ctypes
+import ctypes.util
+import logging
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+
+from worker.engine import Engine, GenerationParams, Request, Result, StepHooks
+from worker.engine.algorithms import needs_rng
+
+log = logging.getLogger("dllm.worker.scheduler")
+
+
+def _mmap_threshold(nbytes: int) -> None:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(-3, nbytes)        # M_MMAP_THRESHOLD (glibc); fixed from then on
+    except (OSError, AttributeError):   # not glibc
+        pass
+
+
+@contextlib.contextmanager
+def freed_memory_returned():
+    """While likelihood scoring runs (thousands of forwards whose activations are freed and allocated again on the
+    device thread), glibc mmaps blocks of 1 MiB and more and gives them back when freed. Otherwise glibc raises its
+    mmap threshold as such blocks are freed and the device thread's arena keeps their memory: a long scoring request
+    grew a worker by 1.8 GB in 25 s (docs/reliability.md). Afterwards the threshold is 32 MiB (glibc's own ceiling),
+    so generation allocates as before (a low threshold for everything cost CPU generation 10-60%)."""
+    _mmap_threshold(1 << 20)
+    try:
+        yield
+    finally:
+        _mmap_threshold(32 << 20)
+
+
+# ---------------------------------------------------------------- the queue and the device thread
+@dataclass(eq=False)      # a row is itself: identity, not field-by-field equality (queue and batch lookups)
+class Job:
+    """One row: a prompt with its parameters. Events go to ``sink(index, kind, payload)`` on the event loop:
+    ("progress", final_ids) while decoding, then ("done", Result) or ("error", (status, message))."""
+    prompt_ids: list[int]
+    params: GenerationParams
+    sink: object
+    index: int = 0
+    wants_progress: bool = True       # False: only the final result matters (non-streaming, no stop strings)
+    cancelled: bool = False
+    queued: bool = False              # waiting in the batcher (not yet in a batch)
+    enqueued_at: float = field(default_factory=time.monotonic)
+    start_by: float = 0.0             # the scheduler waits for more rows until then (at most)
+    score: object = None              # a likelihood.ScoreRequest: a scoring row (params unused); "done" gives a
+                                      # ScoreResult
+    cost: int = 0                     # nominal token-forwards (Serving._check_cost); above long_row_cost: "long"
+
+
+def canvas_tokens(job: Job) -> int:
+    """A row's canvas in tokens (prompt + max_tokens in whole blocks): what it holds of the device's memory."""
+    p = job.params
+    if p is None:
+        return len(job.prompt_ids)
+    block = max(1, min(p.block_length, p.gen_length))
+    return len(job.prompt_ids) + -(-p.gen_length // block) * block
+
+
+class RowScheduler:
+    """The worker's queue and its device thread. With ``continuous`` (the default) rows also join the running batch
+    between denoising steps (worker/engine/engine.py ``Feed``), in queue order, while they fit ``batch_size`` rows
+    and ``max_batch_tokens`` canvas tokens; a row whose algorithm is not running starts its own group beside the
+    others (the groups take their steps in turn). Scoring rows run in batches of their own: one queued lets
+    generation rows join ahead of it for at most ``switch_wait`` seconds, then the batch drains and it goes next.
+    Finished rows leave the batch and are answered at once.
+
+    Fair share: rows whose nominal cost exceeds ``long_row_cost`` token-forwards hold at most ``long_row_share`` of
+    the batch's ``batch_size`` rows (at least one); past that a long row waits in the queue while shorter rows behind
+    it take the free places, so a short request is never held behind long ones (long rows keep their order)."""
+
+    def __init__(self, engine: Engine, *, batch_size: int = 8, max_wait_time: float = 0.05, max_queue: int = 1024,
+                 loop: asyncio.AbstractEventLoop | None = None, continuous: bool = True, max_batch_tokens: int = 0,
+                 switch_wait: float = 1.0, long_row_cost: int = 1 << 20, long_row_share: float = 0.5):
+        self.engine = engine
+        self.batch_size = batch_size
+        self.max_wait_time = max_wait_time
+        self.max_queue = max_queue
+        self.continuous = continuous
+        self.max_batch_tokens = max_batch_tokens       # 0: no limit
+        self.switch_wait = switch_wait                 # seconds a row of another algorithm lets rows join ahead of it
+        self.long_row_cost = long_row_cost             # 0: every row alike
+        self.long_slots = max(1, int(batch_size * long_row_share))
+        self.pending: collections.deque[Job] = collections.deque()
+        self._lock = threading.Lock()     # ``pending`` is also taken from by the device thread (joining rows)
+        self.running: list[Job] = []
+        self.rows_joined = 0              # rows that joined a running batch
+        self.rows_retired = 0             # rows that finished (every row, joined or not)
+        self._per_second: collections.deque[list] = collections.deque()   # [second, joined, retired], last 60 s
+        self._wake = asyncio.Event()
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix="device")
+        self._task: asyncio.Task | None = None
+        self._loop = loop
+        # statistics
+        self.batches_processed = 0
+        self.rows_processed = 0
+        self.dropped_before_start = 0
+        self.histogram: collections.Counter[int] = collections.Counter()
+        self._cancelled_queued = 0      # cancelled rows still in ``pending`` (dropped at the next scheduling)
+        self.on_batch = None    # optional callback(batch_size, seconds) for metrics
+
+    # ------------------------------------------------------------ public
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._task = asyncio.create_task(self._schedule(), name="batcher")
+
+    async def close(self) -> None:
+        if self._task:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        self._executor.shutdown(wait=True, cancel_futures=True)
+
+    def submit(self, job: Job, wait: bool = True) -> None:
+        """Queue a row (the caller checked that the request's rows fit ``max_queue``: Serving.submit answers 429
+        otherwise). ``wait=False``: the row arrived as part of a batch formed upstream (the balancer's), so waiting
+        ``max_wait_time`` for company would only add latency."""
+        p = job.params
+        if p is not None and p.seed is None and needs_rng(p):
+            # A fixed seed per row makes a retried batch (after CUDA OOM) give the same tokens it already streamed.
+            job.params = replace(p, seed=random.getrandbits(63))
+        job.enqueued_at = time.monotonic()
+        job.start_by = job.enqueued_at + (self.max_wait_time if wait else 0.0)
+        job.queued = True
+        with self._lock:
+            self.pending.append(job)
+        self._wake.set()
+
+    def cancel(self, job: Job) -> None:
+        """Drop a row: before it is scheduled it is never computed; while running, at the next denoising step."""
+        if job.cancelled:
+            return
+        job.cancelled = True
+        if job.queued:
+            self._cancelled_queued += 1
+            self._wake.set()
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self.pending) - self._cancelled_queued
+
+    def rates(self, window: int = 60) -> dict:
+        """Rows running now, and rows joined / retired per second over the last ``window`` seconds (up to 60)."""
+        now = int(time.monotonic())
+        recent = [b for b in self._per_second if now - b[0] < window]
+        return {"rows_running": len(self.running),
+                "rows_joined_per_s": round(sum(b[1] for b in recent) / window, 3),
+                "rows_retired_per_s": round(sum(b[2] for b in recent) / window, 3),
+                "rows_joined": self.rows_joined, "rows_retired": self.rows_retired}
+
+    def _count(self, which: int) -> None:
+        """One row joined (1) or retired (2), in this second's bucket (60 buckets kept: O(1) per row)."""
+        now = int(time.monotonic())
+        buckets = self._per_second
+        if not buckets or buckets[-1][0] != now:
+            buckets.append([now, 0, 0])
+            while now - buckets[0][0] >= 60:
+                buckets.popleft()
+        buckets[-1][which] += 1
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.running)
+
+    async def idle(self) -> None:
+        """Wait until nothing is queued or running."""
+        while self.pending or self.running:
+            await asyncio.sleep(0.02)
+
+    # ------------------------------------------------------------ scheduling
+    async def _schedule(self) -> None:
+        while True:
+            while not self.pending:
+                self._wake.clear()
+                await self._wake.wait()
+            self._drop_cancelled()
+            if not self.pending:
+                continue
+            deadline = self.pending[0].start_by
+            while len(self.pending) < self.batch_size:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._wake.clear()
+                try:
+                    await asyncio.wait_for(self._wake.wait(), left)
+                except asyncio.TimeoutError:
+                    break
+                self._drop_cancelled()
+            self._drop_cancelled()
+            with self._lock:
+                batch = self._take(0, 0, 0, first=True)
+            if not batch:
+                continue
+            for j in batch:
+                j.queued = False
+            self.running = list(batch)
+            t = time.monotonic()
+            try:
+                outcome = await asyncio.get_running_loop().run_in_executor(self._executor, self._run, batch)
+            except Exception as e:   # never lose the scheduler or a row
+                log.exception("batch failed")
+                outcome = [(j, "error", (500, f"internal error: {type(e).__name__}")) for j in batch]
+            finally:
+                self.running = []
+            self.batches_processed += 1
+            self.rows_processed += len(batch)
+            self.histogram[len(batch)] += 1
+            if self.on_batch:
+                self.on_batch(len(batch), time.monotonic() - t)
+            for job, kind, payload in outcome:      # after the statistics, so a client sees them counted
+                self._retired(job)
+                job.sink(job.index, kind, payload)
+
+    def is_long(self, job: Job) -> bool:
+        return bool(self.long_row_cost) and job.score is None and job.cost > self.long_row_cost
+
+    def _take(self, rows: int, tokens: int, long: int, first: bool = False) -> list[Job]:
+        """Under the lock: queued rows, in order, that fit ``batch_size`` rows and ``max_batch_tokens`` beside
+        ``rows`` / ``tokens`` running (``long`` of them long), removed from the queue. A long row past its share
+        is passed over (shorter rows overtake it); a row past the token budget stops the taking (in order).
+        A new batch (``first``) takes scoring rows too (they run first, apart: ``_run``); joining rows pass them
+        for ``switch_wait`` seconds, then the batch takes no more and drains."""
+        taken, now = [], time.monotonic()
+        for j in self.pending:
+            if rows + len(taken) >= self.batch_size:
+                break
+            if j.cancelled:
+                continue
+            if j.score is not None and not first:
+                if now - j.enqueued_at > self.switch_wait:
+                    break
+                continue
+            if self.is_long(j):
+                if long >= self.long_slots:
+                    continue
+                long += 1
+            if self.max_batch_tokens:
+                need = canvas_tokens(j)
+                if (taken or rows) and tokens + need > self.max_batch_tokens:
+                    break
+                tokens += need
+            taken.append(j)
+        if taken:
+            ids = {id(j) for j in taken}
+            self.pending = collections.deque(j for j in self.pending if id(j) not in ids)
+        return taken
+
+    def _drop_cancelled(self) -> None:
+        """Drop rows cancelled while waiting; each still gets its terminal event (never computed, nfe 0)."""
+        if self._cancelled_queued:
+            with self._lock:
+                dropped = [j for j in self.pending if j.cancelled]
+                self.pending = collections.deque(j for j in self.pending if not j.cancelled)
+                self._cancelled_queued = 0
+            for j in dropped:
+                j.queued = False
+                self.dropped_before_start += 1
+                j.sink(j.index, "done", Result([], "cancelled", 0, [], len(j.prompt_ids)))
+
+    # ------------------------------------------------------------ device thread
+    def _emit(self, job: Job, kind: str, payload) -> None:
+        self._loop.call_soon_threadsafe(job.sink, job.index, kind, payload)
+
+    def _run(self, jobs: list[Job]) -> list[tuple[Job, str, object]]:
+        """Device thread: run one batch; progress goes to the loop as it happens, the terminal events are
+        returned ((job, "done", Result) or (job, "error", (status, message)))."""
+        import torch
+
+        scoring = [j for j in jobs if j.score is not None]
+        if scoring:
+            jobs = [j for j in jobs if j.score is None]
+            out = self._score(scoring)
+            return out + (self._run(jobs) if jobs else [])
+
+        feed = _Feed(self, jobs) if self.continuous else None
+        rows = feed.jobs if feed is not None else jobs        # grows as rows join
+
+        def progress(i, ids):
+            if rows[i].wants_progress:
+                if feed is not None:      # in order with the batch's other events
+                    feed.post(rows[i].sink, rows[i].index, "progress", ids)
+                else:
+                    self._emit(rows[i], "progress", ids)
+        hooks = StepHooks(on_progress=progress, is_cancelled=lambda i: rows[i].cancelled)
+        try:
+            results: list[Result] = self.engine.generate([Request(j.prompt_ids, j.params) for j in jobs], hooks=hooks,
+                                                         **({"feed": feed} if feed is not None else {}))
+        except torch.cuda.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            left = feed.unfinished() if feed is not None else jobs     # rows already answered keep their answer
+            if len(left) == 1:
+                log.error("CUDA out of memory on a single row (prompt %d tokens)", len(left[0].prompt_ids))
+                return [(left[0], "error", (503, "the GPU ran out of memory on this request alone; "
+                                                 "try a shorter prompt or fewer max_tokens"))]
+            half = len(left) // 2
+            log.warning("CUDA out of memory on a batch of %d: retrying as %d + %d", len(left), half, len(left) - half)
+            return self._run(left[:half]) + self._run(left[half:]) if left else []
+        except Exception as e:  # a bug: report to every row of this batch not yet answered, keep serving
+            log.exception("engine failure on a batch of %d", len(rows))
+            left = feed.unfinished() if feed is not None else jobs
+            return [(j, "error", (500, f"internal error during generation: {type(e).__name__}: {e}")) for j in left]
+        if feed is not None:      # every row was answered as it finished; one that was not is a bug, never silent
+            left = feed.unfinished()
+            if left:
+                log.error("%d joined rows were not answered by the engine", len(left))
+            return [(j, "error", (500, "internal error: the engine ended without answering this row"))
+                    for j in left]
+        return [(j, "done", r) for j, r in zip(jobs, results)]
+
+    def _joined(self, job: Job) -> None:        # on the event loop
+        self.running.append(job)
+        self.rows_joined += 1
+        self.rows_processed += 1
+        self._count(1)
+
+    def _retired(self, job: Job) -> None:       # on the event loop
+        if job in self.running:
+            self.running.remove(job)
+        self.rows_retired += 1
+        self._count(2)
+
+    def _score(self, jobs: list[Job]) -> list[tuple[Job, str, object]]:
+        """Device thread: the scoring rows of a batch, their forwards shared (worker.engine.likelihood)."""
+        import torch
+        try:
+            with freed_memory_returned():
+                results = self.engine.score([j.score for j in jobs], cancelled=lambda i: jobs[i].cancelled)
+        except torch.cuda.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            if len(jobs) == 1:
+                return [(jobs[0], "error", (503, "the GPU ran out of memory scoring this prompt alone"))]
+            half = len(jobs) // 2
+            return self._score(jobs[:half]) + self._score(jobs[half:])
+        except Exception as e:
+            log.exception("scoring failure on %d rows", len(jobs))
+            return [(j, "error", (500, f"internal error during scoring: {type(e).__name__}: {e}")) for j in jobs]
+        return [(j, "done", r if r is not None else Result([], "cancelled", 0, [], len(j.prompt_ids)))
+                for j, r in zip(jobs, results)]
+
+
+class _Feed:
+    """The engine's Feed for one batch (device thread): rows join from the head of the queue, finished rows are
+    answered at once. Index i names ``jobs[i]``: the batch's rows first, then the joined ones."""
+
+    def __init__(self, batcher: RowScheduler, jobs: list[Job]):
+        self.b = batcher
+        self.jobs = list(jobs)
+        self.answered: set[int] = set()
+        self.long = sum(1 for j in jobs if batcher.is_long(j))     # long rows running (fair share)
+        self._events: list = []            # (function, args) for the event loop, in order
+        self._posted = False               # a flush is scheduled
+        self._lock = threading.Lock()
+
+    def post(self, fn, *args) -> None:
+        """Run ``fn(*args)`` on the event loop, in order with the batch's other events; one wake-up of the loop
+        carries every event posted until it runs (not one per row)."""
+        with self._lock:
+            self._events.append((fn, args))
+            if self._posted:
+                return
+            self._posted = True
+        self.b._loop.call_soon_threadsafe(self._flush)
+
+    def _flush(self) -> None:
+        with self._lock:
+            events, self._events, self._posted = self._events, [], False
+        for fn, args in events:
+            fn(*args)
+
+    def admit(self, rows: int, tokens: int) -> list[tuple[int, Request]]:
+        """Queued rows, in order, that fit ``batch_size`` rows and ``max_batch_tokens`` with the ``rows`` /
+        ``tokens`` running. Scoring rows never join (they run in batches of their own): they let generation rows
+        join ahead of them for ``switch_wait`` seconds, then the batch takes no more and drains."""
+        b = self.b
+        out = []
+        with b._lock:
+            taken = b._take(rows, tokens, self.long)
+            for j in taken:
+                self.long += b.is_long(j)
+                j.queued = False
+                out.append((len(self.jobs), Request(j.prompt_ids, j.params)))
+                self.jobs.append(j)
+        for j in taken:
+            self.post(b._joined, j)
+        return out
+
+    def done(self, index: int, result: Result) -> None:
+        j = self.jobs[index]
+        self.answered.add(index)
+        self.long -= self.b.is_long(j)
+        self.post(self._answer, j, result)
+
+    def _answer(self, j: Job, result: Result) -> None:      # on the event loop
+        self.b._retired(j)
+        j.sink(j.index, "done", result)
+
+    def unfinished(self) -> list[Job]:
+        return [j for i, j in enumerate(self.jobs) if i not in self.answered]
+
