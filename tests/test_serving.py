@@ -118,3 +118,26 @@ def test_the_simulated_device_prepares_and_runs_rows_like_a_model():
     res = sim.generate([Request(ids, p) for ids, p in zip(prep.prompts, prep.params)])
     assert len(res) == 1 and len(res[0].token_ids) <= 8
 
+
+
+def test_a_request_is_planned_once_and_its_choices_keep_their_seeds(engine):
+    """Serving validates a row by planning it; the plan travels with the job, so the engine does not plan it again
+    (each of n choices with its own seed, in the plan too)."""
+    calls = []
+    plan = engine.plan
+
+    def counted(ids, p):
+        calls.append(p.seed)
+        return plan(ids, p)
+    engine.plan = counted
+    try:
+        s = Serving(engine, RowScheduler(engine, loop=asyncio.new_event_loop()), "tiny-llada", Defaults(max_tokens=8))
+        prep = s.prepare("completion", {"prompt": [5, 6, 7], "n": 2, "seed": 3, "max_tokens": 8, "temperature": 1.0})
+        assert calls == [3] and [pl.params.seed for pl in prep.plans] == [3, 4]
+        from worker.engine import Request
+        res = engine.generate([Request(ids, pl.params, pl) for ids, pl in zip(prep.prompts, prep.plans)])
+        assert calls == [3] and len(res) == 2                          # the engine used the plans it was given
+        alone = [engine.generate([Request(ids, pl.params)])[0] for ids, pl in zip(prep.prompts, prep.plans)]
+        assert [r.token_ids for r in res] == [r.token_ids for r in alone]
+    finally:
+        engine.plan = plan

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 
 from worker.engine import Engine, GenerationParams, Request, Result, StepHooks
 from worker.engine.algorithms import needs_rng
+from worker.engine.params import Plan, with_seed
 
 log = logging.getLogger("dllm.worker.scheduler")
 
@@ -63,6 +64,7 @@ class Job:
     score: object = None              # a likelihood.ScoreRequest: a scoring row (params unused); "done" gives a
                                       # ScoreResult
     cost: int = 0                     # nominal token-forwards (Serving._check_cost); above long_row_cost: "long"
+    plan: Plan | None = None          # the engine's plan of ``params`` when the caller made it (else the engine does)
 
 
 def canvas_tokens(job: Job) -> int:
@@ -138,6 +140,8 @@ class RowScheduler:
         if p is not None and p.seed is None and needs_rng(p):
             # A fixed seed per row makes a retried batch (after CUDA OOM) give the same tokens it already streamed.
             job.params = replace(p, seed=random.getrandbits(63))
+            if job.plan is not None:
+                job.plan = with_seed(job.plan, job.params.seed)
         job.enqueued_at = time.monotonic()
         job.start_by = job.enqueued_at + (self.max_wait_time if wait else 0.0)
         job.queued = True
@@ -303,7 +307,7 @@ class RowScheduler:
                     self._emit(rows[i], "progress", ids)
         hooks = StepHooks(on_progress=progress, is_cancelled=lambda i: rows[i].cancelled)
         try:
-            results: list[Result] = self.engine.generate([Request(j.prompt_ids, j.params) for j in jobs], hooks=hooks,
+            results: list[Result] = self.engine.generate([Request(j.prompt_ids, j.params, j.plan) for j in jobs], hooks=hooks,
                                                          **({"feed": feed} if feed is not None else {}))
         except torch.cuda.OutOfMemoryError:
             torch.cuda.empty_cache()
@@ -398,7 +402,7 @@ class _Feed:
             for j in taken:
                 self.long += b.is_long(j)
                 j.queued = False
-                out.append((len(self.jobs), Request(j.prompt_ids, j.params)))
+                out.append((len(self.jobs), Request(j.prompt_ids, j.params, j.plan)))
                 self.jobs.append(j)
         for j in taken:
             self.post(b._joined, j)

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from common.protocol import (MAX_ROWS, APIError, DetokenizeRequest, ResponsesRequest, TokenizeRequest, parse_body, ChatCompletionRequest, CompletionRequest, chunk, completion_choice, new_id,
                              parse_request, response, usage, usage_chunk)
 from common.openai_http import EventBox
 from worker.engine import Engine, GenerationParams, ParamError
 from worker.engine.likelihood import cost as score_cost
-from worker.engine.params import row_cost
+from worker.engine.params import Plan, row_cost, with_seed
 from worker.responses import ResponsesEvents
 from worker.scheduler import Job, RowScheduler
 from worker.tokenizer import apply_chat_template, max_token_chars, text_decoder
@@ -46,6 +46,7 @@ class Prepared:
     responses: ResponsesRequest | None = None     # a /v1/responses request, run as this chat request
     scores: list | None = None      # likelihood.ScoreRequest per prompt: a scoring request (no generation)
     costs: list[int] | None = None  # nominal token-forwards per row (admission: worker.engine.params.row_cost)
+    plans: list[Plan] | None = None # per row, the engine's plan (made once, here: validation and the schedule)
 
 
 class Serving:
@@ -97,16 +98,18 @@ class Serving:
         if len(prompts) * n > MAX_ROWS:
             raise APIError(400, f"{len(prompts)} prompts x n={n} is more than {MAX_ROWS} choices in one request",
                            param="n")
-        params, costs = [], []
+        plans, costs = [], []
         for ids in prompts:
-            p, c = self._params(req, ids)
-            costs += [c] * n
+            pl = self._params(req, ids)
+            costs += [row_cost(pl)] * n
             # choice j of a seeded request uses seed + j: reproducible, and distinct when sampling
-            params += [p if j == 0 or p.seed is None else replace(p, seed=(p.seed + j) % (1 << 63)) for j in range(n)]
+            plans += [pl if j == 0 or pl.params.seed is None else with_seed(pl, (pl.params.seed + j) % (1 << 63))
+                      for j in range(n)]
         self._check_cost(sum(costs), "max_tokens", "prompt length + max_tokens, steps, n and cfg_scale")
         prompts = [ids for ids in prompts for _ in range(n)]
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
-        return Prepared(kind, req, prompts, params, rid=new_id(prefix), costs=costs)
+        return Prepared(kind, req, prompts, [pl.params for pl in plans], rid=new_id(prefix), costs=costs,
+                        plans=plans)
 
     def _prepare_scoring(self, req: CompletionRequest, prompts: list[list[int]]) -> Prepared:
         from worker.engine.likelihood import ScoreRequest, check
@@ -152,7 +155,8 @@ class Serving:
         return Prepared("completion", req, prompts, [None] * len(prompts), rid=new_id("cmpl"), scores=scores,
                         costs=costs)
 
-    def _params(self, req, ids: list[int]) -> GenerationParams:
+    def _params(self, req, ids: list[int]) -> Plan:
+        """The row's plan from the request's fields and the server's defaults (400 naming the field if invalid)."""
         d = self.defaults
         limit = self.engine.max_sequence_length - len(ids)
         max_new = req.max_new_tokens
@@ -183,7 +187,7 @@ class Serving:
             if param == "max_tokens" and req.max_completion_tokens is not None:
                 param = "max_completion_tokens"
             raise APIError(400, e.message, param=param)
-        return p, row_cost(pl)
+        return pl
 
     def _check_cost(self, cost: int, param: str, what: str) -> None:
         """Admission by cost: a request whose nominal token-forwards exceed --max-request-cost is refused, naming
@@ -297,7 +301,8 @@ class Serving:
             run.emit = ResponsesEvents(prep.responses, prep.rid, self.model_name, prep.created, run.emit)
         progress = prep.req.stream or bool(prep.req.stop)
         run.jobs = [Job(ids, p, sink=run.on_row, index=i, wants_progress=progress,
-                        score=prep.scores[i] if prep.scores else None, cost=prep.costs[i] if prep.costs else 0)
+                        score=prep.scores[i] if prep.scores else None, cost=prep.costs[i] if prep.costs else 0,
+                        plan=prep.plans[i] if prep.plans else None)
                     for i, (ids, p) in enumerate(zip(prep.prompts, prep.params))]
         if self.batcher.queue_depth + len(run.jobs) > self.batcher.max_queue:
             raise APIError(429, f"the worker queue is full ({self.batcher.max_queue} rows waiting)",

@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 class Request:
     prompt_ids: list[int]
     params: GenerationParams = field(default_factory=GenerationParams)
+    plan: Plan | None = None      # its plan when the caller already validated it (:meth:`Engine.plan`), else made here
 
 
 @dataclass
@@ -155,7 +156,7 @@ class Engine:
         ``fin.admit`` at the top of its step loop) or starts a group when none of its algorithm runs; every row is
         handed to ``feed.done(index, Result)`` the moment it finishes. A row's tokens and nfe never depend on the
         rows around it, so joining is exact (tests/test_continuous.py)."""
-        plans = [self.plan(r.prompt_ids, r.params) for r in requests]
+        plans = [r.plan or self.plan(r.prompt_ids, r.params) for r in requests]
         rows = [self.row(i, req, pl) for i, (req, pl) in enumerate(zip(requests, plans))]
         _Batch(self, early_exit, hooks, feed).run(rows)
         return [result(r) for r in rows]
@@ -224,7 +225,7 @@ class _Batch:
         live = [r for g in self.groups.values() for r in g.running + g.inbox if not r.done]
         tokens = sum(r.plan.prompt_length + r.plan.canvas_length for r in live)
         for index, req in self.feed.admit(len(live), tokens):
-            row = self.engine.row(index, req, self.engine.plan(req.prompt_ids, req.params))
+            row = self.engine.row(index, req, req.plan or self.engine.plan(req.prompt_ids, req.params))
             name = self.key(row)
             g = self.groups.get(name)
             if g is None:

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 class ParamError(ValueError):
@@ -105,3 +105,7 @@ def row_cost(pl: Plan) -> int:
     forwards = max(pl.num_blocks * pl.steps_per_block, pl.params.steps or 0)
     return forwards * (pl.prompt_length + pl.canvas_length) * (2 if pl.params.cfg_scale > 0 else 1)
 
+
+def with_seed(pl: Plan, seed: int) -> Plan:
+    """The same plan for a row with another seed (the n choices of a request; a seed given to an unseeded row)."""
+    return replace(pl, params=replace(pl.params, seed=seed))
