@@ -256,3 +256,18 @@ def test_worker_and_balancer_serve_the_family(tmp_path, golden):
         assert status == 400 and r["error"]["param"] == "temperature"
     finally:
         cl.stop()
+
+
+def test_a_cancelled_row_leaves_the_others_exact(engine, golden):
+    """A row dropped mid-canvas (its client gone) leaves the batch and its cache slot; the others keep the reference's
+    tokens and forwards."""
+    from worker.engine import StepHooks
+    cases = golden["cases"][:6]
+    steps = {"n": 0}
+
+    def gone(i):
+        steps["n"] += 1
+        return i == 2 and steps["n"] > 40            # row 2 leaves after a few steps
+    res = engine.generate([Request(c["prompt"], params(c)) for c in cases], hooks=StepHooks(is_cancelled=gone))
+    assert res[2].finish_reason == "cancelled"
+    assert [i for i, (r, c) in enumerate(zip(res, cases)) if i != 2 and not same(r, c, max_tokens(c))] == []
