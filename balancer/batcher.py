@@ -30,6 +30,7 @@ from balancer.policy import DEFAULT as DEFAULT_POLICY, POLICIES, make_policy
 from balancer.pool import Worker, WorkerPool
 from common.config import setting
 from common.http import MAX_BATCH_BYTES
+from common.openai_http import Event
 from common.protocol import error_body
 
 log = logging.getLogger("dllm.balancer.batcher")
@@ -41,14 +42,14 @@ REJECTED = frozenset({400, 413, 415, 422})
 
 @dataclass(slots=True, eq=False)
 class Pending:
-    """One client request while the balancer holds it. Its handler iterates it: events (attempt, event, status, data,
-    end) of the current attempt (stale attempts' are skipped); ``attempt`` None means "whatever the current attempt"
+    """One client request while the balancer holds it. Its handler iterates it: events (common.openai_http.Event)
+    of the current attempt (stale attempts' are skipped); ``attempt`` None means "whatever the current attempt"
     (timeouts)."""
     id: str
     kind: str                      # "chat" | "completion"
     body: bytes                    # the client's JSON body, validated, forwarded byte for byte
     stream: bool
-    events: collections.deque = field(default_factory=collections.deque)   # (attempt, event, status, data, end)
+    events: collections.deque = field(default_factory=collections.deque)   # of common.openai_http.Event
     attempt: int = 0
     tries: int = 0
     sent_bytes: bool = False       # set by the handler just before it writes anything to its client
@@ -63,7 +64,7 @@ class Pending:
     _waiter: asyncio.Future | None = None
 
     def deliver(self, attempt: int | None, event: str, status: int = 200, data=None, end: bool = False) -> None:
-        self.events.append((attempt, event, status, data, end))
+        self.events.append(Event(attempt, event, status, data, end))
         w = self._waiter
         if w is not None and not w.done():
             w.set_result(None)
@@ -71,7 +72,7 @@ class Pending:
     def __aiter__(self):
         return self
 
-    async def __anext__(self) -> tuple:
+    async def __anext__(self) -> Event:
         """The next event of the current attempt (stale attempts' events are skipped), up to the one with ``end``
         (one waiter future at a time: no task or queue per request; the balancer's hot path)."""
         if self.ended:
@@ -85,8 +86,8 @@ class Pending:
                 finally:
                     self._waiter = None
             ev = events.popleft()
-            if ev[0] is None or ev[0] == self.attempt:
-                self.ended = ev[4]
+            if ev.attempt is None or ev.attempt == self.attempt:
+                self.ended = ev.end
                 return ev
 
     next = __anext__

@@ -47,7 +47,7 @@ from aiohttp import web
 from balancer.batcher import Pending
 from common.http import (BODY_BUDGET, MAX_BODY_BYTES, MAX_BODY_BYTES_IN_FLIGHT, AppRunner, BodyBudget, middlewares,
                          read_bytes)
-from common.openai_http import ENDPOINTS, EventBox, add_routes, meaningful
+from common.openai_http import ENDPOINTS, Event, EventBox, add_routes, meaningful
 from common.protocol import APIError, error_body, guarded_by_api_key
 
 log = logging.getLogger("dllm.balancer.front")
@@ -362,12 +362,12 @@ class CentralLink(Link):
             return
         box = self.front.live.get(h["n"])
         if box is not None:
-            box.push((h["a"], h["e"], h["st"], h["d"], h["end"]))
+            box.push(Event(h["a"], h["e"], h["st"], h["d"], h["end"]))
 
     def on_lost(self) -> None:
         for box in self.front.live.values():
-            box.push((None, "error", 502, error_body("the balancer's central process went away", "server_error"),
-                      True))
+            box.push(Event(None, "error", 502, error_body("the balancer's central process went away", "server_error"),
+                           True))
 
 
 FRONT = web.AppKey("front", FrontState)

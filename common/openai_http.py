@@ -7,9 +7,11 @@ queues it for a batch, a front hands it to the balancer process, the worker toke
 answers from the events that come back: one JSON response, or server-sent events. The door's ``close`` runs once the
 answer is over or the client has gone (cancellation, metrics).
 
-Events are tuples ``(attempt, event, status, data, end)``: ``event`` is "chunk" (a stream chunk), "response" (the
-whole answer) or "error" (``status`` and an OpenAI error body); ``attempt`` numbers the balancer's dispatches of the
-request (None elsewhere); the request's last event has ``end`` True. A source of events is an async iterator of
+Events are :class:`Event` named tuples ``(attempt, kind, status, data, end)``: ``kind`` is "chunk" (a stream chunk),
+"response" (the whole answer) or "error" (``status`` and an OpenAI error body); ``attempt`` numbers the balancer's
+dispatches of the request (None elsewhere); the request's last event has ``end`` True. The same type from the
+worker's Run to the balancer's Pending and its front processes (on the wire between processes: NDJSON lines and
+frames with the same fields). A source of events is an async iterator of
 them (an :class:`EventBox`, or any object with ``__anext__`` ending after the ``end`` event)."""
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import asyncio
 import collections
 import functools
 import time
-from typing import AsyncIterator, Protocol
+from typing import Any, AsyncIterator, NamedTuple, Protocol
 
 import orjson
 from aiohttp import web
@@ -28,7 +30,13 @@ from common.protocol import APIError, error_body, parse_request
 # kind -> path: the endpoints this handler serves (request models and response builders: common/protocol.py)
 ENDPOINTS = {"completion": "/v1/completions", "chat": "/v1/chat/completions", "responses": "/v1/responses"}
 
-Event = tuple  # (attempt, event, status, data, end)
+class Event(NamedTuple):
+    """One event of a request's answer (see the module's docstring)."""
+    attempt: int | None
+    kind: str
+    status: int
+    data: Any
+    end: bool
 
 
 class EventBox:
@@ -64,7 +72,7 @@ class EventBox:
         if self._ended:
             raise StopAsyncIteration
         ev = await self.next()
-        self._ended = ev[4]
+        self._ended = ev.end
         return ev
 
 

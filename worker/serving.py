@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from common.protocol import (MAX_ROWS, APIError, DetokenizeRequest, ResponsesRequest, TokenizeRequest, parse_body, ChatCompletionRequest, CompletionRequest, chunk, completion_choice, new_id,
                              parse_request, response, usage, usage_chunk)
-from common.openai_http import EventBox
+from common.openai_http import Event, EventBox
 from worker.engine import Engine, GenerationParams, ParamError
 from worker.engine.likelihood import cost as score_cost
 from worker.engine.params import Plan, row_cost, with_seed
@@ -332,9 +332,9 @@ class Run:
 
     def _push(self, kind: str, data, last: bool) -> None:
         if kind == "error":
-            self._box.push((None, "error", data[0], data[1], last))
+            self._box.push(Event(None, "error", data[0], data[1], last))
         else:
-            self._box.push((None, kind, 200, data, last))
+            self._box.push(Event(None, kind, 200, data, last))
 
     def __aiter__(self):
         """The events of a Run made without ``emit``, as common/openai_http.py reads them."""
