@@ -76,12 +76,17 @@ class Procs:
         self.procs.clear()
 
 
+def cli_module(tree: Path) -> str:
+    """The command line's module in ``tree`` (``common.cli`` before it moved to ``dllm_serve``)."""
+    return "dllm_serve" if (tree / "dllm_serve").is_dir() else "common.cli"
+
+
 def start_workers(procs: Procs, n: int, cost: str, batch_size: int, max_wait: float, tree: Path = ROOT,
                   tag: str = "") -> list[str]:
     urls = []
     for i in range(n):
         port = free_port()
-        procs.start([sys.executable, "-m", "dllm_serve", "worker", "--model-path", str(MODEL), "--port", str(port),
+        procs.start([sys.executable, "-m", cli_module(tree), "worker", "--model-path", str(MODEL), "--port", str(port),
                      "--simulate-device", cost, "--batch-size", str(batch_size), "--max-wait-time", str(max_wait),
                      "--max-queue", "100000", "--log-level", "warning"], f"worker{tag}{i}", tree)
         urls.append(f"http://127.0.0.1:{port}")
@@ -93,8 +98,8 @@ def start_workers(procs: Procs, n: int, cost: str, batch_size: int, max_wait: fl
 def start_balancer(procs: Procs, urls: list[str], batch_size: int, wait: float, inflight: int,
                    http_processes: int = 1, tree: Path = ROOT, tag: str = "") -> str:
     port = free_port()
-    procs.start([sys.executable, "-m", "dllm_serve", "balancer", "--worker-urls", ",".join(urls), "--port", str(port),
-                 "--batch-size", str(batch_size), "--batch-wait-time", str(wait), "--max-queue", "100000",
+    procs.start([sys.executable, "-m", cli_module(tree), "balancer", "--worker-urls", ",".join(urls), "--port",
+                 str(port), "--batch-size", str(batch_size), "--batch-wait-time", str(wait), "--max-queue", "100000",
                  "--max-inflight-per-worker", str(inflight), "--http-processes", str(http_processes),
                  "--log-level", "warning"], f"balancer{tag}-{http_processes}", tree)
     url = f"http://127.0.0.1:{port}"
