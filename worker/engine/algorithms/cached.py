@@ -37,15 +37,87 @@ def fast_dllm(params):
     return fast_dllm_rule(params, Softmax.FLOAT64, Softmax.FLOAT64)
 
 
+def _full_forward(model, canvas: Canvas, cache, gens, full: list[int], block_only: bool, mask_id: int, out) -> None:
+    """Rows ``full`` (batch indices) at a block start or warm-up: one full forward that refreshes their cache slots;
+    ``out[b]`` = (region, layout, logits) to decide from (Fast-dLLM ranks the whole sequence here)."""
+    active = canvas.rows
+    slots = None if len(full) == len(active) else torch.tensor(full, device=model.device)
+    sel = slice(None) if slots is None else slots
+    mask = None if canvas.mask is None else canvas.mask[sel]
+    hidden = model(canvas.x[sel], canvas.pos[sel], mask, cache=cache, slots=slots)
+    regions, idx = [], []
+    for b in full:
+        r = active[b]
+        s, e = r.block_range() if block_only else candidate_region(r, gens[r.index], mask_id)
+        regions.append((s, e))
+        idx.append([canvas.gen_start(b) + j for j in range(s, e)])
+    lg = _gather_logits(model, hidden, idx)
+    for i, b in enumerate(full):
+        out[b] = (regions[i], whole_sequence(active[b], regions[i]), lg[i, : len(idx[i])])
+
+
+def _window_forward(model, canvas: Canvas, cache, part: list[int], dual: bool, out) -> None:
+    """Rows ``part`` inside a block: forward a window only (the block, widened by dInfer's vicinity refresh, for
+    ``dual``; the block and everything after it otherwise), attending to the cached row; ``out[b]`` as above
+    (Fast-dLLM ranks what it forwarded)."""
+    active = canvas.rows
+    wins, at, regions, layouts = [], [], [], []
+    for b in part:
+        r = active[b]
+        s, e = r.block_range()
+        g0 = canvas.gen_start(b)
+        if dual:
+            ws = max(s - r.params.extra.get("prefix_look", 0), -r.plan.prompt_length)
+            we = min(e + r.params.extra.get("after_look", 0), r.plan.canvas_length)
+        else:
+            ws, we = s, r.plan.canvas_length
+        wins.append((g0 + ws, g0 + we))
+        at.append(s - ws)
+        regions.append((s, e))
+        layouts.append(Layout(e - s if dual else r.plan.canvas_length - s, 0))
+    cols, valid = window_index(wins, model.device)
+    slots = None if len(part) == len(active) else torch.tensor(part, device=model.device)
+    sel = slice(None) if slots is None else slots
+    ids = canvas.x[sel].gather(1, cols)
+    pos = canvas.pos[sel].gather(1, cols)
+    bi, wi = valid.nonzero(as_tuple=True)
+    mask = None if canvas.mask is None else canvas.mask[sel]
+    hidden = model(ids, pos, mask, cache=cache, slots=slots, window=(bi, wi, cols[bi, wi]))
+    idx = [list(range(a, a + active[b].plan.block_length)) for a, b in zip(at, part)]
+    lg = _gather_logits(model, hidden, idx)
+    for i, b in enumerate(part):
+        out[b] = (regions[i], layouts[i], lg[i, : len(idx[i])])
+
+
+def _commit_all(canvas: Canvas, decided: list, mask_id: int, device) -> None:
+    """One commit for every row from its (region, layout, logits): the regions padded to the widest with their last
+    column."""
+    regions = [d[0] for d in decided]
+    widths = [e - s for s, e in regions]
+    K = max(widths)
+    first = decided[0][2]
+    logits = first.new_empty((len(decided), K, first.shape[-1]))
+    gidx = torch.empty((len(decided), K), dtype=torch.long)
+    for b, ((s, e), _, lg) in enumerate(decided):
+        logits[b, : e - s] = lg
+        if e - s < K:
+            logits[b, e - s:] = lg[-1]
+        g0 = canvas.gen_start(b)
+        gidx[b] = torch.tensor([g0 + min(s + j, e - 1) for j in range(K)])
+    commit(canvas, logits, gidx.to(device), widths, mask_id, [d[1] for d in decided])
+
+
 def run_cached(engine, rows: list[Row], fin: Finisher, dual: bool, make_rule=fast_dllm, block_only: bool = False,
                extra_cached_step: bool = True) -> None:
     """``make_rule(params)``: each row's transfer rule; ``block_only``: a step's candidates are the block's positions
     only (dInfer), else the block extended back to any earlier masked position (Fast-dLLM); ``extra_cached_step``:
-    the reference runs at least one cached step per block (Fast-dLLM, below)."""
+    the reference runs at least one cached step per block (Fast-dLLM, below). A step: the full forward of the rows
+    at a block start, the window forward of the others, one commit for all, the finisher."""
     model, mask_id = engine.model, engine.mask_id
     canvas = Canvas(rows, mask_id, engine.pad_id, model.device)
     cache = model.new_cache(len(rows), canvas.x.shape[1])
     gens = canvas.read_gens()
+
     def setup(new: list[Row]) -> None:
         for r in new:
             r.rule = make_rule(r.params)
@@ -64,71 +136,19 @@ def run_cached(engine, rows: list[Row], fin: Finisher, dual: bool, make_rule=fas
             gens = canvas.read_gens()
             setup(new)
         active = canvas.rows
-        B = len(active)
         full = [b for b, r in enumerate(active) if _full_step(r)]
         part = [b for b, r in enumerate(active) if not _full_step(r)]
-        regions, logits_by_row, layouts = [None] * B, [None] * B, [None] * B
-
-        if full:   # block start (or warm-up): full forward, refresh the cache, decide from its logits
-            slots = None if len(full) == B else torch.tensor(full, device=model.device)
-            sel = slice(None) if slots is None else slots
-            mask = None if canvas.mask is None else canvas.mask[sel]
-            hidden = model(canvas.x[sel], canvas.pos[sel], mask, cache=cache, slots=slots)
-            idx = []
-            for b in full:
-                r = active[b]
-                s, e = r.block_range() if block_only else candidate_region(r, gens[r.index], mask_id)
-                regions[b] = (s, e)
-                layouts[b] = whole_sequence(active[b], (s, e))   # Fast-dLLM ranks the whole sequence here
-                idx.append([canvas.gen_start(b) + j for j in range(s, e)])
-            lg = _gather_logits(model, hidden, idx)
-            for i, b in enumerate(full):
-                logits_by_row[b] = lg[i, : len(idx[i])]
-
-        if part:   # inside a block: forward a window only, attending to the cached row
-            wins, at = [], []
-            for b in part:
-                r = active[b]
-                s, e = r.block_range()
-                g0 = canvas.gen_start(b)
-                if dual:   # the block, widened by the vicinity refresh (dInfer's prefix_look / after_look)
-                    ws = max(s - r.params.extra.get("prefix_look", 0), -r.plan.prompt_length)
-                    we = min(e + r.params.extra.get("after_look", 0), r.plan.canvas_length)
-                else:      # the block and everything after it
-                    ws, we = s, r.plan.canvas_length
-                wins.append((g0 + ws, g0 + we))
-                at.append(s - ws)
-                regions[b] = (s, e)
-                # Fast-dLLM ranks what it forwarded: the block (dual), the block and everything after it (prefix)
-                layouts[b] = Layout(e - s if dual else r.plan.canvas_length - s, 0)
-            cols, valid = window_index(wins, model.device)
-            slots = None if len(part) == B else torch.tensor(part, device=model.device)
-            sel = slice(None) if slots is None else slots
-            ids = canvas.x[sel].gather(1, cols)
-            pos = canvas.pos[sel].gather(1, cols)
-            bi, wi = valid.nonzero(as_tuple=True)
-            mask = None if canvas.mask is None else canvas.mask[sel]
-            hidden = model(ids, pos, mask, cache=cache, slots=slots, window=(bi, wi, cols[bi, wi]))
-            idx = [list(range(a, a + active[b].plan.block_length)) for a, b in zip(at, part)]
-            lg = _gather_logits(model, hidden, idx)
-            for i, b in enumerate(part):
-                logits_by_row[b] = lg[i, : len(idx[i])]
-
-        widths = [e - s for s, e in regions]
-        K = max(widths)
-        logits = logits_by_row[0].new_empty((B, K, logits_by_row[0].shape[-1]))
-        gidx = torch.empty((B, K), dtype=torch.long)
-        for b, (s, e) in enumerate(regions):
-            logits[b, : e - s] = logits_by_row[b]
-            if e - s < K:
-                logits[b, e - s:] = logits_by_row[b][-1]
-            g0 = canvas.gen_start(b)
-            gidx[b] = torch.tensor([g0 + min(s + j, e - 1) for j in range(K)])
-        commit(canvas, logits, gidx.to(model.device), widths, mask_id, layouts)
+        decided = [None] * len(active)
+        if full:
+            _full_forward(model, canvas, cache, gens, full, block_only, mask_id, decided)
+        if part:
+            _window_forward(model, canvas, cache, part, dual, decided)
+        _commit_all(canvas, decided, mask_id, model.device)
         gens, dropped = step_done(canvas, fin, mask_id)
         if dropped and dropped[0]:
             cache.keep(*dropped)
         yield      # a step is done: the engine may run other groups' steps (continuous batching)
+
 
 register(Algorithm(
     name="prefix_cache",
