@@ -51,110 +51,131 @@ def threshold_step(p: GenerationParams, g, logits: torch.Tensor, where: torch.Te
     return pick, token[pick]
 
 
+def _block_starts(model, canvas: Canvas, cache, full: list[int], starts: list[int]) -> None:
+    """Rows ``full`` at a block start: one full forward into their cache slots, then each commits the block's first
+    position from the (shifted) logit before it."""
+    active, x, dev = canvas.rows, canvas.x, model.device
+    slots = None if len(full) == len(active) else torch.tensor(full, device=dev)
+    sel = slice(None) if slots is None else slots
+    mask = None if canvas.mask is None else canvas.mask[sel]
+    hidden = model(x[sel], canvas.pos[sel], mask, cache=cache, slots=slots)
+    src = torch.tensor([starts[b] - 1 for b in full], device=dev)      # shifted logits
+    logits = model.logits(hidden[torch.arange(len(full), device=dev), src])
+    for i, b in enumerate(full):
+        r = active[b]
+        _, x0 = sample_tokens(logits[i:i + 1], r.params, r.generator, "probability")
+        x[b, starts[b]] = x0[0]
+        if r.logprobs is not None:
+            r.logprobs.record(torch.tensor([r.block * r.plan.block_length]), x0, logits[i:i + 1])
+        r.step = 1
+
+
+def _block_steps(model, canvas: Canvas, cache, part: list[int], starts: list[int], dual: bool, timesteps: dict,
+                 mask_id: int) -> None:
+    """Rows ``part`` inside a block: a window forward against the cached row (the block for ``dual``, the block and
+    everything after it otherwise), then each row's rule commits some of the block's masked positions (threshold, or
+    the entropy schedule: ``step`` -1 once its steps are used)."""
+    active, x, dev, W = canvas.rows, canvas.x, model.device, canvas.x.shape[1]
+    wins = [(starts[b], starts[b] + active[b].plan.block_length if dual else W) for b in part]
+    cols, valid = window_index(wins, dev)
+    slots = None if len(part) == len(active) else torch.tensor(part, device=dev)
+    sel = slice(None) if slots is None else slots
+    ids = x[sel].gather(1, cols)
+    bi, wi = valid.nonzero(as_tuple=True)
+    mask = None if canvas.mask is None else canvas.mask[sel]
+    hidden = model(ids, canvas.pos[sel].gather(1, cols), mask, cache=cache, slots=slots,
+                   window=(bi, wi, cols[bi, wi]))
+    bl = [active[b].plan.block_length for b in part]
+    masked = [(ids[i, :bl[i]] == mask_id).nonzero(as_tuple=True)[0] for i in range(len(part))]
+    src_b = torch.cat([torch.full_like(m, i) for i, m in enumerate(masked)])
+    src_w = torch.cat([(m - 1).clamp(min=0) for m in masked])           # shifted within the window
+    logits = model.logits(hidden[src_b, src_w]) if len(src_b) else None
+    at = 0
+    for i, b in enumerate(part):
+        r, where = active[b], masked[i]
+        n, length = where.shape[0], wins[i][1] - wins[i][0]
+        lg = logits[at:at + n] if n else None
+        at += n
+        spb = steps_per_block(r)
+        if r.params.threshold is not None:
+            if n:
+                pick, tokens = threshold_step(r.params, r.generator, lg, where, length)
+                x[b, starts[b] + pick] = tokens
+                record_row_logprobs(r, where, pick, r.block * r.plan.block_length + pick, tokens, lg)
+        else:
+            if n:
+                pick, tokens = decide(r.params, r.generator, lg, where, length, timesteps[r.index],
+                                      r.step, spb, "entropy")
+                x[b, starts[b] + pick] = tokens
+                record_row_logprobs(r, where, pick, r.block * r.plan.block_length + pick, tokens, lg)
+            r.step += 1
+        r.nfe += 1
+        if r.params.threshold is None and r.step == spb:
+            r.step = -1        # the schedule is over: the block ends below, masks or not
+
+
+def _finish_block(r: Row) -> bool:
+    """Move to the next block; True when the row has none left."""
+    if r.block + 1 >= r.plan.num_blocks:
+        return True
+    r.block, r.step = r.block + 1, 0
+    return False
+
+
+def _account(canvas: Canvas, cache, fin: Finisher, full: list[int], part: list[int], mask_id: int) -> None:
+    """After the step: a block-start forward counts in nfe; a block ends when clear (checked after each cached step,
+    and, with the entropy schedule, before one) or when its schedule is over; finished rows leave."""
+    active = canvas.rows
+    gens = canvas.read_gens()
+    done = []
+    for b, r in enumerate(active):
+        if b in full:
+            r.nfe += 1
+        s, e = r.block_range()
+        block_clear = mask_id not in gens[r.index][s:e]
+        schedule_done = False
+        if (b in part and (block_clear or r.step == -1)) or (
+                b in full and r.params.threshold is None and steps_per_block(r) == 1):
+            schedule_done = _finish_block(r)
+        fin.update(r, gens[r.index], schedule_done)
+        if r.done:
+            done.append(b)
+    if done:
+        keep = [b for b in range(len(active)) if b not in done]
+        trim = canvas.keep(keep)
+        if canvas.rows:
+            cache.keep(keep, trim)
+
+
 def run_dream_cache(engine, rows: list[Row], fin: Finisher, dual: bool) -> None:
+    """A step: the block-start forward of the rows beginning a block, the window forward of the others, then the
+    accounting (block ends, finished rows)."""
     model, mask_id, dev = engine.model, engine.mask_id, engine.model.device
     canvas = Canvas(rows, mask_id, engine.pad_id, dev)
     cache = model.new_cache(len(rows), canvas.x.shape[1])
-    timesteps = {r.index: torch.linspace(1, r.params.extra["eps"], steps_per_block(r) + 1, device=dev) for r in rows}
-    for r in rows:
-        r.block, r.step = 0, 0          # step 0 = the block's full forward; then i = 1, 2, ... as the reference's
+    timesteps = {}
 
-    def finish_block(r: Row) -> bool:
-        """Move to the next block; True when the row has none left."""
-        if r.block + 1 >= r.plan.num_blocks:
-            return True
-        r.block, r.step = r.block + 1, 0
-        return False
+    def setup(new: list[Row]) -> None:
+        for r in new:
+            timesteps[r.index] = torch.linspace(1, r.params.extra["eps"], steps_per_block(r) + 1, device=dev)
+            r.block, r.step = 0, 0      # step 0 = the block's full forward; then i = 1, 2, ... as the reference's
 
+    setup(rows)
     while canvas.rows:
         new = between_steps(canvas, fin, cache)     # joining rows start with a full forward
         if new is None:
             break
         if new:
-            for r in new:
-                timesteps[r.index] = torch.linspace(1, r.params.extra["eps"], steps_per_block(r) + 1, device=dev)
-                r.block, r.step = 0, 0
-        active, x, W = canvas.rows, canvas.x, canvas.x.shape[1]
-        B = len(active)
+            setup(new)
+        active = canvas.rows
         starts = [canvas.gen_start(b) + r.block * r.plan.block_length for b, r in enumerate(active)]
         full = [b for b, r in enumerate(active) if r.step == 0]
         part = [b for b, r in enumerate(active) if r.step > 0]
-        stepped = set()
-
-        if full:      # block start: full forward into the cache; commit the block's first position
-            slots = None if len(full) == B else torch.tensor(full, device=dev)
-            sel = slice(None) if slots is None else slots
-            mask = None if canvas.mask is None else canvas.mask[sel]
-            hidden = model(x[sel], canvas.pos[sel], mask, cache=cache, slots=slots)
-            src = torch.tensor([starts[b] - 1 for b in full], device=dev)      # shifted logits
-            logits = model.logits(hidden[torch.arange(len(full), device=dev), src])
-            for i, b in enumerate(full):
-                r = active[b]
-                _, x0 = sample_tokens(logits[i:i + 1], r.params, r.generator, "probability")
-                x[b, starts[b]] = x0[0]
-                if r.logprobs is not None:
-                    r.logprobs.record(torch.tensor([r.block * r.plan.block_length]), x0, logits[i:i + 1])
-                active[b].step = 1
-
-        if part:      # inside the block: a window forward against the cached row
-            wins = [(starts[b], starts[b] + active[b].plan.block_length if dual else W) for b in part]
-            cols, valid = window_index(wins, dev)
-            slots = None if len(part) == B else torch.tensor(part, device=dev)
-            sel = slice(None) if slots is None else slots
-            ids = x[sel].gather(1, cols)
-            bi, wi = valid.nonzero(as_tuple=True)
-            mask = None if canvas.mask is None else canvas.mask[sel]
-            hidden = model(ids, canvas.pos[sel].gather(1, cols), mask, cache=cache, slots=slots,
-                           window=(bi, wi, cols[bi, wi]))
-            bl = [active[b].plan.block_length for b in part]
-            masked = [(ids[i, :bl[i]] == mask_id).nonzero(as_tuple=True)[0] for i in range(len(part))]
-            src_b = torch.cat([torch.full_like(m, i) for i, m in enumerate(masked)])
-            src_w = torch.cat([(m - 1).clamp(min=0) for m in masked])           # shifted within the window
-            logits = model.logits(hidden[src_b, src_w]) if len(src_b) else None
-            at = 0
-            for i, b in enumerate(part):
-                r, where = active[b], masked[i]
-                n, length = where.shape[0], wins[i][1] - wins[i][0]
-                lg = logits[at:at + n] if n else None
-                at += n
-                spb = steps_per_block(r)
-                if r.params.threshold is not None:
-                    if n:
-                        pick, tokens = threshold_step(r.params, r.generator, lg, where, length)
-                        x[b, starts[b] + pick] = tokens
-                        record_row_logprobs(r, where, pick, r.block * r.plan.block_length + pick, tokens, lg)
-                else:
-                    if n:
-                        pick, tokens = decide(r.params, r.generator, lg, where, length, timesteps[r.index],
-                                              r.step, spb, "entropy")
-                        x[b, starts[b] + pick] = tokens
-                        record_row_logprobs(r, where, pick, r.block * r.plan.block_length + pick, tokens, lg)
-                    r.step += 1
-                r.nfe += 1
-                if r.params.threshold is None and r.step == spb:
-                    r.step = -1        # the schedule is over: the block ends below, masks or not
-                stepped.add(b)
-
-        gens = canvas.read_gens()
-        done = []
-        for b, r in enumerate(active):
-            if b in full:
-                r.nfe += 1
-            s, e = r.block_range()
-            block_clear = mask_id not in gens[r.index][s:e]
-            schedule_done = False
-            # the reference checks the block after each cached step, and (entropy schedule) before one
-            if (b in stepped and (block_clear or r.step == -1)) or (
-                    b in full and r.params.threshold is None and steps_per_block(r) == 1):
-                schedule_done = finish_block(r)
-            fin.update(r, gens[r.index], schedule_done)
-            if r.done:
-                done.append(b)
-        if done:
-            keep = [b for b in range(B) if b not in done]
-            trim = canvas.keep(keep)
-            if canvas.rows:
-                cache.keep(keep, trim)
+        if full:
+            _block_starts(model, canvas, cache, full, starts)
+        if part:
+            _block_steps(model, canvas, cache, part, starts, dual, timesteps, mask_id)
+        _account(canvas, cache, fin, full, part, mask_id)
         yield      # a step is done: the engine may run other groups' steps (continuous batching)
 
 
