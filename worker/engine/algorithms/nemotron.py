@@ -24,110 +24,121 @@ from ..sampling import Layout, Softmax, denoise, fast_dllm_rule
 from . import Algorithm, ParamInfo, register
 
 
-def run(engine, rows: list[Row], fin: Finisher) -> None:
-    model, mask_id, dev = engine.model, engine.mask_id, engine.model.device
-    B0, P, G = 0, 0, 0
-    x = torch.empty((0, 0), dtype=torch.long, device=dev)
-    offsets: list[int] = []
-    cache = model.new_cache(0, 0)
-    shift, ctx, slot, commit = [], {}, {}, {}
+class _Batch:
+    """The rows' layout (prompts left-padded to a common end column ``P``, generations after it), their cache slots
+    and per-row state: ``shift`` (shift_logits, by slot), ``ctx`` (the logit before a row's block, when shifting),
+    ``commit`` (the row's next forward stores its finished block)."""
 
-    def place(new: list[Row]) -> None:
-        """Lay rows out (prompt ends at column P, generations after it; a longer prompt or generation widens the
-        layout and shifts the others, their cache with them), then prefill their prompts into their cache slots,
-        each attending to its own prompt only (not counted in nfe)."""
-        nonlocal B0, P, G, x, offsets, col, off, pos
-        P2 = max([P] + [r.plan.prompt_length for r in new])
-        G2 = max([G] + [r.plan.canvas_length for r in new])
-        grow = P2 - P
+    def __init__(self, engine):
+        self.engine, self.model = engine, engine.model
+        self.dev = self.model.device
+        self.B0 = self.P = self.G = 0
+        self.x = torch.empty((0, 0), dtype=torch.long, device=self.dev)
+        self.offsets: list[int] = []
+        self.cache = self.model.new_cache(0, 0)
+        self.shift: list[bool] = []
+        self.ctx, self.slot, self.commit = {}, {}, {}
+        self.col = self.off = self.pos = None
+
+    def place(self, new: list[Row]) -> None:
+        """Lay rows out (a longer prompt or generation widens the layout and shifts the others, their cache with
+        them), then prefill their prompts into their cache slots, each attending to its own prompt only (not counted
+        in nfe)."""
+        engine, model, dev = self.engine, self.model, self.dev
+        P2 = max([self.P] + [r.plan.prompt_length for r in new])
+        G2 = max([self.G] + [r.plan.canvas_length for r in new])
+        grow = P2 - self.P
         t = torch.full((len(new), P2 + G2), engine.pad_id, dtype=torch.long)
         for b, r in enumerate(new):
             t[b, P2 - r.plan.prompt_length:P2] = torch.tensor(r.prompt)
-            t[b, P2:P2 + r.plan.canvas_length] = mask_id
-        old = torch.full((B0, P2 + G2), engine.pad_id, dtype=torch.long, device=dev)
-        old[:, grow:grow + P + G] = x
-        x = torch.cat([old, t.to(dev)])
-        cache.grow(len(new), grow, P2 + G2)
-        offsets = [o + grow for o in offsets] + [P2 - r.plan.prompt_length for r in new]
-        P, G = P2, G2
-        col = torch.arange(P + G, device=dev)
-        off = torch.tensor(offsets, device=dev)
-        pos = (col[None, :] - off[:, None]).clamp(min=0)
+            t[b, P2:P2 + r.plan.canvas_length] = engine.mask_id
+        old = torch.full((self.B0, P2 + G2), engine.pad_id, dtype=torch.long, device=dev)
+        old[:, grow:grow + self.P + self.G] = self.x
+        self.x = torch.cat([old, t.to(dev)])
+        self.cache.grow(len(new), grow, P2 + G2)
+        self.offsets = [o + grow for o in self.offsets] + [P2 - r.plan.prompt_length for r in new]
+        self.P, self.G = P2, G2
+        P = P2
+        self.col = torch.arange(P + G2, device=dev)
+        self.off = torch.tensor(self.offsets, device=dev)
+        self.pos = (self.col[None, :] - self.off[:, None]).clamp(min=0)
+        B0 = self.B0
         sl = torch.arange(B0, B0 + len(new), device=dev)
-        noff = off[B0:]
-        pmask = None if not any(offsets[B0:]) else (col[None, :P] >= noff[:, None])[:, None, None, :]
-        hidden = model(x[sl, :P], pos[sl, :P], pmask, cache=cache, slots=None if B0 == 0 else sl)
+        noff = self.off[B0:]
+        pmask = None if not any(self.offsets[B0:]) else (self.col[None, :P] >= noff[:, None])[:, None, None, :]
+        hidden = model(self.x[sl, :P], self.pos[sl, :P], pmask, cache=self.cache, slots=None if B0 == 0 else sl)
         for i, r in enumerate(new):
-            slot[r.index] = B0 + i
-            shift.append(bool(r.params.extra.get("shift_logits")))
-            if shift[-1]:
-                ctx[r.index] = model.logits(hidden[i, P - 1])
-            commit[r.index] = False
+            self.slot[r.index] = B0 + i
+            self.shift.append(bool(r.params.extra.get("shift_logits")))
+            if self.shift[-1]:
+                self.ctx[r.index] = model.logits(hidden[i, P - 1])
+            self.commit[r.index] = False
             r.block, r.step, r.block_masks = 0, 0, r.plan.block_length
             # the reference's softmax in the logits' dtype, topk over the block
             r.rule = fast_dllm_rule(r.params, Softmax.MODEL, Softmax.MODEL)
-        B0 += len(new)
+        self.B0 += len(new)
 
-    col = off = pos = None
-    place(rows)
-    active = list(rows)
-    while active:
-        active = [r for r in active if not fin.cancelled(r)]
-        if not active:
-            break
-        new = fin.admit(active)                # continuous batching: a joining row is prefilled, then steps along
-        if new:
-            place(new)
-            active = active + new
-        slots = [slot[r.index] for r in active]
+    def forward(self, active: list[Row]):
+        """One window forward of every row's block (denoising it, or storing it when finished) against the cache;
+        keys after a row's block are masked out, as in the reference. Returns the window layout and the logits."""
+        dev, P = self.dev, self.P
+        slots = [self.slot[r.index] for r in active]
         starts = [P + r.block * r.plan.block_length for r in active]
         ends = [s + r.plan.block_length for s, r in zip(starts, active)]
         E = max(ends)
         cols, valid = window_index(list(zip(starts, ends)), dev)
         sl = torch.tensor(slots, device=dev)
-        ids = x[sl].gather(1, cols)
-        p = pos[sl].gather(1, cols)
-        kcol = col[None, :E]
-        uniform = not any(offsets[b] for b in slots) and all(e == E for e in ends)
-        if uniform:
+        ids = self.x[sl].gather(1, cols)
+        p = self.pos[sl].gather(1, cols)
+        kcol = self.col[None, :E]
+        if not any(self.offsets[b] for b in slots) and all(e == E for e in ends):
             mask = None
         else:
             end = torch.tensor(ends, device=dev)[:, None]
-            mask = ((kcol >= off[sl][:, None]) & (kcol < end))[:, None, None, :]
+            mask = ((kcol >= self.off[sl][:, None]) & (kcol < end))[:, None, None, :]
         bi, wi = valid.nonzero(as_tuple=True)
-        view = _CacheView(cache, E)
-        hidden = model(ids, p, mask, cache=view, slots=None if len(slots) == B0 and slots == list(range(B0))
-                       else sl, window=(bi, wi, cols[bi, wi]))
-        logits = model.logits(hidden)                      # [B, K, V]
-        den = [i for i, r in enumerate(active) if not commit[r.index]]
-        if den:
-            lg = logits[den].clone()
-            for j, i in enumerate(den):
-                r = active[i]
-                if shift[slot[r.index]]:
-                    w = ends[i] - starts[i]
-                    lg[j, 1:w] = logits[i, : w - 1]
-                    lg[j, 0] = ctx[r.index]
-            widths = [ends[i] - starts[i] for i in den]
-            tokens = ids[den]
-            drows = [active[i] for i in den]
-            x0, chosen = denoise(lg, tokens, widths, drows, mask_id, [Layout(w, 0) for w in widths])
-            rb, kb = chosen.nonzero(as_tuple=True)
-            dt = torch.tensor(den, device=dev)
-            rows_idx = sl[dt][rb]
-            x[rows_idx, cols[dt][rb, kb]] = x0[rb, kb]
-            if wants_logprobs(drows):     # generations start at column P
-                record_logprobs(drows, rb, cols[dt][rb, kb] - P, x0[rb, kb], lg[rb, kb])
-        xc = x.cpu()
+        hidden = self.model(ids, p, mask, cache=_CacheView(self.cache, E),
+                            slots=None if len(slots) == self.B0 and slots == list(range(self.B0)) else sl,
+                            window=(bi, wi, cols[bi, wi]))
+        return starts, ends, cols, sl, ids, self.model.logits(hidden)        # logits [B, K, V]
+
+    def denoise(self, active: list[Row], starts, ends, cols, sl, ids, logits) -> None:
+        """The rows denoising their block commit tokens by their rule (with ``shift_logits``, position j decides
+        from the logit of j-1, the block's first from ``ctx``)."""
+        mask_id, P = self.engine.mask_id, self.P
+        den = [i for i, r in enumerate(active) if not self.commit[r.index]]
+        if not den:
+            return
+        lg = logits[den].clone()
+        for j, i in enumerate(den):
+            r = active[i]
+            if self.shift[self.slot[r.index]]:
+                w = ends[i] - starts[i]
+                lg[j, 1:w] = logits[i, : w - 1]
+                lg[j, 0] = self.ctx[r.index]
+        widths = [ends[i] - starts[i] for i in den]
+        drows = [active[i] for i in den]
+        x0, chosen = denoise(lg, ids[den], widths, drows, mask_id, [Layout(w, 0) for w in widths])
+        rb, kb = chosen.nonzero(as_tuple=True)
+        dt = torch.tensor(den, device=self.dev)
+        self.x[sl[dt][rb], cols[dt][rb, kb]] = x0[rb, kb]
+        if wants_logprobs(drows):     # generations start at column P
+            record_logprobs(drows, rb, cols[dt][rb, kb] - P, x0[rb, kb], lg[rb, kb])
+
+    def account(self, active: list[Row], fin: Finisher, starts, ends, logits) -> None:
+        """Every forward counts in nfe. A stored block moves the row to its next one (or ends it); a block with no
+        mask left, or its steps used, is stored by the row's next forward."""
+        mask_id, P = self.engine.mask_id, self.P
+        xc = self.x.cpu()
         for i, r in enumerate(active):
-            b = slot[r.index]
+            b = self.slot[r.index]
             r.nfe += 1
             gen = xc[b, P:P + r.plan.canvas_length].tolist()
             s, e = r.block_range()
-            if commit[r.index]:                            # the block's keys/values are now in the cache
-                if shift[b]:
-                    ctx[r.index] = logits[i, ends[i] - starts[i] - 1]
-                commit[r.index] = False
+            if self.commit[r.index]:                            # the block's keys/values are now in the cache
+                if self.shift[b]:
+                    self.ctx[r.index] = logits[i, ends[i] - starts[i] - 1]
+                self.commit[r.index] = False
                 last = r.block + 1 >= r.plan.num_blocks
                 if not last:
                     r.block += 1
@@ -136,8 +147,27 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
             else:
                 r.step += 1
                 if mask_id not in gen[s:e] or r.step >= r.plan.steps_per_block:
-                    commit[r.index] = True
+                    self.commit[r.index] = True
                 fin.update(r, gen, False)
+
+
+def run(engine, rows: list[Row], fin: Finisher) -> None:
+    """A step: rows joining are laid out and prefilled; one window forward for all; the denoising rows commit
+    tokens; the accounting moves blocks on and ends rows."""
+    batch = _Batch(engine)
+    batch.place(rows)
+    active = list(rows)
+    while active:
+        active = [r for r in active if not fin.cancelled(r)]
+        if not active:
+            break
+        new = fin.admit(active)                # continuous batching: a joining row is prefilled, then steps along
+        if new:
+            batch.place(new)
+            active = active + new
+        starts, ends, cols, sl, ids, logits = batch.forward(active)
+        batch.denoise(active, starts, ends, cols, sl, ids, logits)
+        batch.account(active, fin, starts, ends, logits)
         active = [r for r in active if not r.done]
         yield      # a step is done: the engine may run other groups' steps (continuous batching)
 
