@@ -147,16 +147,11 @@ def _forward_rows(model, mask_id: int, cfg_scale: float, items: list, max_rows: 
 
 
 @torch.no_grad()
-def score(model, mask_id: int, requests: list[ScoreRequest], *, max_rows: int = 64,
-          cancelled=lambda i: False) -> list[ScoreResult | None]:
-    """Estimates for every request and split (see the module's docstring). ``cancelled(i)`` is asked between
-    forwards; a cancelled request's result is None."""
-    for r in requests:
-        check(r)
-    results: list[ScoreResult | None] = [ScoreResult([0.0] * len(r.splits), [None] * len(r.splits))
-                                         for r in requests]
-    live = lambda i: results[i] is not None and not cancelled(i)
 
+
+def _monte_carlo(model, mask_id: int, requests: list[ScoreRequest], results: list, live, cancelled,
+                 max_rows: int) -> None:
+    """The estimates (see the module's docstring); a request cancelled meanwhile gets None."""
     # --- Monte Carlo estimates: distinct noisy rows, forwarded together (one cfg scale per forward), in chunks of
     # at most MAX_CHUNK_ROWS rows (whole splits), each row's logits reduced to its cross entropies at once: host and
     # device memory are bounded whatever mc_num asks, and a cancelled request stops between chunks and forwards
@@ -209,6 +204,10 @@ def score(model, mask_id: int, requests: list[ScoreRequest], *, max_rows: int = 
             if cancelled(i):
                 results[i] = None
 
+
+def _greedy_checks(model, mask_id: int, requests: list[ScoreRequest], results: list, live, cancelled,
+                   max_rows: int) -> None:
+    """``check_greedy``: is the continuation what greedy decoding of its positions gives?"""
     # --- greedy checks, all splits in lockstep: [request, split index, canvas, steps left]
     states = []
     for i, r in enumerate(requests):
@@ -246,6 +245,10 @@ def score(model, mask_id: int, requests: list[ScoreRequest], *, max_rows: int = 
                     going.append(st)
             active = going
 
+
+def _next_tokens(model, mask_id: int, requests: list[ScoreRequest], results: list, live, cancelled,
+                 max_rows: int) -> None:
+    """``max_tokens`` 1: the token after the prompt and its log-probability."""
     # --- the token after the prompt (max_tokens 1): one masked position, argmax, its log-probability
     nxt = [i for i, r in enumerate(requests) if r.next_token and live(i)]
     for cfg in sorted({requests[i].cfg_scale for i in nxt}):
@@ -258,6 +261,20 @@ def score(model, mask_id: int, requests: list[ScoreRequest], *, max_rows: int = 
             t = int(torch.argmax(lg[0]))
             results[i].next_token, results[i].next_logprob = t, float(lp[t])
             results[i].forward_rows += 2 if cfg > 0 else 1
+
+
+def score(model, mask_id: int, requests: list[ScoreRequest], *, max_rows: int = 64,
+          cancelled=lambda i: False) -> list[ScoreResult | None]:
+    """Estimates for every request and split (see the module's docstring). ``cancelled(i)`` is asked between
+    forwards; a cancelled request's result is None."""
+    for r in requests:
+        check(r)
+    results: list[ScoreResult | None] = [ScoreResult([0.0] * len(r.splits), [None] * len(r.splits))
+                                         for r in requests]
+    live = lambda i: results[i] is not None and not cancelled(i)
+
+    for part in (_monte_carlo, _greedy_checks, _next_tokens):
+        part(model, mask_id, requests, results, live, cancelled, max_rows)
     for i in range(len(requests)):
         if results[i] is not None and cancelled(i):
             results[i] = None

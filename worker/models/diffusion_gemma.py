@@ -469,7 +469,8 @@ class DiffusionGemmaModel(nn.Module):
         ar = torch.arange(T, device=dev)
         st = torch.tensor(start, device=dev)
         ln = torch.tensor(lengths, device=dev)
-        pos = torch.minimum(st[:, None] + ar[None, :], (st + ln - 1)[:, None])           # padding repeats the row's last position
+        # padding repeats the row's last position
+        pos = torch.minimum(st[:, None] + ar[None, :], (st + ln - 1)[:, None])
         rope = self._cos_sin(pos)
         slot_idx = torch.tensor(slots, device=dev)
         n_full = max(start)

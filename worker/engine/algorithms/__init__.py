@@ -138,4 +138,5 @@ def get(name: str, family: str) -> Algorithm:
     return alg
 
 
-from . import basic, cached, diffusion_gemma, dinfer, dream, dream_cache, llada2, nemotron, sdar  # noqa: E402,F401  (they register themselves)
+# the algorithm modules register themselves
+from . import basic, cached, diffusion_gemma, dinfer, dream, dream_cache, llada2, nemotron, sdar  # noqa: E402,F401
