@@ -1,5 +1,6 @@
 """``diffusion_gemma``: DiffusionGemma's multi-canvas decoding (transformers'
-``DiffusionGemmaGenerationMixin.generate``), each row with its own prompt, length and settings, at any batch size, rows joining and leaving between steps.
+``DiffusionGemmaGenerationMixin.generate``), each row with its own prompt, length and settings, at any batch size,
+rows joining and leaving between steps.
 
 A row's prompt is encoded once into its slot of the model's context cache. Then canvas after canvas: the canvas starts
 as ``canvas_length`` uniformly random tokens (the whole vocabulary); every step runs the bidirectional denoiser over
