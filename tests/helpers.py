@@ -48,18 +48,26 @@ def post_json(url: str, body, timeout: float = 60.0, headers: dict | None = None
         return e.code, json.loads(e.read() or b"{}")
 
 
+_GIVEN: set[int] = set()      # ports this process has handed out: a server may not have bound its port yet
+
+
 def free_port(n: int = 1) -> int:
     """A port p with p .. p+n-1 free (a supervisor's workers take consecutive ports), below the kernel's ephemeral
-    range (32768-60999 here), so that no outgoing connection of another test takes one of them in the meantime."""
+    range (32768-60999 here), so that no outgoing connection of another test takes one of them in the meantime; never
+    one handed out before in this process (two workers of one cluster once drew the same port: the second could not
+    bind, and the first answered for both)."""
     rng = random.Random()
     for _ in range(2000):
         base = rng.randrange(20000, 32000 - n)
+        if _GIVEN.intersection(range(base, base + n)):
+            continue
         socks = []
         try:
             for port in range(base, base + n):
                 s = socket.socket()
                 socks.append(s)
                 s.bind(("127.0.0.1", port))
+            _GIVEN.update(range(base, base + n))
             return base
         except OSError:
             continue
