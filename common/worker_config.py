@@ -65,6 +65,14 @@ class WorkerConfig:
     long_row_share: float = setting(0.5, "Share of --batch-size that long rows may hold (at least one row).",
                                     type=click.FloatRange(0, 1))
     device: str = setting("auto", "cuda, cuda:N, cpu or auto.")
+    tensor_parallel_size: int = setting(1, "Ranks of this worker (torch.distributed: NCCL on CUDA, gloo on the CPU): "
+                                           "attention heads, MLP channels and the vocabulary split over them, MoE "
+                                           "experts too (expert parallelism). Rank r uses cuda:<the --device index + "
+                                           "r> (docs/operations.md, \"Tensor parallelism\").",
+                                        type=click.IntRange(1))
+    rank_timeout: float = setting(300.0, "Tensor parallelism: seconds a rank may wait for the others in a "
+                                         "collective before the worker ends itself (a hung rank) to be restarted.",
+                                  type=click.FloatRange(0, min_open=True))
     dtype: str = setting("auto", "auto: bfloat16 on a GPU, float32 on the CPU.", type=click.Choice(DTYPES))
     compile: bool = setting(False, "torch.compile the dense half of every block (output projection, RMSNorm, SwiGLU "
                                    "MLP); eager if compiling fails. Off by default: not yet measured on a GPU "

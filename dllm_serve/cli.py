@@ -78,6 +78,7 @@ def main() -> None:
 @click.option("--dtype", type=click.Choice(DTYPES), default="auto",
               show_default=True, help="auto: bfloat16 on CUDA, float32 on CPU.")
 @options(WorkerConfig, only=("compile",), prefix="with_")
+@options(WorkerConfig, only=("tensor_parallel_size", "rank_timeout"))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--requests", "requests_file", type=click.File("rb"), default=None,
               help="Generate for every line of this JSON-lines file (- for stdin) in one batch, one JSON line out per "
@@ -86,7 +87,7 @@ def main() -> None:
                    "temperature, cfg_scale, threshold, factor, seed, shift_logits, algorithm_params).")
 def generate(model_path, prompt, chat, prompt_ids, gen_length, block_length, steps, algorithm, remasking,
              temperature, cfg_scale, threshold, factor, seed, shift_logits, algorithm_params, no_early_exit, device,
-             dtype, with_compile, as_json, requests_file):
+             dtype, with_compile, tensor_parallel_size, rank_timeout, as_json, requests_file):
     """Generate offline for one prompt (or a batch of them, --requests) and print the result."""
     from worker.engine import Engine, GenerationParams, ParamError, Request
     from worker.models import DEFAULT_ALGORITHM, CheckpointError
@@ -116,9 +117,22 @@ def generate(model_path, prompt, chat, prompt_ids, gen_length, block_length, ste
     except (ResolveError, CheckpointError) as e:
         raise click.UsageError(str(e))
     try:
-        engine = Engine.from_pretrained(model_path, device=device, dtype=dtype, compile=with_compile)
+        engine = Engine.from_pretrained(model_path, device=device, dtype=dtype, compile=with_compile,
+                                        tensor_parallel=tensor_parallel_size, rank_timeout=rank_timeout)
     except (CheckpointError, ValueError, OSError) as e:
         raise click.ClickException(str(e))
+    try:
+        _generate(engine, prompt, chat, prompt_ids, gen_length, block_length, steps, algorithm, remasking,
+                  temperature, cfg_scale, threshold, factor, seed, extra, no_early_exit, as_json, requests_file)
+    finally:
+        engine.close()
+
+
+def _generate(engine, prompt, chat, prompt_ids, gen_length, block_length, steps, algorithm, remasking, temperature,
+              cfg_scale, threshold, factor, seed, extra, no_early_exit, as_json, requests_file):
+    from worker.engine import GenerationParams, ParamError, Request
+    from worker.models import DEFAULT_ALGORITHM
+    from worker.tokenizer import apply_chat_template
     block_length = block_length or engine.default_block_length or min(32, gen_length)
     defaults = dict(gen_length=gen_length, block_length=block_length, steps=steps,
                     algorithm=algorithm or DEFAULT_ALGORITHM[engine.family], temperature=temperature,

@@ -254,6 +254,8 @@ async def health(request: web.Request) -> web.Response:
         "model": state.model_name,
         "family": e.family if e else None,
         "device": str(e.device) if e else state.config.device,
+        "tensor_parallel_size": state.config.tensor_parallel_size,
+        **({"ranks": e.ranks.describe()} if getattr(e, "ranks", None) is not None else {}),
         "uptime_seconds": round(time.time() - state.started, 1),
         "instance_id": state.instance_id,
         "launch_id": state.launch_id,
@@ -344,7 +346,8 @@ async def _load(app: web.Application) -> None:
         else:
             engine = await asyncio.get_running_loop().run_in_executor(
                 None, lambda: Engine.from_pretrained(c.model_path, device=c.device, dtype=c.dtype,
-                                                      compile=c.compile))
+                                                      compile=c.compile, tensor_parallel=c.tensor_parallel_size,
+                                                      rank_timeout=c.rank_timeout))
         engine.long_row_cost = c.long_row_cost          # fair share in the step loop (worker.engine.engine._Batch)
         from worker.models import DEFAULT_ALGORITHM
         from worker.models.checkpoint import default_max_new_tokens
@@ -390,6 +393,8 @@ async def _lifecycle(app: web.Application):
         state.steps.stop()
     if state.batcher:
         await state.batcher.close()
+    if state.engine is not None and getattr(state.engine, "ranks", None) is not None:
+        state.engine.close()          # the follower ranks leave with their worker
 
 
 def make_app(config: WorkerConfig) -> web.Application:

@@ -4,6 +4,7 @@ Pure tensor code with no HTTP. ``Engine.generate`` takes a list of requests, eac
 parameters, and returns one result per request; a row's result never depends on the other rows of the batch."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import random
@@ -18,7 +19,7 @@ from ..models import FAMILIES, detect_family, load_model
 from ..models.checkpoint import read_config
 from ..tokenizer import load_tokenizer, mask_token_id, stop_token_ids
 from . import algorithms
-from .params import GenerationParams, ParamError, Plan, plan, row_cost
+from .params import GenerationParams, ParamError, Plan, plan, row_cost, with_seed
 from .rows import Finisher, Row, StepHooks, TokenLogprobs
 
 log = logging.getLogger(__name__)
@@ -54,16 +55,35 @@ class Engine:
         self.name = name
         self.last_step_time = time.monotonic()   # the worker's /health reads this (progress of the device loop)
         self.algorithm_defaults: dict[str, dict] = {}   # the checkpoint's algorithm_params defaults, per algorithm
+        self.ranks = None           # rank 0 of a tensor-parallel worker: its followers (worker/engine/ranks.py)
 
     @classmethod
-    def from_pretrained(cls, path: str | os.PathLike, device=None, dtype=None, compile: bool = False) -> "Engine":
+    def from_pretrained(cls, path: str | os.PathLike, device=None, dtype=None, compile: bool = False,
+                        tensor_parallel: int = 1, rank_timeout: float = 300.0, layout=None) -> "Engine":
         """``compile``: run the dense half of every block (output projection, RMSNorm, SwiGLU MLP) through
-        ``torch.compile``, falling back to eager if compiling fails (see models.layers.Compiled)."""
+        ``torch.compile``, falling back to eager if compiling fails (see models.layers.Compiled).
+
+        ``tensor_parallel`` > 1: this process is rank 0 of that many (worker/engine/ranks.py starts the others;
+        ``rank_timeout``: seconds any collective may wait for a rank). ``layout``: a follower rank's place (ranks.py
+        passes it)."""
         path = Path(path)
         family = detect_family(path)
         config = read_config(path)
         tokenizer = load_tokenizer(path)
-        model = load_model(path, device, dtype)
+        group = None
+        if tensor_parallel > 1:
+            from ..models.checkpoint import resolve_device
+            from . import ranks
+            dev = ranks.rank_device(resolve_device(device), 0)
+            layout, group = ranks.start(path, tensor_parallel, dev, None if dtype is None else str(dtype).replace(
+                "torch.", ""), compile, rank_timeout)
+            device = dev
+        try:
+            model = load_model(path, device, dtype, layout)
+        except BaseException:
+            if group is not None:
+                group.close(wait=1.0)
+            raise
         if compile:
             model.compile_dense()
         fam = FAMILIES[family]
@@ -72,7 +92,29 @@ class Engine:
                      tokenizer=tokenizer, family=family, name=path.name)
         if fam.algorithm_defaults is not None:
             engine.algorithm_defaults = fam.algorithm_defaults(path)
+        if group is not None:
+            engine.ranks = group
+            group.watch()
         return engine
+
+    @property
+    def tensor_parallel(self) -> int:
+        return 1 if self.ranks is None else self.ranks.size
+
+    def close(self) -> None:
+        """Stop a tensor-parallel worker's follower ranks (nothing to do on one rank)."""
+        if self.ranks is not None:
+            self.ranks.close()
+
+    def seeded(self, req: Request) -> Request:
+        """``req`` with a seed of its own where its algorithm draws random numbers and it has none: tensor-parallel
+        ranks must draw the same numbers (one rank drawing ``random`` seeds would not)."""
+        p = req.plan.params if req.plan is not None else req.params
+        if p.seed is not None or not algorithms.needs_rng(p):
+            return req
+        seed = random.getrandbits(63)
+        return Request(req.prompt_ids, replace(req.params, seed=seed),
+                       None if req.plan is None else with_seed(req.plan, seed))
 
     @property
     def max_sequence_length(self) -> int:
@@ -131,9 +173,25 @@ class Engine:
         def asked(i: int) -> bool:      # asked between forwards: also the progress /health reports
             self.last_step_time = time.monotonic()
             return cancelled(i)
-        out = score(self.model, self.mask_id, requests, cancelled=asked)
+        if self.ranks is not None:      # every rank the same forwards: a cancelled request's work is done anyway
+            self.ranks.send(("score", requests))
+            with self._fatal_on_error():
+                out = score(self.model, self.mask_id, requests, cancelled=lambda i: False)
+            out = [None if cancelled(i) else r for i, r in enumerate(out)]
+        else:
+            out = score(self.model, self.mask_id, requests, cancelled=asked)
         self.last_step_time = time.monotonic()
         return out
+
+    @contextlib.contextmanager
+    def _fatal_on_error(self):
+        """Rank 0 of a tensor-parallel batch: a failure leaves the followers out of step, so it ends the worker."""
+        try:
+            yield
+        except Exception as e:      # noqa: BLE001
+            from .ranks import fatal
+            log.exception("tensor-parallel batch failed")
+            fatal(f"a tensor-parallel batch failed on rank 0 ({type(e).__name__}: {e})")
 
     def row(self, index: int, req: Request, pl: Plan) -> Row:
         k = pl.params.logprobs
@@ -157,8 +215,22 @@ class Engine:
         handed to ``feed.done(index, Result)`` the moment it finishes. A row's tokens and nfe never depend on the
         rows around it, so joining is exact (tests/test_continuous.py)."""
         plans = [r.plan or self.plan(r.prompt_ids, r.params) for r in requests]
+        if self.ranks is not None:
+            return self._generate_leader(requests, plans, early_exit, hooks, feed)
         rows = [self.row(i, req, pl) for i, (req, pl) in enumerate(zip(requests, plans))]
         _Batch(self, early_exit, hooks, feed).run(rows)
+        return [result(r) for r in rows]
+
+    def _generate_leader(self, requests, plans, early_exit, hooks, feed) -> list[Result]:
+        """Rank 0 of a tensor-parallel worker: the same batch on every rank (worker/engine/ranks.py)."""
+        from .ranks import LeaderRounds
+        requests = [self.seeded(Request(r.prompt_ids, r.params, pl)) for r, pl in zip(requests, plans)]
+        rounds = LeaderRounds(self.ranks, self, hooks, feed, range(len(requests)))
+        first = rounds.poll()
+        self.ranks.send(("generate", requests, early_exit, first, self.long_row_cost))
+        with self._fatal_on_error():
+            rows = [self.row(i, req, req.plan) for i, req in enumerate(requests)]
+            _Batch(self, early_exit, rounds.hooks, rounds).run(rows)
         return [result(r) for r in rows]
 
 

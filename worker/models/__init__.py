@@ -9,6 +9,7 @@ import os
 import torch
 
 from .checkpoint import CheckpointError, read_config, resolve_device, resolve_dtype
+from . import parallel
 from .family import DiffusionLM, Family
 
 FAMILY_MODULES = ("llada", "llada_moe", "llada2", "nemotron", "dream", "sdar", "diffusion_gemma")
@@ -42,9 +43,12 @@ def detect_family(path: str | os.PathLike) -> str:
 
 
 def load_model(path: str | os.PathLike, device: str | torch.device | None = None,
-               dtype: str | torch.dtype | None = None) -> DiffusionLM:
+               dtype: str | torch.dtype | None = None, layout: "parallel.Layout | None" = None) -> DiffusionLM:
+    """The checkpoint's model on ``device``; with a tensor-parallel ``layout``, this rank's shard of it
+    (worker/models/parallel.py)."""
     dev = resolve_device(device)
-    return FAMILIES[detect_family(path)].load(path, dev, resolve_dtype(dtype, dev))
+    with parallel.building(layout):
+        return FAMILIES[detect_family(path)].load(path, dev, resolve_dtype(dtype, dev))
 
 
 __all__ = ["CheckpointError", "DEFAULT_ALGORITHM", "DiffusionLM", "FAMILIES", "Family", "detect_family",

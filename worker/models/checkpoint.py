@@ -112,8 +112,44 @@ def tensor_shapes(path: str | os.PathLike) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def iter_tensors(path: str | os.PathLike, wanted: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, CPU tensor in the file's dtype), one at a time; ``wanted`` restricts which are read."""
+def _read_into(f, dest: torch.Tensor, offset: int, what: str) -> None:
+    """Fill the contiguous CPU tensor ``dest`` with bytes from ``offset`` of the open file ``f``."""
+    view = memoryview(dest.view(torch.uint8).reshape(-1).numpy())
+    f.seek(offset)
+    got = 0
+    while got < len(view):
+        n = f.readinto(view[got:])
+        if not n:
+            raise CheckpointError(f"{what} is truncated")
+        got += n
+
+
+def _runs(shape: list[int], shard) -> Iterator[tuple[int, int]]:
+    """(element offset, element count) of the contiguous runs that make up ``shard``'s slices of a C-contiguous
+    tensor of ``shape``, in the order the sliced tensor holds them."""
+    inner = 1
+    for n in shape[shard.dim + 1:]:
+        inner *= n
+    outer = 1
+    for n in shape[:shard.dim]:
+        outer *= n
+    full = shape[shard.dim]
+    for o in range(outer):
+        for start, length in shard.ranges:
+            yield (o * full + start) * inner, length * inner
+
+
+def sliced(t: torch.Tensor, shard) -> torch.Tensor:
+    """A tensor's slices as ``shard`` names them (worker/models/parallel.py), concatenated."""
+    return torch.cat([t.narrow(shard.dim, s, n) for s, n in shard.ranges], dim=shard.dim)
+
+
+def iter_tensors(path: str | os.PathLike, wanted: set[str] | None = None,
+                 shards: dict | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, CPU tensor in the file's dtype), one at a time; ``wanted`` restricts which are read. A tensor
+    named in ``shards`` (name -> parallel.Shard) is read as those slices only: from safetensors files, only their
+    bytes are read."""
+    shards = shards or {}
     for file in weight_files(path):
         if file.suffix == ".safetensors":
             header, data_start = safetensors_header(file)
@@ -125,21 +161,28 @@ def iter_tensors(path: str | os.PathLike, wanted: set[str] | None = None) -> Ite
                     if dtype is None:
                         raise CheckpointError(f"{file.name}: tensor {name} has unsupported dtype {meta['dtype']}")
                     begin, end = meta["data_offsets"]
-                    buf = torch.empty(end - begin, dtype=torch.uint8)
-                    f.seek(data_start + begin)
-                    view = memoryview(buf.numpy())
-                    got = 0
-                    while got < len(view):
-                        n = f.readinto(view[got:])
-                        if not n:
-                            raise CheckpointError(f"{file.name} is truncated (tensor {name})")
-                        got += n
-                    yield name, buf.view(dtype).reshape(meta["shape"])
+                    what = f"{file.name} (tensor {name})"
+                    shard = shards.get(name)
+                    if shard is None:
+                        buf = torch.empty(end - begin, dtype=torch.uint8)
+                        _read_into(f, buf, data_start + begin, what)
+                        yield name, buf.view(dtype).reshape(meta["shape"])
+                        continue
+                    shape = list(meta["shape"])
+                    out_shape = shape[:shard.dim] + [sum(n for _, n in shard.ranges)] + shape[shard.dim + 1:]
+                    out = torch.empty(out_shape, dtype=dtype)
+                    flat, at = out.view(-1), 0
+                    size = out.element_size()
+                    for offset, count in _runs(shape, shard):
+                        _read_into(f, flat[at:at + count], data_start + begin + offset * size, what)
+                        at += count
+                    yield name, out
         else:
             sd = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
             for name in list(sd):
                 if wanted is None or name in wanted:
-                    yield name, sd.pop(name)
+                    t = sd.pop(name)
+                    yield name, (t if name not in shards else sliced(t, shards[name]).clone())
             del sd
 
 
@@ -161,11 +204,11 @@ def check_shapes(path: str | os.PathLike, expected: dict[str, tuple[int, ...]], 
 
 
 def load_state_dict(path: str | os.PathLike, names: dict[str, str], dtype: torch.dtype,
-                    device: torch.device) -> dict[str, torch.Tensor]:
+                    device: torch.device, shards: dict | None = None) -> dict[str, torch.Tensor]:
     """Read the tensors named by ``names`` (checkpoint name -> module name), cast each one to ``dtype`` on
-    ``device`` as soon as it is read. Returns module-name -> tensor."""
+    ``device`` as soon as it is read (``shards``: see :func:`iter_tensors`). Returns module-name -> tensor."""
     out: dict[str, torch.Tensor] = {}
-    for name, t in iter_tensors(path, set(names)):
+    for name, t in iter_tensors(path, set(names), shards):
         out[names[name]] = t.to(device=device, dtype=dtype)
         del t
     return out
@@ -174,13 +217,24 @@ def load_state_dict(path: str | os.PathLike, names: dict[str, str], dtype: torch
 def load_native(path: str | os.PathLike, make, family: str, device: torch.device, dtype: torch.dtype,
                 prefix: str = ""):
     """Build ``make()`` on the meta device, check every parameter against the checkpoint (tensor ``prefix + name``),
-    read the weights straight into ``dtype`` on ``device``, build the RoPE tables: the model, in eval mode."""
+    read the weights straight into ``dtype`` on ``device``, build the RoPE tables: the model, in eval mode.
+
+    A parameter marked with a ``shard`` (tensor parallelism: worker/models/parallel.py) holds slices of its
+    checkpoint tensor: the checkpoint's shape is checked whole, and only the slices are read."""
     with torch.device("meta"):
         model = make()
-    names = [n for n, _ in model.named_parameters()]
-    check_shapes(path, {prefix + n: tuple(p.shape) for n, p in model.named_parameters()}, family)
-    model.load_state_dict(load_state_dict(path, {prefix + n: n for n in names}, dtype, device), strict=True,
-                          assign=True)
+    params = dict(model.named_parameters())
+    shards = {prefix + n: p.shard for n, p in params.items() if getattr(p, "shard", None) is not None}
+    expected = {}
+    for n, p in params.items():
+        shape = list(p.shape)
+        s = shards.get(prefix + n)
+        if s is not None:
+            shape[s.dim] = s.full
+        expected[prefix + n] = tuple(shape)
+    check_shapes(path, expected, family)
+    model.load_state_dict(load_state_dict(path, {prefix + n: n for n in params}, dtype, device, shards),
+                          strict=True, assign=True)
     model.init_rope()
     return model.eval().requires_grad_(False)
 

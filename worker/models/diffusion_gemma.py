@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import parallel
 from .checkpoint import CheckpointError, generation_defaults, load_native
 from .family import Family
 from .layers import rotate_half
@@ -162,11 +163,14 @@ class Attention(nn.Module):
     def __init__(self, cfg: DiffusionGemmaConfig, i: int):
         super().__init__()
         H, d, kv = cfg.hidden_size, cfg.head_dims[i], cfg.kv_heads[i]
-        self.heads, self.kv, self.d, self.eps = cfg.num_heads, kv, d, cfg.rms_norm_eps
-        self.q_proj = nn.Linear(H, cfg.num_heads * d, bias=False)
-        self.k_proj = nn.Linear(H, kv * d, bias=False)
-        self.v_proj = nn.Linear(H, kv * d, bias=False) if cfg.sliding[i] else None
-        self.o_proj = nn.Linear(cfg.num_heads * d, H, bias=False)
+        tp = self.tp = parallel.current()
+        hq, hk = tp.heads(cfg.num_heads)[0], tp.kv_heads(kv, cfg.num_heads)[0]      # this rank's heads
+        self.heads, self.kv, self.d, self.eps = hq, hk, d, cfg.rms_norm_eps
+        self.q_proj = nn.Linear(H, hq * d, bias=False)
+        self.k_proj = nn.Linear(H, hk * d, bias=False)
+        self.v_proj = nn.Linear(H, hk * d, bias=False) if cfg.sliding[i] else None
+        self.o_proj = nn.Linear(hq * d, H, bias=False)
+        parallel.attention_shards(tp, self.q_proj, self.k_proj, self.v_proj, self.o_proj, cfg.num_heads, kv, d)
         self.q_norm = Norm(d, cfg.rms_norm_eps)
         self.k_norm = Norm(d, cfg.rms_norm_eps)
 
@@ -194,15 +198,21 @@ class Attention(nn.Module):
             if g > 1:
                 k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
             a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
-        return self.o_proj(a.transpose(1, 2).reshape(B, T, -1))
+        return parallel.row_linear(self.tp, a.transpose(1, 2).reshape(B, T, -1), self.o_proj)
 
 
 class MLP(nn.Module):
+    """GELU-tanh gated MLP; with tensor parallelism its channels split and :meth:`forward` this rank's share."""
+
     def __init__(self, hidden: int, intermediate: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        tp = parallel.current()
+        local = tp.split(intermediate, "intermediate_size")
+        self.gate_proj = nn.Linear(hidden, local, bias=False)
+        self.up_proj = nn.Linear(hidden, local, bias=False)
+        self.down_proj = nn.Linear(local, hidden, bias=False)
+        if tp.parallel:
+            parallel.swiglu_shards(tp, self.gate_proj, self.up_proj, self.down_proj, intermediate)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x))
@@ -237,14 +247,34 @@ class Experts(nn.Module):
     def __init__(self, cfg: DiffusionGemmaConfig):
         super().__init__()
         E, I, H = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
-        self.gate_up_proj = nn.Parameter(torch.empty(E, 2 * I, H))
-        self.down_proj = nn.Parameter(torch.empty(E, H, I))
+        tp = parallel.current()
+        local = tp.split(E, "experts")         # expert parallelism: this rank's experts, whole
+        self.first, self.total = tp.rank * local, E
+        self.gate_up_proj = nn.Parameter(torch.empty(local, 2 * I, H))
+        self.down_proj = nn.Parameter(torch.empty(local, H, I))
+        if tp.parallel:
+            parallel.mark(self.gate_up_proj, 0, E, [(self.first, local)])
+            parallel.mark(self.down_proj, 0, E, [(self.first, local)])
 
     def forward(self, x: torch.Tensor, w: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """The weighted sum over each token's experts; with expert parallelism over this rank's experts only."""
         T, k = idx.shape
         E = self.gate_up_proj.shape[0]
         ids, perm = torch.sort(idx.reshape(-1))
-        xs = x[perm // k]
+        if E != self.total:       # the pairs of this rank's experts: a contiguous run of the sorted pairs
+            a, b = torch.searchsorted(ids, torch.tensor([self.first, self.first + E], device=ids.device)).tolist()
+            out = x.new_zeros((T * k, x.shape[-1]))
+            out[a:b] = self.run(x[perm[a:b] // k], ids[a:b] - self.first)
+        else:
+            out = self.run(x[perm // k], ids)
+        weighted = out * w.reshape(-1)[perm][:, None]
+        back = torch.empty_like(weighted)
+        back[perm] = weighted
+        return back.view(T, k, -1).sum(dim=1).to(x.dtype)
+
+    def run(self, xs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``xs`` through experts ``ids`` (ascending, this rank's numbering)."""
+        E = self.gate_up_proj.shape[0]
         if hasattr(F, "grouped_mm"):
             # histc, as the reference: fixed bins, so no device-to-host sync (bincount sizes its output on the host)
             counts = torch.histc(ids.float() if ids.device.type == "cpu" else ids.int(), bins=E, min=0, max=E - 1)
@@ -259,10 +289,7 @@ class Experts(nn.Module):
                     gate, up = F.linear(xs[start:start + n], self.gate_up_proj[e]).chunk(2, dim=-1)
                     out[start:start + n] = F.linear(gelu_tanh(gate) * up, self.down_proj[e])
                     start += n
-        weighted = out * w.reshape(-1)[perm][:, None]
-        back = torch.empty_like(weighted)
-        back[perm] = weighted
-        return back.view(T, k, -1).sum(dim=1).to(x.dtype)
+        return out
 
 
 class Layer(nn.Module):
@@ -281,12 +308,16 @@ class Layer(nn.Module):
         self.post_feedforward_layernorm_2 = Norm(H, eps)
         self.pre_feedforward_layernorm_2 = Norm(H, eps)
         self.layer_scalar = nn.Parameter(torch.ones(1))      # the decoder's; the encoder's is apart (Scalars)
+        self.tp = parallel.current()
 
     def feed_forward(self, r: torch.Tensor, scalar: torch.Tensor) -> torch.Tensor:
-        h1 = self.post_feedforward_layernorm_1(self.mlp(self.pre_feedforward_layernorm(r)))
+        h1 = self.mlp(self.pre_feedforward_layernorm(r))
         flat = r.reshape(-1, r.shape[-1])
         w, idx = self.router(flat)
         h2 = self.experts(self.pre_feedforward_layernorm_2(flat), w, idx).reshape(r.shape)
+        if self.tp.parallel:        # both branches' shares summed over the ranks in one all-reduce
+            h1, h2 = self.tp.reduce(torch.stack([h1, h2])).unbind(0)
+        h1 = self.post_feedforward_layernorm_1(h1)
         h2 = self.post_feedforward_layernorm_2(h2)
         return (r + self.post_feedforward_layernorm(h1 + h2)) * scalar
 
@@ -297,13 +328,13 @@ class SelfConditioning(nn.Module):
         H, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.pre_norm = Norm(H, eps)
         self.post_norm = Norm(H, eps, scale=False)
-        self.gate_proj = nn.Linear(H, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(H, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, H, bias=False)
+        mlp = MLP(H, cfg.intermediate_size)          # (its weights are this module's own in the checkpoint)
+        self.gate_proj, self.up_proj, self.down_proj = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        self.tp = parallel.current()
 
     def forward(self, e: torch.Tensor, soft: torch.Tensor) -> torch.Tensor:
         n = self.pre_norm(soft)
-        return self.post_norm(e + self.down_proj(gelu_tanh(self.gate_proj(n)) * self.up_proj(n)))
+        return self.post_norm(e + self.tp.reduce(self.down_proj(gelu_tanh(self.gate_proj(n)) * self.up_proj(n))))
 
 
 class Stack(nn.Module):
@@ -311,7 +342,7 @@ class Stack(nn.Module):
 
     def __init__(self, cfg: DiffusionGemmaConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = parallel.VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Layer(cfg, i) for i in range(cfg.num_layers))
         self.norm = Norm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_conditioning = SelfConditioning(cfg)
@@ -351,7 +382,7 @@ class ContextCache:
     positions right-aligned in a buffer of that width (what the reference's sliding cache keeps), so a step reads
     contiguous keys in position order, as the reference's concatenation does."""
 
-    def __init__(self, cfg: DiffusionGemmaConfig, slots: int, width: int, dtype, device):
+    def __init__(self, cfg: DiffusionGemmaConfig, slots: int, width: int, dtype, device, kv_heads: list[int]):
         self.cfg, self.dtype, self.device = cfg, dtype, device
         self.window = cfg.sliding_window - 1
         self.length = [0] * slots
@@ -359,7 +390,7 @@ class ContextCache:
         self.v: list[torch.Tensor] = []
         for i in range(cfg.num_layers):
             w = self.window if cfg.sliding[i] else width
-            shape = (slots, cfg.kv_heads[i], w, cfg.head_dims[i])
+            shape = (slots, kv_heads[i], w, cfg.head_dims[i])      # this rank's kv heads
             self.k.append(torch.zeros(shape, dtype=dtype, device=device))
             self.v.append(torch.zeros(shape, dtype=dtype, device=device))
 
@@ -412,6 +443,7 @@ class DiffusionGemmaModel(nn.Module):
     def __init__(self, cfg: DiffusionGemmaConfig):
         super().__init__()
         self.cfg = cfg
+        self.tp = parallel.current()
         self.model = Inner(cfg)
         self.inv_freq: dict[bool, torch.Tensor] = {}      # per layer kind (sliding or not)
 
@@ -445,7 +477,8 @@ class DiffusionGemmaModel(nn.Module):
         return None
 
     def new_cache(self, slots: int, width: int) -> ContextCache:
-        return ContextCache(self.cfg, slots, width, self.dtype, self.device)
+        return ContextCache(self.cfg, slots, width, self.dtype, self.device,
+                            [layer.self_attn.kv for layer in self.stack.layers])
 
     @property
     def embed_scale(self) -> torch.Tensor:
@@ -453,7 +486,7 @@ class DiffusionGemmaModel(nn.Module):
         return torch.tensor(self.cfg.hidden_size ** 0.5, dtype=torch.float32).to(self.dtype)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.stack.embed_tokens.weight) * self.embed_scale.to(ids.device)
+        return self.stack.embed_tokens(ids) * self.embed_scale.to(ids.device)
 
     def _cos_sin(self, pos: torch.Tensor) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:
         return {k: rope(f, pos, self.dtype) for k, f in self.inv_freq.items()}
@@ -559,7 +592,11 @@ class DiffusionGemmaModel(nn.Module):
         W = self.stack.embed_tokens.weight
         soft = torch.zeros_like(e)
         if sc_rows:
-            s = torch.matmul(sc_logits.softmax(dim=-1, dtype=torch.float32).to(W.dtype), W) * self.embed_scale
+            p = sc_logits.softmax(dim=-1, dtype=torch.float32).to(W.dtype)
+            if W.shape[0] != cfg.vocab_size:       # a vocabulary shard: this rank's rows, summed over the ranks
+                first = self.stack.embed_tokens.first
+                p = p[..., first:first + W.shape[0]]
+            s = self.tp.reduce(torch.matmul(p, W)) * self.embed_scale
             if len(sc_rows) == B:
                 soft = s
             else:
@@ -574,7 +611,7 @@ class DiffusionGemmaModel(nn.Module):
             a = attn.attend(q, kk, vv, slide_mask if sl else full_mask)
             x = layer.feed_forward(x + layer.post_attention_layernorm(a), layer.layer_scalar)
         h = self.stack.norm(x)
-        logits = F.linear(h, W).to(torch.float32)
+        logits = parallel.vocab_logits(self.tp, h, W, cfg.vocab_size).to(torch.float32)
         if cfg.softcap:
             logits = torch.tanh(logits / cfg.softcap) * cfg.softcap
         return logits

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from . import parallel
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +29,21 @@ def dense_tail(x: torch.Tensor, a: torch.Tensor, w_out: torch.Tensor, w_norm: to
     x = x + F.linear(a, w_out)
     h = rms_norm(x, w_norm, eps)
     return x + F.linear(F.silu(F.linear(h, w_gate)) * F.linear(h, w_up), w_down)
+
+
+def dense_tail_parallel(tp, x, a, w_out, w_norm, eps, w_gate, w_up, w_down):
+    """:func:`dense_tail` over tensor-parallel shards: the row-parallel products summed over the ranks."""
+    x = x + tp.reduce(F.linear(a, w_out))
+    h = rms_norm(x, w_norm, eps)
+    return x + tp.reduce(F.linear(F.silu(F.linear(h, w_gate)) * F.linear(h, w_up), w_down))
+
+
+def no_compile_when_parallel(model) -> bool:
+    """torch.compile is not applied to a tensor-parallel model (its collectives run eagerly): logs it, True."""
+    if parallel.current().parallel or getattr(model, "tp", parallel.Layout()).parallel:
+        log.info("--compile is ignored with tensor parallelism: the layers run eagerly")
+        return True
+    return False
 
 
 class Compiled:
@@ -190,12 +206,15 @@ class QKNormAttention(nn.Module):
                  bias: bool = False, rotary_dim: int | None = None):
         super().__init__()
         d = head_dim
-        self.n_heads, self.n_kv, self.head_dim = heads, kv_heads, d
+        tp = parallel.current()
+        hq, hk = tp.heads(heads)[0], tp.kv_heads(kv_heads, heads)[0]      # this rank's heads
+        self.n_heads, self.n_kv, self.head_dim = hq, hk, d
         self.rotary_dim = rotary_dim if rotary_dim and rotary_dim < d else None
-        self.q_proj = nn.Linear(hidden, heads * d, bias=bias)
-        self.k_proj = nn.Linear(hidden, kv_heads * d, bias=bias)
-        self.v_proj = nn.Linear(hidden, kv_heads * d, bias=bias)
-        self.o_proj = nn.Linear(heads * d, hidden, bias=bias)
+        self.q_proj = nn.Linear(hidden, hq * d, bias=bias)
+        self.k_proj = nn.Linear(hidden, hk * d, bias=bias)
+        self.v_proj = nn.Linear(hidden, hk * d, bias=bias)
+        self.o_proj = nn.Linear(hq * d, hidden, bias=bias)
+        parallel.attention_shards(tp, self.q_proj, self.k_proj, self.v_proj, self.o_proj, heads, kv_heads, d)
         self.q_norm = RMSNorm(d, eps) if qk_norm else None
         self.k_norm = RMSNorm(d, eps) if qk_norm else None
 
@@ -218,13 +237,18 @@ class QKNormAttention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """The MLP weights ``gate_proj``, ``up_proj``, ``down_proj`` (the layer's dense tail computes it)."""
+    """The MLP weights ``gate_proj``, ``up_proj``, ``down_proj`` (the layer's dense tail computes it). ``split``:
+    the intermediate channels split over tensor-parallel ranks (an MoE expert is whole on its rank instead)."""
 
-    def __init__(self, hidden: int, intermediate: int):
+    def __init__(self, hidden: int, intermediate: int, split: bool = True):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        tp = parallel.current() if split else parallel.Layout()
+        local = tp.split(intermediate, "MLP intermediate size")
+        self.gate_proj = nn.Linear(hidden, local, bias=False)
+        self.up_proj = nn.Linear(hidden, local, bias=False)
+        self.down_proj = nn.Linear(local, hidden, bias=False)
+        if tp.parallel:
+            parallel.swiglu_shards(tp, self.gate_proj, self.up_proj, self.down_proj, intermediate)
 
 
 class DecoderLayer(nn.Module):
@@ -239,10 +263,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(hidden, eps)
         self.mlp = SwiGLU(hidden, intermediate)
         self.dense = dense_tail          # or a Compiled one (compile_dense)
+        self.tp = parallel.current()
 
     def forward(self, x, cos, sin, mask, kv=None):
         a = self.self_attn(self.input_layernorm(x), cos, sin, mask, kv)
         n, m = self.post_attention_layernorm, self.mlp
+        if self.tp.parallel:
+            return dense_tail_parallel(self.tp, x, a, self.self_attn.o_proj.weight, n.weight, n.eps,
+                                       m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight)
         return self.dense(x, a, self.self_attn.o_proj.weight, n.weight, n.eps, m.gate_proj.weight, m.up_proj.weight,
                           m.down_proj.weight)
 
@@ -252,7 +280,7 @@ class Decoder(nn.Module):
 
     def __init__(self, vocab: int, hidden: int, eps: float, layers: list[nn.Module]):
         super().__init__()
-        self.embed_tokens = nn.Embedding(vocab, hidden)
+        self.embed_tokens = parallel.VocabEmbedding(vocab, hidden)
         self.layers = nn.ModuleList(layers)
         self.norm = RMSNorm(hidden, eps)
 
@@ -269,6 +297,8 @@ class DecoderLM(nn.Module):
     def __init__(self, cfg, decoder: Decoder, head: nn.Linear | None):
         super().__init__()
         self.cfg = cfg
+        self.tp = parallel.current()
+        self.local_kv_heads = self.tp.kv_heads(cfg.num_kv_heads, cfg.num_heads)[0]
         setattr(self, self.decoder_name, decoder)
         self.head_name = self.head_name if head is not None else None
         if head is not None:
@@ -308,12 +338,14 @@ class DecoderLM(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         w = self.decoder.embed_tokens.weight if self.head_name is None else getattr(self, self.head_name).weight
-        return F.linear(h, w)
+        return parallel.vocab_logits(self.tp, h, w, self.cfg.embedding_size)
 
     def compile_dense(self):
         """torch.compile the dense half of every layer (eager fallback): see :class:`Compiled`."""
+        if no_compile_when_parallel(self):
+            return None
         return compile_dense(self.decoder.layers)
 
     def new_cache(self, slots: int, width: int) -> "KVCache":
         c = self.cfg
-        return KVCache(c.num_layers, slots, c.num_kv_heads, width, c.head_dim, self.dtype, self.device)
+        return KVCache(c.num_layers, slots, self.local_kv_heads, width, c.head_dim, self.dtype, self.device)

@@ -14,8 +14,10 @@ import torch
 from torch import nn
 
 from .checkpoint import CheckpointError, load_native, read_config
+from . import parallel
 from .family import LLADA_ALGORITHMS, Family
-from .layers import KVCache, LayerKV, RMSNorm, apply_rope, attention, compile_dense, dense_tail, rope_tables
+from .layers import (KVCache, LayerKV, RMSNorm, apply_rope, attention, compile_dense, dense_tail, dense_tail_parallel,
+                     no_compile_when_parallel, rope_tables)
 
 PREFIX = "model.transformer."
 
@@ -82,16 +84,23 @@ class LLaDABlock(nn.Module):
     def __init__(self, cfg: LLaDAConfig):
         super().__init__()
         d, hd = cfg.d_model, cfg.head_dim
-        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, hd
+        tp = self.tp = parallel.current()
+        hq, hk = tp.heads(cfg.n_heads)[0], tp.kv_heads(cfg.n_kv_heads, cfg.n_heads)[0]   # this rank's heads
+        mlp = tp.split(cfg.mlp_hidden_size, "mlp_hidden_size")
+        self.n_heads, self.n_kv_heads, self.head_dim = hq, hk, hd
         self.attn_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.ff_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.q_proj = nn.Linear(d, cfg.n_heads * hd, bias=False)
-        self.k_proj = nn.Linear(d, cfg.n_kv_heads * hd, bias=False)
-        self.v_proj = nn.Linear(d, cfg.n_kv_heads * hd, bias=False)
-        self.attn_out = nn.Linear(cfg.n_heads * hd, d, bias=False)
-        self.ff_proj = nn.Linear(d, cfg.mlp_hidden_size, bias=False)
-        self.up_proj = nn.Linear(d, cfg.mlp_hidden_size, bias=False)
-        self.ff_out = nn.Linear(cfg.mlp_hidden_size, d, bias=False)
+        self.q_proj = nn.Linear(d, hq * hd, bias=False)
+        self.k_proj = nn.Linear(d, hk * hd, bias=False)
+        self.v_proj = nn.Linear(d, hk * hd, bias=False)
+        self.attn_out = nn.Linear(hq * hd, d, bias=False)
+        self.ff_proj = nn.Linear(d, mlp, bias=False)
+        self.up_proj = nn.Linear(d, mlp, bias=False)
+        self.ff_out = nn.Linear(mlp, d, bias=False)
+        if tp.parallel:
+            parallel.attention_shards(tp, self.q_proj, self.k_proj, self.v_proj, self.attn_out, cfg.n_heads,
+                                      cfg.n_kv_heads, hd)
+            parallel.swiglu_shards(tp, self.ff_proj, self.up_proj, self.ff_out, cfg.mlp_hidden_size)
         self.dense = dense_tail          # or a Compiled one (LLaDAModel.compile_dense)
 
     def forward(self, x, cos, sin, mask, kv: LayerKV | None = None):
@@ -104,6 +113,9 @@ class LLaDABlock(nn.Module):
         if kv is not None:
             k, v = kv(k, v)
         a = attention(q, k, v, mask).transpose(1, 2).reshape(B, L, -1)
+        if self.tp.parallel:
+            return dense_tail_parallel(self.tp, x, a, self.attn_out.weight, self.ff_norm.weight, self.ff_norm.eps,
+                                       self.ff_proj.weight, self.up_proj.weight, self.ff_out.weight)
         return self.dense(x, a, self.attn_out.weight, self.ff_norm.weight, self.ff_norm.eps, self.ff_proj.weight,
                           self.up_proj.weight, self.ff_out.weight)
 
@@ -114,10 +126,11 @@ class LLaDAModel(nn.Module):
     def __init__(self, cfg: LLaDAConfig):
         super().__init__()
         self.cfg = cfg
-        self.wte = nn.Embedding(cfg.embedding_size, cfg.d_model)
+        self.tp = parallel.current()
+        self.wte = parallel.VocabEmbedding(cfg.embedding_size, cfg.d_model)
         self.blocks = nn.ModuleList(LLaDABlock(cfg) for _ in range(cfg.n_layers))
         self.ln_f = RMSNorm(cfg.d_model, cfg.rms_norm_eps)
-        self.ff_out = None if cfg.weight_tying else nn.Linear(cfg.d_model, cfg.embedding_size, bias=False)
+        self.ff_out = None if cfg.weight_tying else parallel.head(cfg.d_model, cfg.embedding_size)
         self.rope_cos: torch.Tensor | None = None
         self.rope_sin: torch.Tensor | None = None
 
@@ -155,15 +168,17 @@ class LLaDAModel(nn.Module):
 
     def compile_dense(self):
         """torch.compile the dense half of every block (eager fallback): see layers.Compiled."""
+        if no_compile_when_parallel(self):
+            return None
         return compile_dense(self.blocks)
 
     def new_cache(self, slots: int, width: int) -> KVCache:
         c = self.cfg
-        return KVCache(c.n_layers, slots, c.n_kv_heads, width, c.head_dim, self.dtype, self.device)
+        return KVCache(c.n_layers, slots, self.blocks[0].n_kv_heads, width, c.head_dim, self.dtype, self.device)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         w = self.wte.weight if self.ff_out is None else self.ff_out.weight
-        return nn.functional.linear(h, w)
+        return parallel.vocab_logits(self.tp, h, w, self.cfg.embedding_size)
 
 
 def load(path: str | Path, device: torch.device, dtype: torch.dtype) -> LLaDAModel:

@@ -24,9 +24,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from .checkpoint import CheckpointError, load_native, read_config, tensor_shapes
+from . import parallel
 from .family import Family
 from .layers import DecoderLM, RMSNorm, SwiGLU, apply_partial_rope
-from .llada_moe import expert_mlp, run_experts
+from .llada_moe import expert_mlp, local_experts, run_experts
 
 
 @dataclass(frozen=True)
@@ -141,8 +142,9 @@ class SparseMoE(nn.Module):
     def __init__(self, cfg: LLaDA2Config):
         super().__init__()
         self.gate = Router(cfg)
-        self.experts = nn.ModuleList(SwiGLU(cfg.hidden_size, cfg.moe_intermediate_size)
-                                     for _ in range(cfg.num_experts))
+        self.num_experts = cfg.num_experts
+        self.experts = local_experts(cfg.num_experts, lambda: SwiGLU(cfg.hidden_size, cfg.moe_intermediate_size,
+                                                                     split=False))
         self.shared_experts = (SwiGLU(cfg.hidden_size, cfg.moe_intermediate_size * cfg.num_shared_experts)
                                if cfg.num_shared_experts else None)
 
@@ -150,7 +152,7 @@ class SparseMoE(nn.Module):
         shape = h.shape
         x = h.reshape(-1, shape[-1])
         chosen, w = self.gate(x)
-        y = (run_experts(self.experts, x, chosen).float() * w[..., None]).sum(dim=1).to(x.dtype).view(shape)
+        y = (run_experts(self.experts, x, chosen, self.num_experts).float() * w[..., None]).sum(dim=1).to(x.dtype).view(shape)
         if self.shared_experts is not None:
             y = y + expert_mlp(self.shared_experts, h)
         return y
@@ -159,14 +161,20 @@ class SparseMoE(nn.Module):
 class Attention(nn.Module):
     def __init__(self, cfg: LLaDA2Config):
         super().__init__()
-        self.n_heads, self.n_kv, self.head_dim, self.rotary_dim = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                                                   cfg.rotary_dim)
+        tp = self.tp = parallel.current()
+        (hq, q0), (hk, k0) = tp.heads(cfg.num_heads), tp.kv_heads(cfg.num_kv_heads, cfg.num_heads)  # this rank's
+        d = cfg.head_dim
+        self.n_heads, self.n_kv, self.head_dim, self.rotary_dim = hq, hk, d, cfg.rotary_dim
         self.scaling = cfg.head_dim ** -0.5
-        self.query_key_value = nn.Linear(cfg.hidden_size, (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim,
-                                         bias=cfg.qkv_bias)
+        self.query_key_value = nn.Linear(cfg.hidden_size, (hq + 2 * hk) * d, bias=cfg.qkv_bias)
         self.query_layernorm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.key_layernorm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.dense = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=cfg.dense_bias)
+        self.dense = nn.Linear(hq * d, cfg.hidden_size, bias=cfg.dense_bias)
+        if tp.parallel:     # the fused projection: this rank's q heads, then its k and its v heads
+            hq_all, hk_all = cfg.num_heads * d, cfg.num_kv_heads * d
+            tp.column(self.query_key_value, hq_all + 2 * hk_all,
+                      [(q0 * d, hq * d), (hq_all + k0 * d, hk * d), (hq_all + hk_all + k0 * d, hk * d)])
+            tp.row(self.dense, hq_all, [(q0 * d, hq * d)])
 
     def forward(self, x, cos, sin, mask, kv):
         B, L, _ = x.shape
@@ -182,7 +190,7 @@ class Attention(nn.Module):
         if g > 1:
             k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
         a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling)
-        return self.dense(a.transpose(1, 2).reshape(B, L, -1))
+        return parallel.row_linear(self.tp, a.transpose(1, 2).reshape(B, L, -1), self.dense)
 
 
 class Layer(nn.Module):
@@ -196,7 +204,8 @@ class Layer(nn.Module):
     def forward(self, x, cos, sin, mask, kv=None):
         x = x + self.attention(self.input_layernorm(x), cos, sin, mask, kv)
         h = self.post_attention_layernorm(x)
-        return x + (self.mlp(h) if isinstance(self.mlp, SparseMoE) else expert_mlp(self.mlp, h))
+        y = self.mlp(h) if isinstance(self.mlp, SparseMoE) else expert_mlp(self.mlp, h)
+        return x + self.attention.tp.reduce(y)     # with tensor parallelism: each rank's experts' and channels' share
 
 
 class Backbone(nn.Module):
@@ -204,7 +213,7 @@ class Backbone(nn.Module):
 
     def __init__(self, cfg: LLaDA2Config):
         super().__init__()
-        self.word_embeddings = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.word_embeddings = parallel.VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(Layer(cfg, i >= cfg.first_k_dense_replace) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -220,7 +229,7 @@ class LLaDA2Model(DecoderLM):
 
     def __init__(self, cfg: LLaDA2Config):
         super().__init__(cfg, Backbone(cfg),
-                         None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
+                         None if cfg.tie_word_embeddings else parallel.head(cfg.hidden_size, cfg.vocab_size))
 
     def compile_dense(self):
         """Nothing to compile: the MoE layers route tokens data-dependently (eager)."""

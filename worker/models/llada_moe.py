@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .checkpoint import CheckpointError, load_native, read_config
+from . import parallel
 from .family import LLADA_ALGORITHMS, Family
 from .layers import Decoder, DecoderLM, QKNormAttention, RMSNorm, SwiGLU
 
@@ -103,20 +104,31 @@ def expert_mlp(m: SwiGLU, x: torch.Tensor) -> torch.Tensor:
     return m.down_proj(F.silu(m.gate_proj(x)) * m.up_proj(x))
 
 
-def run_experts(experts: nn.ModuleList, x: torch.Tensor, chosen: torch.Tensor) -> torch.Tensor:
-    """Every token's chosen experts applied to it: [T, k, D] for ``chosen`` [T, k]. The (token, expert) pairs are
-    sorted by expert so that each expert runs once on its tokens (one host sync for the counts, not one per
-    expert); a row's result does not depend on the other rows of its expert's batch."""
+def local_experts(count: int, make) -> nn.ModuleDict:
+    """The experts this rank holds (all of them on one rank; an even share of them with tensor parallelism: expert
+    parallelism), keyed by their index in the checkpoint (``experts.{e}``)."""
+    tp = parallel.current()
+    n = tp.split(count, "experts")
+    return nn.ModuleDict({str(e): make() for e in range(tp.rank * n, (tp.rank + 1) * n)})
+
+
+def run_experts(experts: nn.ModuleDict, x: torch.Tensor, chosen: torch.Tensor, count: int) -> torch.Tensor:
+    """Every token's chosen experts applied to it: [T, k, D] for ``chosen`` [T, k] of ``count`` experts. The (token,
+    expert) pairs are sorted by expert so that each expert runs once on its tokens (one host sync for the counts, not
+    one per expert); a row's result does not depend on the other rows of its expert's batch. With expert parallelism
+    the pairs of experts another rank holds are zeros here (the ranks' results are summed)."""
     k = chosen.shape[1]
     flat = chosen.reshape(-1)
     order = flat.argsort()
-    counts = torch.bincount(flat, minlength=len(experts)).tolist()
+    counts = torch.bincount(flat, minlength=count).tolist()
     xs = x[order // k]
-    ys = torch.empty_like(xs)
+    ys = torch.empty_like(xs) if len(experts) == count else torch.zeros_like(xs)
     start = 0
     for e, n in enumerate(counts):
         if n:
-            ys[start:start + n] = expert_mlp(experts[e], xs[start:start + n])
+            m = experts[str(e)] if str(e) in experts else None
+            if m is not None:
+                ys[start:start + n] = expert_mlp(m, xs[start:start + n])
             start += n
     out = torch.empty_like(ys)
     out[order] = ys
@@ -131,8 +143,9 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.top_k = cfg.num_experts_per_tok
         self.gate = nn.Linear(cfg.hidden_size, cfg.num_experts, bias=False)
-        self.experts = nn.ModuleList(SwiGLU(cfg.hidden_size, cfg.expert_intermediate_size)
-                                     for _ in range(cfg.num_experts))
+        self.num_experts = cfg.num_experts
+        self.experts = local_experts(cfg.num_experts, lambda: SwiGLU(cfg.hidden_size, cfg.expert_intermediate_size,
+                                                                     split=False))
         self.expert_bias = nn.Parameter(torch.zeros(cfg.num_experts)) if cfg.expert_bias else None
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
@@ -146,7 +159,7 @@ class SparseMoE(nn.Module):
         # the reference adds each expert's weighted output into zeros expert by expert, in index order: the same
         # sums, token by token, over its experts sorted by index
         chosen, slot = chosen.sort(dim=1)
-        y = run_experts(self.experts, x, chosen) * weights.gather(1, slot)[..., None]
+        y = run_experts(self.experts, x, chosen, self.num_experts) * weights.gather(1, slot)[..., None]
         out = torch.zeros_like(x)
         for j in range(self.top_k):
             out = out + y[:, j]
@@ -166,14 +179,16 @@ class Layer(nn.Module):
         self.mlp = SparseMoE(cfg) if moe else SwiGLU(cfg.hidden_size, cfg.dense_intermediate_size)
         self.shared_expert = (SwiGLU(cfg.hidden_size, cfg.shared_expert_intermediate_size)
                               if moe and cfg.shared_expert_intermediate_size else None)
+        self.tp = parallel.current()
 
     def forward(self, x, cos, sin, mask, kv=None):
-        x = x + self.self_attn.o_proj(self.self_attn(self.input_layernorm(x), cos, sin, mask, kv))
+        x = x + parallel.row_linear(self.tp, self.self_attn(self.input_layernorm(x), cos, sin, mask, kv),
+                                    self.self_attn.o_proj)
         h = self.post_attention_layernorm(x)
         y = self.mlp(h) if isinstance(self.mlp, SparseMoE) else expert_mlp(self.mlp, h)
         if self.shared_expert is not None:
             y = y + expert_mlp(self.shared_expert, h)
-        return x + y
+        return x + self.tp.reduce(y)       # with tensor parallelism: each rank's experts' and channels' share
 
 
 class LLaDAMoEModel(DecoderLM):
@@ -184,7 +199,7 @@ class LLaDAMoEModel(DecoderLM):
     def __init__(self, cfg: LLaDAMoEConfig):
         layers = [Layer(cfg, moe) for moe in cfg.moe_layers]
         super().__init__(cfg, Decoder(cfg.vocab_size, cfg.hidden_size, cfg.rms_norm_eps, layers),
-                         None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
+                         None if cfg.tie_word_embeddings else parallel.head(cfg.hidden_size, cfg.vocab_size))
 
     def compile_dense(self):
         """Nothing to compile: the MoE layers route tokens data-dependently (eager)."""

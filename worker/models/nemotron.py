@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from .checkpoint import CheckpointError, load_native, read_config
+from . import parallel
 from .family import LLADA_ALGORITHMS, Family
 from .layers import Decoder, DecoderLayer, DecoderLM, QKNormAttention
 
@@ -81,7 +82,7 @@ class NemotronDiffusionModel(DecoderLM):
         layers = [DecoderLayer(cfg.hidden_size, cfg.intermediate_size, cfg.rms_norm_eps, Attention(cfg))
                   for _ in range(cfg.num_layers)]
         super().__init__(cfg, Decoder(cfg.vocab_size, cfg.hidden_size, cfg.rms_norm_eps, layers),
-                         nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
+                         parallel.head(cfg.hidden_size, cfg.vocab_size))
 
 
 def load(path: str | Path, device: torch.device, dtype: torch.dtype) -> NemotronDiffusionModel:

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .checkpoint import CheckpointError, load_native, read_config
+from . import parallel
 from .family import Family
 from .layers import Decoder, DecoderLayer, DecoderLM, RMSNorm, apply_rope
 
@@ -74,12 +75,16 @@ class Attention(nn.Module):
     def __init__(self, cfg: SDARConfig):
         super().__init__()
         h, d, bias = cfg.hidden_size, cfg.head_dim, cfg.attention_bias
-        self.n_heads, self.n_kv, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+        tp = parallel.current()
+        hq, hk = tp.heads(cfg.num_heads)[0], tp.kv_heads(cfg.num_kv_heads, cfg.num_heads)[0]   # this rank's heads
+        self.n_heads, self.n_kv, self.head_dim = hq, hk, d
         self.scaling = d ** -0.5
-        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=bias)
-        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=bias)
-        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=bias)
-        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=False)
+        self.q_proj = nn.Linear(h, hq * d, bias=bias)
+        self.k_proj = nn.Linear(h, hk * d, bias=bias)
+        self.v_proj = nn.Linear(h, hk * d, bias=bias)
+        self.o_proj = nn.Linear(hq * d, h, bias=False)
+        parallel.attention_shards(tp, self.q_proj, self.k_proj, self.v_proj, self.o_proj, cfg.num_heads,
+                                  cfg.num_kv_heads, d)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
@@ -104,7 +109,7 @@ class SDARModel(DecoderLM):
         layers = [DecoderLayer(cfg.hidden_size, cfg.intermediate_size, cfg.rms_norm_eps, Attention(cfg))
                   for _ in range(cfg.num_layers)]
         super().__init__(cfg, Decoder(cfg.vocab_size, cfg.hidden_size, cfg.rms_norm_eps, layers),
-                         None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False))
+                         None if cfg.tie_word_embeddings else parallel.head(cfg.hidden_size, cfg.vocab_size))
 
 
 def load(path: str | Path, device: torch.device, dtype: torch.dtype) -> SDARModel:
