@@ -294,7 +294,8 @@ def _gpu_ids(gpus: int | None, gpu_ids: str | None, workers: int | None = None) 
 # HealthConfig or WorkerConfig, generated from it (common/config.py)
 SERVE_WORKER = ("default_algorithm", "default_max_tokens", "dtype", "score_mc_num", "score_batch_size",
                 "score_cfg_scale", "score_window", "served_model_name", "compile", "continuous_batching",
-                "max_batch_tokens", "switch_wait", "max_request_cost", "long_row_cost", "long_row_share")
+                "max_batch_tokens", "switch_wait", "max_request_cost", "long_row_cost", "long_row_share",
+                "tensor_parallel_size", "rank_timeout")
 
 
 @main.command()
@@ -314,6 +315,12 @@ SERVE_WORKER = ("default_algorithm", "default_max_tokens", "dtype", "score_mc_nu
     "wait_time": {"help": "Balancer batch wait time in seconds.", "flags": ("--max-wait-time", "--batch-wait-time")}})
 @options(WorkerConfig, only=SERVE_WORKER, prefix="worker_", overrides={
     "default_algorithm": {"help": "Default generation algorithm (default: the model family's)."},
+    "tensor_parallel_size": {"flags": ("--tensor-parallel-size", "--worker-tensor-parallel-size"),
+                             "help": "GPUs (ranks) per worker: --gpus 8 --tensor-parallel-size 2 gives 4 workers of "
+                                     "2 GPUs each (CUDA_VISIBLE_DEVICES pairs); CPU workers get that many ranks "
+                                     "each. Heads, MLP channels, vocabulary and MoE experts split over the ranks "
+                                     "(docs/operations.md, \"Tensor parallelism\")."},
+    "rank_timeout": {"flags": ("--rank-timeout", "--worker-rank-timeout")},
     "default_max_tokens": {"help": "max_tokens when a request gives none (default: the checkpoint's "
                                    "generation_config.json max_new_tokens, else 256)."},
     "served_model_name": {"help": "Model id in the API (default, as vLLM: a checkpoint directory's absolute path, "
@@ -353,6 +360,11 @@ def serve(local, model_path, dcp_path, base_model, gpus, gpu_ids, workers, slurm
     except RuntimeError as e:
         raise click.ClickException(str(e))
     ids = _gpu_ids(gpus, gpu_ids, workers)
+    tp = values["worker_tensor_parallel_size"]
+    if ids and tp > 1:          # one worker per group of tp GPUs: CUDA_VISIBLE_DEVICES "0,1", "2,3", ...
+        if len(ids) % tp:
+            raise click.UsageError(f"{len(ids)} GPUs cannot be split into workers of --tensor-parallel-size {tp}")
+        ids = [",".join(ids[i:i + tp]) for i in range(0, len(ids), tp)]
     worker = {name: values["worker_" + name] for name in SERVE_WORKER}
     worker.update(request_timeout=values["request_timeout"], drain_timeout=values["drain_timeout"])
     if dcp_path and not worker["served_model_name"]:
@@ -365,7 +377,7 @@ def serve(local, model_path, dcp_path, base_model, gpus, gpu_ids, workers, slurm
     cfg = build(ServeConfig, values, model_path=str(resolved), gpu_ids=ids, cpu_workers=workers or 1, worker=worker,
                 balancer=bcfg, log_level=log_level)
     click.echo(f"dllm-serve: model {resolved}; {len(ids) if ids else cfg.cpu_workers} "
-               f"{'GPU' if ids else 'CPU'} worker(s); balancer on http://{cfg.host}:{cfg.port}; logs in "
+               f"{'GPU' if ids else 'CPU'} worker(s){f' of {tp} ranks' if tp > 1 else ''}; balancer on http://{cfg.host}:{cfg.port}; logs in "
                f"{cfg.log_dir}/", err=True)
     sys.exit(run(cfg))
 

@@ -45,6 +45,14 @@ def _secs(v) -> str:
     return "-" if v is None else f"{v}s"
 
 
+def _device(h: dict) -> str:
+    """The worker's device, or its ranks' devices (tensor parallelism: "cuda:0,cuda:1"; a dead rank marked !)."""
+    ranks = h.get("ranks")
+    if ranks:
+        return ",".join(r["device"] + ("" if r.get("alive", True) else "!") for r in ranks)
+    return str(h.get("device") or "-")
+
+
 def render(data: dict, url: str):
     if "error" in data:
         return Text(data["error"], style="bold red")
@@ -55,12 +63,12 @@ def render(data: dict, url: str):
                          f"  workers {ws['healthy_workers']}/{ws['total_workers']} healthy",
                          f"  queue {st['queue_depth']}  in flight {st['in_flight']}")
     t = Table(show_edge=False, header_style="bold", pad_edge=False)
-    for col in ("id", "url", "status", "rows", "batches", "served", "errors", "active", "step"):
+    for col in ("id", "url", "status", "device", "rows", "batches", "served", "errors", "active", "step"):
         t.add_column(col, justify="right" if col not in ("url", "status") else "left", no_wrap=True,
                      min_width=9 if col == "status" else None)
     for w in ws["workers"]:
         h = w.get("worker_health") or {}
-        t.add_row(str(w["worker_id"]), w["url"], Text(w["status"], style=COLOURS.get(w["status"], "")),
+        t.add_row(str(w["worker_id"]), w["url"], Text(w["status"], style=COLOURS.get(w["status"], "")), _device(h),
                   str(w["in_flight"]), str(w.get("in_flight_batches", 0)), str(w["requests_served"]),
                   str(w["errors"]), _ago(w.get("last_activity_seconds_ago")),
                   _ago(h.get("seconds_since_last_step")) if h.get("busy") else "-")

@@ -114,36 +114,126 @@ def test_uneven_splits_are_one_line_errors():
 
 
 @pytest.mark.slow
-def test_a_follower_that_dies_ends_its_worker(tmp_path):
-    """Rank 0 (here a `generate` command reading prompts from stdin) exits with status 70 within a second of its
-    follower being killed, and no rank is left behind."""
+def test_serve_two_rank_worker_through_the_balancer_survives_a_dead_rank(tmp_path):
+    """`serve --local --workers 1 --tensor-parallel-size 2` on the LLaDA2 MoE fixture (expert parallelism, the
+    block-causal cache): every golden case sent at once (rows join the running batch) is exact through the balancer;
+    /health and /worker-status show both ranks; killing the follower rank ends the worker (status 70), the supervisor
+    restarts it and requests are served again; SIGTERM leaves no process behind."""
     import subprocess
-    import sys
-    proc = subprocess.Popen([sys.executable, "-m", "dllm_serve", "generate", "--model-path", str(TINY_LLADA),
-                             "--tensor-parallel-size", "2", "--stdin"], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    from concurrent.futures import ThreadPoolExecutor
+
+    import psutil
+
+    from tests.helpers import DLLM, ROOT, free_port, get_json, post_json
+    port, wport = free_port(), free_port()
+    log = open(tmp_path / "serve.log", "wb")
+    p = subprocess.Popen([*DLLM, "serve", "--local", "--workers", "1", "--tensor-parallel-size", "2",
+                          "--model-path", str(TINY_LLADA2), "--port", str(port), "--worker-base-port", str(wport),
+                          "--health-check-interval", "0.3", "--log-dir", str(tmp_path / "logs"), "--stagger", "0"],
+                         cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        try:
+            return get_json(url + "/health")[1].get("healthy_workers") == 1
+        except OSError:
+            return False
+
+    def wait(cond, what: str, limit: float = 120):
+        deadline = time.monotonic() + limit
+        while not cond():
+            assert p.poll() is None and time.monotonic() < deadline, (what, (tmp_path / "serve.log").read_text())
+            time.sleep(0.3)
+    try:
+        wait(ready, "ready")
+        health = get_json(f"http://127.0.0.1:{wport}/health")[1]
+        assert health["tensor_parallel_size"] == 2
+        assert [(r["rank"], r["device"], r["alive"]) for r in health["ranks"]] == [(0, "cpu", True), (1, "cpu", True)]
+        ws = get_json(url + "/worker-status")[1]
+        assert len(ws["workers"][0]["worker_health"]["ranks"]) == 2
+
+        cases = golden("tiny-llada2-golden.json")["cases"]
+
+        def body(c):
+            return {"prompt": c["prompt"], "max_tokens": c["gen"], "block_length": c["block"], "ignore_eos": True,
+                    "temperature": c.get("temperature", 0.0), "seed": c.get("seed"), "threshold": c["threshold"],
+                    "algorithm_params": llada2.extra(c), "return_token_ids": True}
+        with ThreadPoolExecutor(12) as ex:
+            answers = list(ex.map(lambda c: post_json(url + "/v1/completions", body(c)), cases))
+        wrong = [i for i, (c, (status, r)) in enumerate(zip(cases, answers))
+                 if status != 200 or r["choices"][0]["token_ids"] != c["output"] or r["choices"][0]["nfe"] != c["nfe"]]
+        assert wrong == []
+
+        worker = next(c for c in psutil.Process(p.pid).children(recursive=True)
+                      if f"--port {wport}" in " ".join(c.cmdline()))
+        follower = next(c for c in worker.children() if "worker.engine.ranks" in " ".join(c.cmdline()))
+        follower.kill()
+        worker.wait(30)                        # rank 0 ends itself when its follower is gone (status 70)
+        wait(lambda: "exited with code 70; restarting" in (tmp_path / "serve.log").read_text(), "restart", 30)
+        text = (tmp_path / "logs" / "worker-0.log").read_text()
+        assert "tensor-parallel rank 1 (pid" in text and "exited" in text
+        time.sleep(0.5)
+        wait(ready, "restarted")
+        status, r = post_json(url + "/v1/completions", body(cases[0]))
+        assert status == 200 and r["choices"][0]["token_ids"] == cases[0]["output"]
+        procs = psutil.Process(p.pid).children(recursive=True)
+        assert sum("worker.engine.ranks" in " ".join(c.cmdline()) for c in procs) == 1
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(60) == 0
+        gone, alive = psutil.wait_procs(procs, timeout=10)
+        assert not alive, "orphan processes after SIGTERM"
+    finally:
+        if p.poll() is None:
+            p.kill()
+        log.close()
+
+
+@pytest.mark.slow
+def test_a_hung_rank_times_out_and_takes_its_worker_down(tmp_path):
+    """A follower stopped (SIGSTOP) in the middle of a batch: rank 0's collective gives up after --rank-timeout,
+    the worker exits with status 70 and kills the hung rank; the client gets an error, not a hang."""
+    import subprocess
+    import threading
+
+    import psutil
+
+    from tests.helpers import DLLM, ROOT, free_port, get_json, post_json
+    port = free_port()
+    p = subprocess.Popen([*DLLM, "worker", "--model-path", str(TINY_LLADA), "--port", str(port),
+                          "--tensor-parallel-size", "2", "--rank-timeout", "3"], cwd=ROOT,
+                         stdout=subprocess.DEVNULL, stderr=open(tmp_path / "worker.log", "wb"))
+    url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
-        follower = None
-        while follower is None and time.monotonic() < deadline:
-            out = subprocess.run(["pgrep", "-f", f"worker.engine.ranks .*--model-path {TINY_LLADA}"],
-                                 capture_output=True, text=True).stdout.split()
-            kids = [int(p) for p in out if _parent(int(p)) == proc.pid]
-            follower = kids[0] if kids else None
+        while True:
+            try:
+                if get_json(url + "/health")[1]["status"] == "ready":
+                    break
+            except OSError:
+                pass
+            assert p.poll() is None and time.monotonic() < deadline
             time.sleep(0.2)
-        assert follower is not None, "no follower rank started"
-        time.sleep(2.0)
-        os.kill(follower, signal.SIGKILL)
-        assert proc.wait(timeout=30) == 70
-        assert "tensor-parallel rank 1" in proc.stderr.read()
+        follower = psutil.Process(p.pid).children()[0]
+        answer = {}
+
+        def ask():
+            try:
+                answer["r"] = post_json(url + "/v1/completions", {"prompt": [1, 2, 3], "max_tokens": 256,
+                                                                  "steps": 256, "block_length": 32, "ignore_eos": True})
+            except OSError as e:       # the connection ends with the worker: the balancer would re-dispatch
+                answer["r"] = e
+        t = threading.Thread(target=ask)
+        t.start()
+        time.sleep(1.0)
+        follower.suspend()
+        t0 = time.monotonic()
+        assert p.wait(60) == 70
+        assert time.monotonic() - t0 < 30
+        t.join(30)
+        assert not t.is_alive() and isinstance(answer["r"], OSError)
+        psutil.wait_procs([follower], timeout=10)
+        assert not follower.is_running() or follower.status() == psutil.STATUS_ZOMBIE
+        assert "ending this worker (status 70)" in (tmp_path / "worker.log").read_text()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-
-
-def _parent(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return int(f.read().rsplit(")", 1)[1].split()[1])
-    except OSError:
-        return -1
+        if p.poll() is None:
+            p.kill()

@@ -122,11 +122,21 @@ class RankGroup:
         import torch.distributed as dist
         if dist.is_initialized():
             dist.destroy_process_group()
+        if self in _GROUPS:
+            _GROUPS.remove(self)
+
+
+_GROUPS: list[RankGroup] = []        # this process's live rank groups (fatal kills their followers)
 
 
 def fatal(message: str) -> None:
-    """The worker's rank group is broken: say so and end this process (the supervisor restarts the worker)."""
+    """The worker's rank group is broken: say so, kill the followers (a hung one would never leave by itself) and
+    end this process (the supervisor restarts the worker whole)."""
     log.critical("%s: ending this worker (status %d) so that it is restarted whole", message, EXIT_RANK_LOST)
+    for g in _GROUPS:
+        for p in g.procs:
+            if p.poll() is None:
+                p.kill()
     logging.shutdown()
     os._exit(EXIT_RANK_LOST)
 
@@ -153,6 +163,7 @@ def start(path, size: int, device: torch.device, dtype: str | None, compile: boo
             p.kill()
         raise
     group = RankGroup(size, procs, conns, [str(rank_device(device, r)) for r in range(size)])
+    _GROUPS.append(group)
     return layout, group
 
 
