@@ -5,6 +5,7 @@
   python bench/engine_bench.py --shape llada-8b --device cuda --gen-length 256 --block-length 32
   python bench/engine_bench.py --memory --shape llada-1b      # peak host RSS while loading a bf16 checkpoint
   python bench/engine_bench.py --memory --shape llada-moe-1b  # the same for a mixture-of-experts checkpoint
+  python bench/engine_bench.py --memory --shape llada-1b --tensor-parallel-size 2   # each rank's shard alone
 
 Tokens/s counts generated tokens (gen_length per row, whole canvas, early exit off) over wall time; forward
 passes/s counts denoising steps (one batched forward each) over wall time.
@@ -121,13 +122,14 @@ def rss_peak() -> int:
     raise RuntimeError("no VmHWM in /proc/self/status")
 
 
-def measure_load(path: str, device: str, dtype: str) -> None:
-    """Child process: load and print baseline and peak RSS (bytes) as JSON."""
+def measure_load(path: str, device: str, dtype: str, rank: int = 0, size: int = 1) -> None:
+    """Child process: load (rank ``rank`` of ``size``'s shard) and print baseline and peak RSS (bytes) as JSON."""
     import worker.models  # noqa: F401  (imports done before the baseline)
     from worker.models import load_model
+    from worker.models.parallel import Layout
     base = rss_now()
     t = time.perf_counter()
-    model = load_model(path, device, dtype)
+    model = load_model(path, device, dtype, Layout(rank, size) if size > 1 else None)
     secs = time.perf_counter() - t
     peak = rss_peak()
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -135,6 +137,8 @@ def measure_load(path: str, device: str, dtype: str) -> None:
 
 
 def memory_bench(args) -> None:
+    if args.tensor_parallel_size > 1:
+        return rank_memory_bench(args)
     with tempfile.TemporaryDirectory(dir=args.tmpdir) as tmp:
         weights = write_checkpoint(args.shape, Path(tmp))
         out = subprocess.run([sys.executable, __file__, "--_measure-load", tmp, "--device", args.device,
@@ -147,6 +151,25 @@ def memory_bench(args) -> None:
     print(f"  growth during load:                  {grown / 2**30:.2f} GiB = {grown / weights:.3f} x the weights")
     print(f"  peak RSS / weights:                  {r['peak_rss'] / weights:.3f}")
     print(f"  load time:                           {r['load_seconds']:.1f} s")
+
+
+def rank_memory_bench(args) -> None:
+    """Each rank of --tensor-parallel-size N loads its shard alone (no process group needed to load): its peak RSS
+    growth against the bytes of its shard."""
+    n = args.tensor_parallel_size
+    with tempfile.TemporaryDirectory(dir=args.tmpdir) as tmp:
+        weights = write_checkpoint(args.shape, Path(tmp))
+        print(f"shape {args.shape}: weights on disk {weights / 2**30:.2f} GiB (bf16); --tensor-parallel-size {n}, "
+              f"each rank loading its shard as bf16 on {args.device}")
+        for rank in range(n):
+            out = subprocess.run([sys.executable, __file__, "--_measure-load", tmp, "--device", args.device,
+                                  "--dtype", "bfloat16", "--_rank", str(rank), "--tensor-parallel-size", str(n)],
+                                 capture_output=True, text=True, check=True)
+            r = json.loads(out.stdout.strip().splitlines()[-1])
+            grown = r["peak_rss"] - r["baseline_rss"]
+            print(f"  rank {rank}: shard {r['param_bytes'] / 2**30:.2f} GiB, RSS growth while loading "
+                  f"{grown / 2**30:.2f} GiB = {grown / r['param_bytes']:.3f} x its shard, "
+                  f"{r['load_seconds']:.1f} s")
 
 
 def throughput_bench(args) -> None:
@@ -226,9 +249,12 @@ def main() -> None:
     ap.add_argument("--tmpdir", default=None, help="where --memory writes its temporary checkpoint")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--_measure-load", dest="measure_load", help=argparse.SUPPRESS)
+    ap.add_argument("--_rank", dest="rank", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--tensor-parallel-size", type=int, default=1,
+                    help="with --memory: each rank's shard loaded alone (its RSS against its shard's bytes)")
     args = ap.parse_args()
     if args.measure_load:
-        measure_load(args.measure_load, args.device, args.dtype)
+        measure_load(args.measure_load, args.device, args.dtype, args.rank, args.tensor_parallel_size)
     elif args.memory:
         memory_bench(args)
     elif args.shape in MOE_SHAPES and not args.model_path:
