@@ -14,7 +14,8 @@ from tests import test_diffusion_gemma as dg, test_dream as dream, test_exactnes
 from tests import test_llada2 as llada2, test_llada_moe as moe, test_nemotron as nemotron, test_sdar as sdar
 from tests.conftest import (TINY_DREAM, TINY_LLADA, TINY_LLADA2, TINY_LLADA_MOE, TINY_LLADA_PEAKY, TINY_NEMOTRON,
                             TINY_SDAR, fixture_path)
-from worker.engine import Engine, Request
+from worker.engine import Engine, GenerationParams, Request
+from worker.engine.likelihood import ScoreRequest
 from worker.models import parallel
 from worker.models.checkpoint import iter_tensors, sliced
 
@@ -28,9 +29,11 @@ def golden(name: str) -> dict:
 
 def cases(family: str) -> tuple:
     """(checkpoint, [(prompt, params)]) of every golden case of a family's fixtures."""
-    if family == "llada":
+    if family == "llada":      # the goldens, and dInfer's decoders (no reference goldens) on their prompts
         g = golden("tiny-llada-golden.json")
-        return TINY_LLADA, [(c["prompt"], llada.params_of(c)) for c in g["cases"]]
+        dinfer = [(c["prompt"], GenerationParams(gen_length=32, block_length=8, algorithm=alg, threshold=0.9))
+                  for c in g["cases"][:4] for alg in ("dinfer_blockwise", "dinfer_hierarchy", "dinfer_credit")]
+        return TINY_LLADA, [(c["prompt"], llada.params_of(c)) for c in g["cases"]] + dinfer
     if family == "llada_peaky":
         g = golden("tiny-llada-peaky-golden.json")
         return TINY_LLADA_PEAKY, [(c["prompt"], llada.params_of(c)) for c in g["cases"]]
@@ -82,6 +85,13 @@ def test_two_ranks_give_one_ranks_tokens_and_nfe_on_every_golden(family):
         assert [i for i, (a, b) in enumerate(zip(want, got)) if a != b] == []
         for r in (reqs[0], reqs[-1]):
             assert outcome(two.generate([r])) == outcome(one.generate([r]))
+        if family == "llada":      # likelihood scoring: the same greedy checks, estimates equal to float tolerance
+            lg = golden("tiny-llada-likelihood-golden.json")["cases"]
+            score = [ScoreRequest(c["prefix"] + c["target"], [len(c["prefix"])], c["mc_num"], c["batch_size"],
+                                  c["cfg_scale"], c["seed"]) for c in lg]
+            a, b = one.score(score), two.score(score)
+            assert [x.greedy for x in a] == [x.greedy for x in b]
+            assert [x.log_likelihoods for x in b] == [pytest.approx(x.log_likelihoods, rel=1e-5) for x in a]
     finally:
         two.close()
 
