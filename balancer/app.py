@@ -278,6 +278,17 @@ def _rows_summary(workers) -> dict:
     return {k: round(sum(float(w.last_health.get(k) or 0) for w in workers), 3) for k in keys}
 
 
+def _prefix_cache(workers) -> dict | None:
+    """The workers' prefix caches summed (from their last /health): cached and looked-up prompt tokens, hit rate."""
+    caches = [(w.last_health or {}).get("prefix_cache") for w in workers]
+    caches = [c for c in caches if c]
+    if not caches:
+        return None
+    hit, asked = sum(c["cached_tokens"] for c in caches), sum(c["prompt_tokens_looked_up"] for c in caches)
+    return {"workers": len(caches), "cached_tokens": hit, "prompt_tokens_looked_up": asked,
+            "hit_rate": round(hit / asked, 4) if asked else 0.0, "bytes": sum(c["bytes"] for c in caches)}
+
+
 async def stats(request: web.Request) -> web.Response:
     state = request.app[STATE]
     b, cfg = state.batcher, state.cfg.batch
@@ -293,6 +304,7 @@ async def stats(request: web.Request) -> web.Response:
         "split_batches": b.split_batches,
         "request_body_bytes": request.app[BODY_BUDGET].snapshot(),     # this process's (each front has its own)
         "workers": [w.snapshot() for w in state.pool.workers],
+        "prefix_cache": _prefix_cache(state.pool.workers),
         "centralized_batching": {
             "enabled": True, "max_batch_size": cfg.batch_size, "max_wait_time": cfg.wait_time,
             "max_inflight_per_worker": cfg.max_inflight_per_worker,

@@ -44,6 +44,13 @@ class WorkerMetrics:
         self.joined = self.requests.counter("dllm_worker_rows_joined", "Rows that joined a running batch "
                                                                        "(continuous batching)")
         self.retired = self.requests.counter("dllm_worker_rows_retired", "Rows that finished")
+        self.prefix_looked_up = self.requests.counter("dllm_worker_prefix_cache_prompt_tokens",
+                                                      "Prompt tokens in whole blocks looked up in the prefix cache")
+        self.prefix_hit = self.requests.counter("dllm_worker_prefix_cache_cached_tokens",
+                                                "Prompt tokens whose keys/values came from the prefix cache")
+        Gauge("dllm_worker_prefix_cache_bytes", "Bytes of keys/values held by the prefix cache", registry=r
+              ).set_function(lambda: state.engine.prefix_cache.bytes
+                             if getattr(state.engine, "prefix_cache", None) is not None else 0)
         Gauge("dllm_worker_queue_depth", "Rows waiting", registry=r).set_function(
             lambda: state.batcher.queue_depth if state.batcher else 0)
         Gauge("dllm_worker_running_rows", "Rows in the running batch", registry=r).set_function(
@@ -256,6 +263,7 @@ async def health(request: web.Request) -> web.Response:
         "device": str(e.device) if e else state.config.device,
         "tensor_parallel_size": state.config.tensor_parallel_size,
         **({"ranks": e.ranks.describe()} if getattr(e, "ranks", None) is not None else {}),
+        "prefix_cache": e.prefix_cache.stats() if getattr(e, "prefix_cache", None) is not None else None,
         "uptime_seconds": round(time.time() - state.started, 1),
         "instance_id": state.instance_id,
         "launch_id": state.launch_id,
@@ -326,6 +334,10 @@ async def metrics(request: web.Request) -> web.Response:
     if state.batcher is not None:       # the batcher counts on its own; the exported counters follow at scrape
         state.metrics.joined.value = state.batcher.rows_joined
         state.metrics.retired.value = state.batcher.rows_retired
+    pc = getattr(state.engine, "prefix_cache", None)
+    if pc is not None:
+        state.metrics.prefix_looked_up.value = pc.tokens_looked_up
+        state.metrics.prefix_hit.value = pc.tokens_hit
     body = generate_latest(state.metrics.registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
@@ -347,7 +359,8 @@ async def _load(app: web.Application) -> None:
             engine = await asyncio.get_running_loop().run_in_executor(
                 None, lambda: Engine.from_pretrained(c.model_path, device=c.device, dtype=c.dtype,
                                                       compile=c.compile, tensor_parallel=c.tensor_parallel_size,
-                                                      rank_timeout=c.rank_timeout))
+                                                      rank_timeout=c.rank_timeout,
+                                                      prefix_cache_gb=c.prefix_cache_gb))
         engine.long_row_cost = c.long_row_cost          # fair share in the step loop (worker.engine.engine._Batch)
         from worker.models import DEFAULT_ALGORITHM
         from worker.models.checkpoint import default_max_new_tokens

@@ -56,16 +56,18 @@ class Engine:
         self.last_step_time = time.monotonic()   # the worker's /health reads this (progress of the device loop)
         self.algorithm_defaults: dict[str, dict] = {}   # the checkpoint's algorithm_params defaults, per algorithm
         self.ranks = None           # rank 0 of a tensor-parallel worker: its followers (worker/engine/ranks.py)
+        self.prefix_cache = None    # worker/engine/prefix_cache.py, for the block-causal families (use_prefix_cache)
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, device=None, dtype=None, compile: bool = False,
-                        tensor_parallel: int = 1, rank_timeout: float = 300.0, layout=None) -> "Engine":
+                        tensor_parallel: int = 1, rank_timeout: float = 300.0, layout=None,
+                        prefix_cache_gb: float = 0.0) -> "Engine":
         """``compile``: run the dense half of every block (output projection, RMSNorm, SwiGLU MLP) through
         ``torch.compile``, falling back to eager if compiling fails (see models.layers.Compiled).
 
         ``tensor_parallel`` > 1: this process is rank 0 of that many (worker/engine/ranks.py starts the others;
         ``rank_timeout``: seconds any collective may wait for a rank). ``layout``: a follower rank's place (ranks.py
-        passes it)."""
+        passes it). ``prefix_cache_gb``: the prefix cache's budget (:meth:`use_prefix_cache`)."""
         path = Path(path)
         family = detect_family(path)
         config = read_config(path)
@@ -76,7 +78,7 @@ class Engine:
             from . import ranks
             dev = ranks.rank_device(resolve_device(device), 0)
             layout, group = ranks.start(path, tensor_parallel, dev, None if dtype is None else str(dtype).replace(
-                "torch.", ""), compile, rank_timeout)
+                "torch.", ""), compile, rank_timeout, prefix_cache_gb)
             device = dev
         try:
             model = load_model(path, device, dtype, layout)
@@ -92,10 +94,18 @@ class Engine:
                      tokenizer=tokenizer, family=family, name=path.name)
         if fam.algorithm_defaults is not None:
             engine.algorithm_defaults = fam.algorithm_defaults(path)
+        engine.use_prefix_cache(prefix_cache_gb)
         if group is not None:
             engine.ranks = group
             group.watch()
         return engine
+
+    def use_prefix_cache(self, gb: float) -> None:
+        """Keep up to ``gb`` GiB of prompt blocks' keys/values across requests, where the family's attention makes
+        that exact (Family.prefix_cache: block-causal); 0 turns it off."""
+        from .prefix_cache import PrefixCache
+        ok = FAMILIES[self.family].prefix_cache if self.family in FAMILIES else False
+        self.prefix_cache = PrefixCache(int(gb * 2**30)) if gb > 0 and ok else None
 
     @property
     def tensor_parallel(self) -> int:

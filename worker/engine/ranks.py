@@ -141,7 +141,8 @@ def fatal(message: str) -> None:
     os._exit(EXIT_RANK_LOST)
 
 
-def start(path, size: int, device: torch.device, dtype: str | None, compile: bool, timeout: float):
+def start(path, size: int, device: torch.device, dtype: str | None, compile: bool, timeout: float,
+          prefix_cache_gb: float = 0.0):
     """On rank 0: start ranks 1..size-1 and join the group with them. Returns (layout, RankGroup)."""
     port = _free_port()
     procs, conns = [], []
@@ -152,7 +153,8 @@ def start(path, size: int, device: torch.device, dtype: str | None, compile: boo
         cmd = [sys.executable, "-m", "worker.engine.ranks", "--rank", str(rank), "--size", str(size),
                "--port", str(port), "--model-path", str(path), "--device", str(device),
                "--dtype", str(dtype or "auto"), "--timeout", str(timeout), "--fd", str(theirs.fileno()),
-               "--threads", str(torch.get_num_threads())] + (["--compile"] if compile else [])
+               "--threads", str(torch.get_num_threads()), "--prefix-cache-gb", str(prefix_cache_gb)] + (
+                   ["--compile"] if compile else [])
         procs.append(subprocess.Popen(cmd, pass_fds=(theirs.fileno(),)))
         theirs.close()
         conns.append(Connection(mine.detach()))
@@ -241,6 +243,7 @@ def follow(argv: list[str] | None = None) -> int:
     ap.add_argument("--fd", type=int, required=True)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--prefix-cache-gb", type=float, default=0.0)
     a = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {a.rank} %(levelname)s %(name)s: %(message)s")
     if a.threads:
@@ -251,7 +254,7 @@ def follow(argv: list[str] | None = None) -> int:
     device = rank_device(resolve_device(a.device), a.rank)
     layout = init_group(a.rank, a.size, a.port, device, a.timeout)
     engine = Engine.from_pretrained(a.model_path, device=device, dtype=None if a.dtype == "auto" else a.dtype,
-                                    compile=a.compile, layout=layout)
+                                    compile=a.compile, layout=layout, prefix_cache_gb=a.prefix_cache_gb)
     log.info("rank %d of %d ready on %s", a.rank, a.size, device)
     while True:
         try:

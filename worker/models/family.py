@@ -67,3 +67,5 @@ class Family:
     mask_token: bool = True                    # decodes from a mask token (DiffusionGemma's canvases are random tokens)
     algorithm_defaults: Callable[[str | Path], dict[str, dict]] | None = None   # the checkpoint's own defaults of
                                                # algorithm_params, per algorithm (from generation_config.json)
+    prefix_cache: bool = False                 # a prompt block's keys/values depend on it and earlier blocks only
+                                               # (block-causal): shareable across requests (engine/prefix_cache.py)

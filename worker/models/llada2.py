@@ -252,4 +252,4 @@ def load(path: str | Path, device: torch.device, dtype: torch.dtype) -> LLaDA2Mo
 FAMILY = Family(name="llada2", title="LLaDA2 (LLaDA2MoeModelLM)", architectures=("LLaDA2MoeModelLM",),
                 model_types=("llada2_moe",),
                 tensors=("model.word_embeddings.weight", "model.layers.0.attention.query_key_value.weight"),
-                load=load, default_algorithm="llada2", algorithms=("llada2", "llada21"))
+                load=load, default_algorithm="llada2", algorithms=("llada2", "llada21"), prefix_cache=True)

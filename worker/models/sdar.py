@@ -119,4 +119,4 @@ def load(path: str | Path, device: torch.device, dtype: torch.dtype) -> SDARMode
 
 FAMILY = Family(name="sdar", title="SDAR (SDARForCausalLM)", architectures=("SDARForCausalLM",), model_types=("sdar",),
                 tensors=("model.layers.0.self_attn.q_norm.weight", "lm_head.weight"), load=load,
-                default_algorithm="sdar", algorithms=("sdar",))
+                default_algorithm="sdar", algorithms=("sdar",), prefix_cache=True)

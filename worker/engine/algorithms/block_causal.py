@@ -29,15 +29,50 @@ def check_common(p: GenerationParams, name: str, takes: str) -> None:
 
 
 class BlockBatch:
-    """``x`` [B, W] and ``cache`` for the ``active`` rows; ``setup(row)`` is called for every row as it arrives."""
+    """``x`` [B, W] and ``cache`` for the ``active`` rows; ``setup(row)`` is called for every row as it arrives.
 
-    def __init__(self, engine, rows: list[Row], setup):
+    Prefix cache (worker/engine/prefix_cache.py, when the engine has one): as a row arrives, the keys/values of its
+    prompt's leading whole blocks that are cached are copied into its cache slot, at most ``reusable(row)`` blocks,
+    and ``reused(row, positions)`` tells the algorithm where its own forwards start; once the algorithm has computed
+    the row's prompt blocks it calls :meth:`share` to store them for later rows."""
+
+    def __init__(self, engine, rows: list[Row], setup, reusable=None, reused=None):
         self.engine, self.setup = engine, setup
         self.dev = engine.model.device
         self.W = max(extent(r) for r in rows)
         self.x = self._layout(rows, self.W)
         self.cache = engine.model.new_cache(len(rows), self.W)
         self.active = list(rows)
+        self.prefix = getattr(engine, "prefix_cache", None) if reusable is not None else None
+        self.reusable, self.reused = reusable, reused
+        self._reuse(0)
+
+    def _reuse(self, first_slot: int) -> None:
+        """Copy the cached prompt blocks of the rows from batch slot ``first_slot`` on into their cache slots."""
+        if self.prefix is None:
+            return
+        for b in range(first_slot, len(self.active)):
+            r = self.active[b]
+            limit = self.reusable(r)
+            if limit <= 0:
+                continue
+            bl = r.params.block_length
+            found = self.prefix.lookup(r.prompt, bl, limit)
+            if found:
+                n = len(found) * bl
+                self.cache.k[:, b, :, :n] = torch.cat([e.k for e in found], dim=2).to(self.dev)
+                self.cache.v[:, b, :, :n] = torch.cat([e.v for e in found], dim=2).to(self.dev)
+                self.reused(r, n)
+
+    def share(self, b: int, first: int, blocks: int) -> None:
+        """Active row ``b``'s prompt blocks ``first`` .. ``blocks - 1`` are final in its cache slot: store them."""
+        if self.prefix is None or blocks <= first:
+            return
+        r = self.active[b]
+        bl = r.params.block_length
+        self.prefix.insert(r.prompt, bl, first, blocks,
+                           lambda j: (self.cache.k[:, b, :, j * bl:(j + 1) * bl],
+                                      self.cache.v[:, b, :, j * bl:(j + 1) * bl]))
 
     def _layout(self, new: list[Row], width: int) -> torch.Tensor:
         t = torch.full((len(new), width), self.engine.pad_id, dtype=torch.long)
@@ -72,7 +107,9 @@ class BlockBatch:
             self.x = torch.cat([self.x, self._layout(new, width)])
             self.cache.grow(len(new), 0, width)
             self.W = width
+            first = len(self.active)
             self.active = self.active + new
+            self._reuse(first)
         return True
 
     def forward(self, spans: list[tuple[int, int]]) -> torch.Tensor:

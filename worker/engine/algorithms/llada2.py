@@ -78,7 +78,7 @@ def step21(s: "_State", cur: torch.Tensor, logits: torch.Tensor, p: GenerationPa
 
 class _State:
     """The block a row is denoising, its step, and how far its sequence is final."""
-    __slots__ = ("block", "step", "total", "final", "stored", "post", "idle")
+    __slots__ = ("block", "step", "total", "final", "stored", "post", "idle", "fresh", "reused")
 
     def __init__(self, row: Row, bl: int):
         P = row.plan.prompt_length
@@ -89,12 +89,20 @@ class _State:
         self.stored = 0                          # positions whose final keys/values are in the cache
         self.post = 0                            # llada21: forwards of this block after its masks were gone
         self.idle = False                        # llada21: the last step neither unmasked nor edited a position
+        self.fresh = True                        # its first forward (which computes its prompt blocks) is to come
+        self.reused = 0                          # prompt blocks taken from the prefix cache
 
 
 def run(engine, rows: list[Row], fin: Finisher) -> None:
     model, mask_id, dev = engine.model, engine.mask_id, engine.model.device
     state: dict[int, _State] = {}
-    batch = BlockBatch(engine, rows, lambda r: state.__setitem__(r.index, _State(r, r.params.block_length)))
+
+    def reused(r: Row, n: int) -> None:        # the prefix cache gave the row its first n positions
+        s = state[r.index]
+        s.stored, s.reused = n, n // r.params.block_length
+    batch = BlockBatch(engine, rows, lambda r: state.__setitem__(r.index, _State(r, r.params.block_length)),
+                       reusable=lambda r: r.plan.prompt_length // r.params.block_length
+                       if r.params.extra["kv_cache"] else 0, reused=reused)
 
     while batch.between_steps(fin):
         active = batch.active
@@ -127,6 +135,9 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
         for b, r in enumerate(active):
             s, bl = state[r.index], r.params.block_length
             r.nfe += 1
+            if s.fresh and r.params.extra["kv_cache"]:   # its prompt's whole blocks are final in the cache: share
+                batch.share(b, s.reused, r.plan.prompt_length // bl)
+            s.fresh = False
             s.stored = s.block * bl                   # the blocks before this one are in the cache now
             s.step += 1
             start = s.block * bl

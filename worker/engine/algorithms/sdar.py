@@ -80,7 +80,7 @@ def choose(strategy: str, masked: torch.Tensor, prob: torch.Tensor, n: int, thre
 
 class _State:
     """Where a row is: prefilling, denoising block ``block`` at ``step``, or storing it."""
-    __slots__ = ("phase", "block", "step", "total", "final")
+    __slots__ = ("phase", "block", "step", "total", "final", "reused")
 
     def __init__(self, row: Row, bl: int):
         P = row.plan.prompt_length
@@ -89,12 +89,19 @@ class _State:
         self.phase = "prefill" if self.block > 0 else "denoise"
         self.step = 0
         self.final = self.block * bl                                    # positions before it never change again
+        self.reused = 0                         # prompt blocks taken from the prefix cache (the prefill starts after)
 
 
 def run(engine, rows: list[Row], fin: Finisher) -> None:
     model, mask_id, dev = engine.model, engine.mask_id, engine.model.device
     state: dict[int, _State] = {}
-    batch = BlockBatch(engine, rows, lambda r: state.__setitem__(r.index, _State(r, r.params.block_length)))
+
+    def reused(r: Row, n: int) -> None:        # the prefix cache gave the row its first n positions
+        state[r.index].reused = n // r.params.block_length
+    # the prefill forward keeps at least the prompt's last whole block, so the row's forwards (nfe) are the same
+    batch = BlockBatch(engine, rows, lambda r: state.__setitem__(r.index, _State(r, r.params.block_length)),
+                       reusable=lambda r: r.plan.prompt_length // r.params.block_length - 1
+                       if r.params.extra["kv_cache"] else 0, reused=reused)
 
     while batch.between_steps(fin):       # a joining row starts with its prefill
         active = batch.active
@@ -102,7 +109,7 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
         for r in active:
             s, bl = state[r.index], r.params.block_length
             if s.phase == "prefill":
-                spans.append((0, s.block * bl))
+                spans.append((s.reused * bl, s.block * bl))
             elif r.params.extra["kv_cache"]:
                 spans.append((s.block * bl, (s.block + 1) * bl))
             else:          # the comparison without a cache: every forward recomputes the prefix
@@ -138,6 +145,8 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
             schedule_done = False
             if s.phase == "prefill":
                 s.phase = "denoise"
+                if r.params.extra["kv_cache"]:         # its prompt's whole blocks are final in the cache: share
+                    batch.share(b, s.reused, s.block)
             elif s.phase == "store":
                 if (s.block + 1) * bl >= s.total:
                     schedule_done = True

@@ -1,0 +1,125 @@
+"""A prefix cache across requests: the keys/values of whole prompt blocks, shared by every later row whose prompt
+starts with the same blocks.
+
+Exact where a block's keys/values depend on nothing after it: the block-causal families (LLaDA2.x, SDAR), whose
+attention lets a position see its own block and the blocks before it only. A block's entry is keyed by its whole
+prefix (every token from position 0 to the block's end) and the block length (which shapes the attention inside a
+block); entries form a radix tree of blocks (each entry's parent is the entry of the prefix one block shorter), walked
+from the first block. LLaDA's and Dream's prompts are bidirectional (every prompt position sees the answer's
+positions), so nothing there is reusable and the cache is not used (docs/engine.md, "Prefix cache").
+
+Memory: at most ``budget`` bytes of keys and values; past it the least recently used entries go. A lookup touches
+the chain deepest-first, so a block is never used more recently than its parent and eviction takes leaves before
+their ancestors. Recency is a counter, not a clock, so tensor-parallel ranks (each with the cache of its own kv
+heads) make the same decisions."""
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Entry:
+    k: torch.Tensor          # [layers, kv_heads, block, head_dim]
+    v: torch.Tensor
+    parent: bytes | None
+    used: int
+    children: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+
+class PrefixCache:
+    def __init__(self, budget_bytes: int):
+        self.budget = int(budget_bytes)
+        self.entries: dict[bytes, Entry] = {}
+        self.bytes = 0
+        self.clock = 0
+        # statistics: prompt tokens asked about, tokens served from the cache, blocks stored and evicted
+        self.lookups = 0
+        self.tokens_looked_up = 0
+        self.tokens_hit = 0
+        self.blocks_stored = 0
+        self.blocks_evicted = 0
+
+    @staticmethod
+    def keys(tokens: list[int], block: int, blocks: int) -> list[bytes]:
+        """The chain keys of the first ``blocks`` blocks of ``tokens``."""
+        out, h = [], hashlib.blake2b(f"block={block}".encode(), digest_size=16)
+        for j in range(blocks):
+            h.update(b"|" + ",".join(map(str, tokens[j * block:(j + 1) * block])).encode())
+            out.append(h.copy().digest())
+        return out
+
+    def lookup(self, tokens: list[int], block: int, limit: int) -> list[Entry]:
+        """The cached entries of the longest run of the prompt's first (at most ``limit``) blocks, in order."""
+        self.lookups += 1
+        self.tokens_looked_up += limit * block
+        found = []
+        for key in self.keys(tokens, block, limit):
+            e = self.entries.get(key)
+            if e is None:
+                break
+            found.append(e)
+        for e in reversed(found):          # deepest first: ancestors stay more recent than their descendants
+            self.clock += 1
+            e.used = self.clock
+        self.tokens_hit += len(found) * block
+        return found
+
+    def insert(self, tokens: list[int], block: int, first: int, blocks: int, kv) -> None:
+        """Store blocks ``first`` .. ``blocks - 1`` of the prompt (``kv(j)`` gives block j's (k, v), copied), whose
+        earlier blocks are cached (or being stored now). Blocks already present are only touched."""
+        if self.budget <= 0:
+            return
+        keys = self.keys(tokens, block, blocks)
+        for j in range(blocks - 1, -1, -1):       # touched deepest first, as in lookup
+            e = self.entries.get(keys[j])
+            if e is not None:
+                self.clock += 1
+                e.used = self.clock
+        for j in range(first, blocks):
+            if keys[j] in self.entries:
+                continue
+            parent = keys[j - 1] if j else None
+            if parent is not None and parent not in self.entries:
+                return                                    # its parent was evicted meanwhile: unreachable
+            k, v = kv(j)
+            e = Entry(k.clone(), v.clone(), parent, 0)
+            if e.nbytes > self.budget:
+                return
+            self._make_room(e.nbytes, keep=parent)
+            if self.bytes + e.nbytes > self.budget or (parent is not None and parent not in self.entries):
+                return                                    # no room without evicting its own ancestors
+            self.clock += 1
+            e.used = self.clock
+            self.entries[keys[j]] = e
+            self.bytes += e.nbytes
+            self.blocks_stored += 1
+            if parent is not None:
+                self.entries[parent].children += 1
+
+    def _make_room(self, need: int, keep: bytes | None) -> None:
+        """Evict least recently used leaves (never ``keep``, the parent of what is being stored) until ``need``
+        more bytes fit."""
+        while self.bytes + need > self.budget and self.entries:
+            leaves = [(e.used, key) for key, e in self.entries.items() if e.children == 0 and key != keep]
+            if not leaves:
+                return
+            _, key = min(leaves)
+            e = self.entries.pop(key)
+            self.bytes -= e.nbytes
+            self.blocks_evicted += 1
+            if e.parent is not None and e.parent in self.entries:
+                self.entries[e.parent].children -= 1
+
+    def stats(self) -> dict:
+        return {"budget_bytes": self.budget, "bytes": self.bytes, "blocks": len(self.entries),
+                "lookups": self.lookups, "prompt_tokens_looked_up": self.tokens_looked_up,
+                "cached_tokens": self.tokens_hit,
+                "hit_rate": round(self.tokens_hit / self.tokens_looked_up, 4) if self.tokens_looked_up else 0.0,
+                "blocks_stored": self.blocks_stored, "blocks_evicted": self.blocks_evicted}
