@@ -15,6 +15,7 @@ heads) make the same decisions."""
 from __future__ import annotations
 
 import hashlib
+from array import array
 from dataclasses import dataclass
 
 import torch
@@ -48,10 +49,13 @@ class PrefixCache:
 
     @staticmethod
     def keys(tokens: list[int], block: int, blocks: int) -> list[bytes]:
-        """The chain keys of the first ``blocks`` blocks of ``tokens``."""
-        out, h = [], hashlib.blake2b(f"block={block}".encode(), digest_size=16)
+        """The chain keys of the first ``blocks`` blocks of ``tokens``: a running hash of the token ids (8 bytes
+        each) and the block length, taken at every block's end."""
+        data = array("q", tokens[:blocks * block]).tobytes()
+        step = 8 * block
+        out, h = [], hashlib.blake2b(block.to_bytes(8, "little"), digest_size=16)
         for j in range(blocks):
-            h.update(b"|" + ",".join(map(str, tokens[j * block:(j + 1) * block])).encode())
+            h.update(data[j * step:(j + 1) * step])
             out.append(h.copy().digest())
         return out
 
