@@ -3,7 +3,7 @@ with its own 32-token suffix, through one engine with continuous batching (rows 
 --batch-size at once), with the prefix cache off and on, side by side in one run (the rounds alternate which goes
 first): identical answers, prompt tokens computed, wall time and requests/s.
 
-  python bench/prefix_cache_bench.py                       # the LLaDA2 and SDAR fixtures, CPU, float32
+  python bench/prefix_cache_bench.py                       # the LLaDA2, SDAR and DiffusionGemma fixtures, CPU
   python bench/prefix_cache_bench.py --families sdar --rounds 3 --device cuda --dtype bfloat16
 
 The fixtures hold 512 positions; the bench serves a copy whose config.json allows 1024 (the same weights: RoPE tables
@@ -49,6 +49,10 @@ def workload(engine, family: str, n: int, prefix: int, suffix: int, gen: int, se
     vocab = engine.model.cfg.vocab_size - 20
     head = [rng.randrange(1, vocab) for _ in range(prefix)]
     extra = {"remasking_strategy": "low_confidence_static", "denoising_steps": 4} if family == "sdar" else {}
+    if family == "diffusion_gemma":       # its own sampler (seeded), the checkpoint's defaults, one 8-token canvas
+        return [Request(head + [rng.randrange(1, vocab) for _ in range(suffix)],
+                        GenerationParams(gen_length=gen, block_length=8, algorithm=family, seed=i))
+                for i in range(n)]
     return [Request(head + [rng.randrange(1, vocab) for _ in range(suffix)],
                     GenerationParams(gen_length=gen, block_length=4, algorithm=family, temperature=0.0,
                                      threshold=0.9, extra=extra)) for _ in range(n)]
@@ -66,7 +70,7 @@ def run(engine, reqs, batch: int):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--families", default="llada2,sdar")
+    ap.add_argument("--families", default="llada2,sdar,diffusion_gemma")
     ap.add_argument("--requests", type=int, default=64)
     ap.add_argument("--prefix", type=int, default=512)
     ap.add_argument("--suffix", type=int, default=32)
@@ -80,7 +84,8 @@ def main() -> None:
     import torch
     torch.set_num_threads(a.threads)
     from worker.engine import Engine
-    fixtures = {"llada2": ROOT / "tests/fixtures/tiny-llada2", "sdar": ROOT / "tests/fixtures/tiny-sdar"}
+    fixtures = {"llada2": ROOT / "tests/fixtures/tiny-llada2", "sdar": ROOT / "tests/fixtures/tiny-sdar",
+                "diffusion_gemma": ROOT / "tests/fixtures/tiny-diffusion-gemma"}
     print(f"{a.requests} requests: a shared {a.prefix}-token prefix + {a.suffix} distinct tokens, {a.gen} generated; "
           f"batch {a.batch_size} (continuous); {a.device} {a.dtype}, {a.threads} thread(s); median of {a.rounds}")
     for family in a.families.split(","):
@@ -88,7 +93,8 @@ def main() -> None:
             path = Path(tmp) / family
             shutil.copytree(fixtures[family], path)
             cfg = json.loads((path / "config.json").read_text())
-            cfg["max_position_embeddings"] = max(cfg["max_position_embeddings"], 1024)
+            c = cfg.get("text_config", cfg)
+            c["max_position_embeddings"] = max(c["max_position_embeddings"], 1024)
             (path / "config.json").write_text(json.dumps(cfg))
             off = Engine.from_pretrained(path, device=a.device, dtype=a.dtype, prefix_cache_gb=0)
             on = Engine.from_pretrained(path, device=a.device, dtype=a.dtype, prefix_cache_gb=1)
@@ -108,7 +114,8 @@ def main() -> None:
                         st = e.prefix_cache.stats()
                         computed = st["prompt_tokens_looked_up"] - st["cached_tokens"]
             total_prompt = sum(len(r.prompt_ids) for r in reqs)
-            whole = sum(len(r.prompt_ids) // 4 * 4 for r in reqs)
+            g = on.prefix_cache.block if family == "diffusion_gemma" else 4
+            whole = sum(len(r.prompt_ids) // g * g for r in reqs)
             on_computed = computed + (total_prompt - whole)
             t_off, t_on = statistics.median(times["off"]), statistics.median(times["on"])
             print(f"{family}: answers identical: {answers['on'] == answers['off']}; prompt tokens computed "

@@ -1,6 +1,7 @@
-"""The prefix cache across requests (worker/engine/prefix_cache.py) for the block-causal families: with the cache on,
-every golden of LLaDA2.0/2.1 and SDAR gives the tokens, canvases and nfe of the cache off, batched, alone, with rows
-joining a running batch and with a budget so small that blocks are evicted; the radix tree's LRU takes leaves before
+"""The prefix cache across requests (worker/engine/prefix_cache.py) for the block-causal families and DiffusionGemma's
+causal encoder: with the cache on, every golden of LLaDA2.0/2.1, SDAR and DiffusionGemma gives the tokens, canvases
+and nfe of the cache off, batched, alone, with rows joining a running batch and with a budget so small that blocks
+are evicted; the radix tree's LRU takes leaves before
 their ancestors; the worker reports the cache on /health, /metrics and the balancer's /stats."""
 import random
 
@@ -18,6 +19,8 @@ def engines(family: str, gb: float):
     off = Engine.from_pretrained(path, device="cpu", dtype="float32", prefix_cache_gb=0)
     on = Engine.from_pretrained(path, device="cpu", dtype="float32", prefix_cache_gb=gb)
     assert off.prefix_cache is None and on.prefix_cache is not None
+    if family == "diffusion_gemma":         # the fixture's prompts are short: 4-token blocks instead of 16
+        on.prefix_cache = PrefixCache(on.prefix_cache.budget, block=4)
     return off, on, [Request(p, params) for p, params in todo]
 
 
@@ -26,18 +29,21 @@ def shared_prefix_requests(engine, n: int, prefix: int, seed: int = 0) -> list[R
     rng = random.Random(seed)
     vocab = engine.model.cfg.vocab_size - 20
     head = [rng.randrange(1, vocab) for _ in range(prefix)]
-    alg = engine.family if engine.family == "sdar" else "llada2"
+    alg = engine.family if engine.family in ("sdar", "diffusion_gemma") else "llada2"
     out = []
     for i in range(n):
         extra = {"remasking_strategy": "low_confidence_static", "denoising_steps": 4} if alg == "sdar" else {}
-        p = GenerationParams(gen_length=8, block_length=4, algorithm=alg, temperature=0.0 if i % 2 else 1.0,
-                             seed=i, threshold=0.9 if i % 3 == 0 else None, extra=extra)
+        if alg == "diffusion_gemma":
+            p = GenerationParams(gen_length=8, block_length=8, algorithm=alg, seed=i)
+        else:
+            p = GenerationParams(gen_length=8, block_length=4, algorithm=alg, temperature=0.0 if i % 2 else 1.0,
+                                 seed=i, threshold=0.9 if i % 3 == 0 else None, extra=extra)
         out.append(Request(head + [rng.randrange(1, vocab) for _ in range(rng.randrange(1, 7))], p))
     return out
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("family", ["llada2", "sdar"])
+@pytest.mark.parametrize("family", ["llada2", "sdar", "diffusion_gemma"])
 def test_goldens_with_the_cache_equal_the_cache_off(family):
     off, on, reqs = engines(family, 0.01)
     want = outcome(off.generate(reqs, early_exit=False))
@@ -49,7 +55,7 @@ def test_goldens_with_the_cache_equal_the_cache_off(family):
     assert st["cached_tokens"] > 0 and st["blocks"] > 0 and st["blocks_evicted"] == 0
 
 
-@pytest.mark.parametrize("family", ["llada2", "sdar"])
+@pytest.mark.parametrize("family", ["llada2", "sdar", "diffusion_gemma"])
 def test_shared_prefixes_hit_join_and_survive_evictions(family):
     """Prompts sharing 24 tokens (6 blocks): later rows and rows joining a running batch take the shared blocks
     from the cache; under a budget of 5 blocks, with two groups of prompts whose shared heads compete for it, blocks
@@ -62,10 +68,11 @@ def test_shared_prefixes_hit_join_and_survive_evictions(family):
     feed = run_staggered(on, reqs[2:4], [(k, r) for k, r in zip((1, 2, 2, 4, 5, 7), reqs[4:])], early_exit=True)
     got = [feed.results[i] for i in range(8)]
     assert outcome(got) == want[2:]
-    assert on.prefix_cache.tokens_hit - before >= 8 * 20      # every row found (at least) the five shared blocks
+    # every row found (at least) the shared blocks: five of 4 tokens (DiffusionGemma: one of 16)
+    assert on.prefix_cache.tokens_hit - before >= 8 * (16 if family == "diffusion_gemma" else 20)
     per_block = on.prefix_cache.entries[next(iter(on.prefix_cache.entries))].nbytes
     tiny = Engine.from_pretrained(cases(family)[0], device="cpu", dtype="float32", prefix_cache_gb=0)
-    tiny.use_prefix_cache(5 * per_block / 2**30)
+    tiny.prefix_cache = PrefixCache(5 * per_block, block=on.prefix_cache.block)
     other = shared_prefix_requests(off, 4, 24, seed=1)          # another shared head: the two chains compete
     want_other = outcome(off.generate(other))
     for _ in range(2):
@@ -84,14 +91,14 @@ def test_lru_evicts_leaves_before_their_ancestors_and_keys_hold_the_block_length
     c.insert(a, 2, 0, 3, kv)                               # a's 3 blocks
     c.insert(b, 2, 1, 3, kv)                               # b shares a's first block: 2 more -> 5 > budget of 4
     assert c.blocks_evicted == 1 and c.bytes <= c.budget
-    assert [e.k[0, 0, 0, 0].item() for e in c.lookup(b, 2, 3)] == [0.0, 1.0, 2.0]
+    assert [e.kv[0][0, 0, 0, 0].item() for e in c.lookup(b, 2, 3)] == [0.0, 1.0, 2.0]
     assert len(c.lookup(a, 2, 3)) == 2                     # a's leaf went (least recently used), its ancestors stay
     assert c.lookup(a, 3, 2) == []                          # another block length: other keys
     assert len(c.lookup(a, 2, 1)) == 1 and c.stats()["hit_rate"] > 0
     assert PrefixCache(0).lookup(a, 2, 3) == []
 
 
-def test_families_without_block_causal_prompts_get_no_cache():
+def test_families_whose_prompts_see_the_answer_get_no_cache():
     from tests.conftest import TINY_DREAM, TINY_LLADA
     for path in (TINY_LLADA, TINY_DREAM):
         assert Engine.from_pretrained(path, device="cpu", prefix_cache_gb=1).prefix_cache is None

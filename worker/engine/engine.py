@@ -56,24 +56,31 @@ class Engine:
         self.last_step_time = time.monotonic()   # the worker's /health reads this (progress of the device loop)
         self.algorithm_defaults: dict[str, dict] = {}   # the checkpoint's algorithm_params defaults, per algorithm
         self.ranks = None           # rank 0 of a tensor-parallel worker: its followers (worker/engine/ranks.py)
-        self.prefix_cache = None    # worker/engine/prefix_cache.py, for the block-causal families (use_prefix_cache)
+        self.prefix_cache = None    # worker/engine/prefix_cache.py, where it is exact (use_prefix_cache)
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, device=None, dtype=None, compile: bool = False,
                         tensor_parallel: int = 1, rank_timeout: float = 300.0, layout=None,
-                        prefix_cache_gb: float = 0.0) -> "Engine":
+                        prefix_cache_gb: float = 0.0, ranks=None) -> "Engine":
         """``compile``: run the dense half of every block (output projection, RMSNorm, SwiGLU MLP) through
         ``torch.compile``, falling back to eager if compiling fails (see models.layers.Compiled).
 
         ``tensor_parallel`` > 1: this process is rank 0 of that many (worker/engine/ranks.py starts the others;
         ``rank_timeout``: seconds any collective may wait for a rank). ``layout``: a follower rank's place (ranks.py
-        passes it). ``prefix_cache_gb``: the prefix cache's budget (:meth:`use_prefix_cache`)."""
+        passes it). ``prefix_cache_gb``: the prefix cache's budget (:meth:`use_prefix_cache`). ``ranks``: the
+        follower ranks of an engine that handed them over (:meth:`hand_over_ranks`), which load this checkpoint
+        instead of new processes starting."""
         path = Path(path)
         family = detect_family(path)
         config = read_config(path)
         tokenizer = load_tokenizer(path)
         group = None
-        if tensor_parallel > 1:
+        if ranks is not None:
+            group, layout = ranks, ranks.layout
+            device = ranks.devices[0]
+            group.send(("load", str(path), None if dtype is None else str(dtype).replace("torch.", ""),
+                        prefix_cache_gb))
+        elif tensor_parallel > 1:
             from ..models.checkpoint import resolve_device
             from . import ranks
             dev = ranks.rank_device(resolve_device(device), 0)
@@ -102,7 +109,7 @@ class Engine:
 
     def use_prefix_cache(self, gb: float) -> None:
         """Keep up to ``gb`` GiB of prompt blocks' keys/values across requests, where the family's attention makes
-        that exact (Family.prefix_cache: block-causal); 0 turns it off."""
+        that exact (Family.prefix_cache: block-causal prompts, or a causal prompt encoder); 0 turns it off."""
         from .prefix_cache import PrefixCache
         ok = FAMILIES[self.family].prefix_cache if self.family in FAMILIES else False
         self.prefix_cache = PrefixCache(int(gb * 2**30)) if gb > 0 and ok else None
@@ -115,6 +122,12 @@ class Engine:
         """Stop a tensor-parallel worker's follower ranks (nothing to do on one rank)."""
         if self.ranks is not None:
             self.ranks.close()
+
+    def hand_over_ranks(self):
+        """This engine's follower ranks, for another checkpoint's engine (``from_pretrained(ranks=...)``); this
+        engine is one rank's shard from then on and must not generate."""
+        group, self.ranks = self.ranks, None
+        return group
 
     def seeded(self, req: Request) -> Request:
         """``req`` with a seed of its own where its algorithm draws random numbers and it has none: tensor-parallel

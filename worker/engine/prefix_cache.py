@@ -2,7 +2,8 @@
 starts with the same blocks.
 
 Exact where a block's keys/values depend on nothing after it: the block-causal families (LLaDA2.x, SDAR), whose
-attention lets a position see its own block and the blocks before it only. A block's entry is keyed by its whole
+attention lets a position see its own block and the blocks before it only, and DiffusionGemma, whose prompt encoder
+is causal (its entries: ``block`` tokens, every layer's keys/values). A block's entry is keyed by its whole
 prefix (every token from position 0 to the block's end) and the block length (which shapes the attention inside a
 block); entries form a radix tree of blocks (each entry's parent is the entry of the prefix one block shorter), walked
 from the first block. LLaDA's and Dream's prompts are bidirectional (every prompt position sees the answer's
@@ -23,20 +24,24 @@ import torch
 
 @dataclass
 class Entry:
-    k: torch.Tensor          # [layers, kv_heads, block, head_dim]
-    v: torch.Tensor
+    kv: tuple                # the block's keys/values: (k, v) [layers, kv_heads, block, head_dim] for the
+                             # block-causal families; DiffusionGemma: every layer's k then every layer's v
     parent: bytes | None
     used: int
     children: int = 0
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+        return sum(t.numel() * t.element_size() for t in self.kv)
 
 
 class PrefixCache:
-    def __init__(self, budget_bytes: int):
+    """``block``: the tokens of an entry for families whose prompts have no blocks of their own (DiffusionGemma's
+    causal encoder); the block-causal families use each row's ``block_length``."""
+
+    def __init__(self, budget_bytes: int, block: int = 16):
         self.budget = int(budget_bytes)
+        self.block = block
         self.entries: dict[bytes, Entry] = {}
         self.bytes = 0
         self.clock = 0
@@ -76,7 +81,7 @@ class PrefixCache:
         return found
 
     def insert(self, tokens: list[int], block: int, first: int, blocks: int, kv) -> None:
-        """Store blocks ``first`` .. ``blocks - 1`` of the prompt (``kv(j)`` gives block j's (k, v), copied), whose
+        """Store blocks ``first`` .. ``blocks - 1`` of the prompt (``kv(j)`` gives block j's tensors, copied), whose
         earlier blocks are cached (or being stored now). Blocks already present are only touched."""
         if self.budget <= 0:
             return
@@ -92,8 +97,7 @@ class PrefixCache:
             parent = keys[j - 1] if j else None
             if parent is not None and parent not in self.entries:
                 return                                    # its parent was evicted meanwhile: unreachable
-            k, v = kv(j)
-            e = Entry(k.clone(), v.clone(), parent, 0)
+            e = Entry(tuple(t.clone() for t in kv(j)), parent, 0)
             if e.nbytes > self.budget:
                 return
             self._make_room(e.nbytes, keep=parent)

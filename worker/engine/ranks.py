@@ -74,6 +74,7 @@ class RankGroup:
     procs: list[subprocess.Popen]
     conns: list[Connection]
     devices: list[str]
+    layout: object = None               # rank 0's place (worker/models/parallel.py Layout)
     started: float = field(default_factory=time.time)
     closing: bool = False
 
@@ -164,7 +165,7 @@ def start(path, size: int, device: torch.device, dtype: str | None, compile: boo
         for p in procs:
             p.kill()
         raise
-    group = RankGroup(size, procs, conns, [str(rank_device(device, r)) for r in range(size)])
+    group = RankGroup(size, procs, conns, [str(rank_device(device, r)) for r in range(size)], layout)
     _GROUPS.append(group)
     return layout, group
 
@@ -267,7 +268,12 @@ def follow(argv: list[str] | None = None) -> int:
                 import torch.distributed as dist
                 dist.destroy_process_group()
                 return 0
-            if msg[0] == "generate":
+            if msg[0] == "load":           # another checkpoint on the same ranks (Engine.from_pretrained(ranks=))
+                _, path, dtype, prefix_cache_gb = msg
+                engine = Engine.from_pretrained(path, device=device, dtype=dtype, compile=a.compile, layout=layout,
+                                                prefix_cache_gb=prefix_cache_gb)
+                log.info("rank %d loaded %s", a.rank, path)
+            elif msg[0] == "generate":
                 _, requests, early_exit, cancelled, long_row_cost = msg
                 engine.long_row_cost = long_row_cost
                 rounds = FollowerRounds(conn, cancelled)

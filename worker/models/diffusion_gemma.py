@@ -426,6 +426,22 @@ class ContextCache:
             ck, cv = ck[:, :, :n], cv[:, :, :n]
         return torch.cat([ck, k], dim=2), torch.cat([cv, v], dim=2)
 
+    def seed(self, slot: int, ks: list[torch.Tensor], vs: list[torch.Tensor]) -> None:
+        """Give an empty slot the context whose every layer's keys/values are ``ks[i]``/``vs[i]`` [kv heads, n,
+        head dim] (positions 0..n-1, the prefix cache's blocks): full layers keep them all, sliding layers the last
+        ``sliding_window - 1``, as encoding those positions would have left them."""
+        n = ks[0].shape[1]
+        self.ensure(n)
+        for i in range(self.cfg.num_layers):
+            if self.cfg.sliding[i]:
+                m = min(n, self.window)
+                self.k[i][slot, :, self.window - m:] = ks[i][:, n - m:]
+                self.v[i][slot, :, self.window - m:] = vs[i][:, n - m:]
+            else:
+                self.k[i][slot, :, :n] = ks[i]
+                self.v[i][slot, :, :n] = vs[i]
+        self.length[slot] = n
+
     def keep(self, rows: list[int]) -> None:
         idx = torch.tensor(rows, dtype=torch.long, device=self.device)
         self.length = [self.length[r] for r in rows]
@@ -492,9 +508,12 @@ class DiffusionGemmaModel(nn.Module):
         return {k: rope(f, pos, self.dtype) for k, f in self.inv_freq.items()}
 
     @torch.inference_mode()
-    def encode(self, ids: torch.Tensor, lengths: list[int], cache: ContextCache, slots: list[int]) -> None:
+    def encode(self, ids: torch.Tensor, lengths: list[int], cache: ContextCache, slots: list[int],
+               capture: list | None = None) -> None:
         """Append each row's ``ids[b, :lengths[b]]`` (right-padded [B, T]) to its context in cache slot
-        ``slots[b]``: the causal encoder (sliding layers within the window), keys/values stored, nothing returned."""
+        ``slots[b]``: the causal encoder (sliding layers within the window), keys/values stored, nothing returned.
+        ``capture``: a list that receives every layer's new keys and values ([B, kv heads, T, head dim] each, layer
+        by layer: the prefix cache stores prompt blocks from them)."""
         B, T = ids.shape
         dev = ids.device
         cfg = self.cfg
@@ -537,6 +556,8 @@ class DiffusionGemmaModel(nn.Module):
             cos, sin = rope[sl]
             attn = layer.self_attn
             q, k, v = attn.qkv(layer.input_layernorm(x), cos, sin)
+            if capture is not None:
+                capture.append((k, v))
             ck, cv = cache.k[i], cache.v[i]
             kk, vv = cache.with_new(i, slot_idx, k, v, n_slide if sl else n_full)
             a = attn.attend(q, kk, vv, slide_mask if sl else full_mask)
@@ -640,4 +661,4 @@ FAMILY = Family(name="diffusion_gemma", title="DiffusionGemma (DiffusionGemmaFor
                 tensors=("model.decoder.self_conditioning.gate_proj.weight",
                          "model.decoder.layers.0.router.per_expert_scale"),
                 load=load, default_algorithm="diffusion_gemma", algorithms=("diffusion_gemma",), mask_token=False,
-                algorithm_defaults=algorithm_defaults)
+                algorithm_defaults=algorithm_defaults, prefix_cache=True)

@@ -68,4 +68,5 @@ class Family:
     algorithm_defaults: Callable[[str | Path], dict[str, dict]] | None = None   # the checkpoint's own defaults of
                                                # algorithm_params, per algorithm (from generation_config.json)
     prefix_cache: bool = False                 # a prompt block's keys/values depend on it and earlier blocks only
-                                               # (block-causal): shareable across requests (engine/prefix_cache.py)
+                                               # (block-causal, or a causal prompt encoder): shareable across
+                                               # requests (worker/engine/prefix_cache.py)

@@ -60,8 +60,8 @@ class BlockBatch:
             found = self.prefix.lookup(r.prompt, bl, limit)
             if found:
                 n = len(found) * bl
-                self.cache.k[:, b, :, :n] = torch.cat([e.k for e in found], dim=2).to(self.dev)
-                self.cache.v[:, b, :, :n] = torch.cat([e.v for e in found], dim=2).to(self.dev)
+                self.cache.k[:, b, :, :n] = torch.cat([e.kv[0] for e in found], dim=2).to(self.dev)
+                self.cache.v[:, b, :, :n] = torch.cat([e.kv[1] for e in found], dim=2).to(self.dev)
                 self.reused(r, n)
 
     def share(self, b: int, first: int, blocks: int) -> None:

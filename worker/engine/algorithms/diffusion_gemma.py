@@ -46,7 +46,7 @@ PARAMS = (
 class _State:
     """A row's progress: its CPU-side settings, its canvas, its self-conditioning logits and stopping history."""
     __slots__ = ("N", "t_min", "t_max", "S", "limits", "temps", "left", "encode", "canvas", "sc", "hist", "out",
-                 "gen")
+                 "gen", "reused")
 
     def __init__(self, row: Row, gen: torch.Generator, device: torch.device):
         e = row.params.extra
@@ -63,6 +63,7 @@ class _State:
         self.hist = None                   # [S, L] argmax history
         self.out: list[int] = []           # finished canvases (argmax)
         self.gen = gen
+        self.reused = -1                   # prompt tokens from the prefix cache, once its prompt is encoding
 
     def schedule(self) -> torch.Tensor:
         """The temperatures of a canvas's steps (N steps remaining down to 1), each with the reference's float32
@@ -96,11 +97,34 @@ def run(engine, rows: list[Row], fin: Finisher):
     active: list[Row] = []
     cache = model.new_cache(0, 0)
 
+    pc = engine.prefix_cache
+    G = pc.block if pc is not None else 0
+
     def join(new: list[Row]) -> None:
         for r in new:
             state[r.index] = _State(r, _generator(r, dev), dev)
         cache.add_slots(len(new))
+        first = len(active)
         active.extend(new)
+        for b in range(first, len(active)):      # the prefix cache: the prompt's cached blocks, not re-encoded
+            r, s = active[b], state[active[b].index]
+            s.reused = 0
+            limit = (len(r.prompt) - 1) // G if pc is not None else 0     # at least one token left to encode
+            found = pc.lookup(r.prompt, G, limit) if limit > 0 else []
+            if found:
+                n = len(model.stack.layers)
+                cache.seed(b, [torch.cat([e.kv[i] for e in found], dim=1).to(dev) for i in range(n)],
+                           [torch.cat([e.kv[n + i] for e in found], dim=1).to(dev) for i in range(n)])
+                s.reused = len(found) * G
+                s.encode = list(r.prompt[s.reused:])
+
+    def share(b: int, i: int, capture: list) -> None:
+        """Row ``active[b]``'s prompt was just encoded (as row i of the encoder call): store its whole blocks."""
+        r, s = active[b], state[active[b].index]
+        first, blocks = s.reused // G, len(r.prompt) // G
+        pc.insert(r.prompt, G, first, blocks,
+                  lambda j: tuple(t[i, :, j * G - s.reused:(j + 1) * G - s.reused] for t in
+                                  [k for k, _ in capture] + [v for _, v in capture]))
 
     def keep(idx: list[int]) -> None:
         if len(idx) < len(active):
@@ -122,9 +146,13 @@ def run(engine, rows: list[Row], fin: Finisher):
             ids = torch.zeros((len(enc), max(lengths)), dtype=torch.long)
             for i, b in enumerate(enc):
                 ids[i, :lengths[i]] = torch.tensor(state[active[b].index].encode)
-            model.encode(ids.to(dev), lengths, cache, enc)
-            for b in enc:
+            capture = [] if pc is not None and any(state[active[b].index].reused >= 0 for b in enc) else None
+            model.encode(ids.to(dev), lengths, cache, enc, capture)
+            for i, b in enumerate(enc):
                 s = state[active[b].index]
+                if capture is not None and s.reused >= 0:        # its prompt: store its whole blocks
+                    share(b, i, capture)
+                s.reused = -1
                 s.encode = []
                 s.canvas = torch.randint(0, V, (1, L), generator=s.gen, device=dev)[0]
                 s.sc, s.hist, s.left = None, None, s.N
