@@ -5,6 +5,7 @@ own batches, and through ``dllm-serve generate --no-early-exit``."""
 import random
 
 import orjson
+import pytest
 from click.testing import CliRunner
 
 from dllm_serve.cli import main as cli
@@ -92,20 +93,24 @@ def test_cli_generate_alone_and_batched(peaky_golden):
         assert o["canvas"] == c["output"] and (c["nfe"] is None or o["nfe"] == c["nfe"]), c
 
 
-def _cli_batch(model, lines: list[dict]) -> list[dict]:
+def _cli_batch(model, lines: list[dict], extra: tuple = ()) -> list[dict]:
     res = CliRunner().invoke(cli, ["generate", "--model-path", str(model), "--device", "cpu", "--dtype", "float32",
-                                   "--no-early-exit", "--requests", "-"],
+                                   "--no-early-exit", "--requests", "-", *extra],
                              input=b"\n".join(orjson.dumps(x) for x in lines))
     assert res.exit_code == 0, res.output
     return [orjson.loads(line) for line in res.stdout.splitlines()]
 
 
-def test_every_tiny_llada_case_batched_through_the_cli(llada_golden):
+@pytest.mark.parametrize("ranks", [pytest.param(1, id="one-rank"),
+                                   pytest.param(2, id="two-ranks", marks=pytest.mark.slow)])
+def test_every_tiny_llada_case_batched_through_the_cli(llada_golden, ranks):
+    """Also with --tensor-parallel-size 2 (worker/engine/ranks.py: a follower process beside this one)."""
     cases = llada_golden["cases"]
     outs = _cli_batch(TINY_LLADA, [{"prompt_ids": c["prompt"], "gen_length": c["gen_length"],
                                     "block_length": c["block_length"], "steps": c["steps"],
                                     "algorithm": c["algorithm"], "threshold": c.get("threshold"),
-                                    "cfg_scale": c.get("cfg_scale") or 0.0} for c in cases])
+                                    "cfg_scale": c.get("cfg_scale") or 0.0} for c in cases],
+                      ("--tensor-parallel-size", str(ranks)))
     assert [i for i, (o, c) in enumerate(zip(outs, cases))
             if o["canvas"] != c["output"] or (c["nfe"] is not None and o["nfe"] != c["nfe"])] == []
 
