@@ -89,9 +89,8 @@ def generate(model_path, prompt, chat, prompt_ids, gen_length, block_length, ste
              temperature, cfg_scale, threshold, factor, seed, shift_logits, algorithm_params, no_early_exit, device,
              dtype, with_compile, tensor_parallel_size, rank_timeout, prefix_cache_gb, as_json, requests_file):
     """Generate offline for one prompt (or a batch of them, --requests) and print the result."""
-    from worker.engine import Engine, GenerationParams, ParamError, Request
-    from worker.models import DEFAULT_ALGORITHM, CheckpointError
-    from worker.tokenizer import apply_chat_template
+    from worker.engine import Engine
+    from worker.models import CheckpointError
     try:
         extra = orjson.loads(algorithm_params) if algorithm_params else {}
     except orjson.JSONDecodeError as e:

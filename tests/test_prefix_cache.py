@@ -102,3 +102,36 @@ def test_families_whose_prompts_see_the_answer_get_no_cache():
     from tests.conftest import TINY_DREAM, TINY_LLADA
     for path in (TINY_LLADA, TINY_DREAM):
         assert Engine.from_pretrained(path, device="cpu", prefix_cache_gb=1).prefix_cache is None
+
+
+async def test_the_n_choices_of_a_request_share_its_prompt():
+    """Four choices of one 26-token prompt through the worker's scheduler (continuous batching, prefix cache on): the
+    first computes the prompt's six blocks, the other three start a round later and take them from the cache; every
+    choice's answer is the one it gets alone with the cache off."""
+    import asyncio
+
+    from tests.conftest import TINY_LLADA2
+    from worker.scheduler import Job, RowScheduler
+    off = Engine.from_pretrained(TINY_LLADA2, device="cpu", dtype="float32", prefix_cache_gb=0)
+    on = Engine.from_pretrained(TINY_LLADA2, device="cpu", dtype="float32", prefix_cache_gb=0.01)
+    prompt = list(range(10, 36))
+    params = [GenerationParams(gen_length=8, block_length=4, algorithm="llada2", temperature=1.0, seed=s)
+              for s in range(4)]
+    want = outcome(off.generate([Request(prompt, p) for p in params]))
+    b = RowScheduler(on, batch_size=8, max_wait_time=0.0)
+    b.start()
+    got = {}
+    jobs = [Job(list(prompt), p, sink=lambda i, kind, payload: got.__setitem__(i, payload) if kind == "done" else 0,
+                index=i) for i, p in enumerate(params)]
+    for j in jobs[1:]:
+        j.follows = jobs[0]
+    for j in jobs:
+        b.submit(j, wait=False)
+    for _ in range(500):
+        if len(got) == 4:
+            break
+        await asyncio.sleep(0.01)
+    await b.close()
+    assert outcome([got[i] for i in range(4)]) == want
+    st = on.prefix_cache.stats()
+    assert st["blocks_stored"] == 6 and st["cached_tokens"] == 3 * 24

@@ -3,7 +3,6 @@ the tokens, canvases and forward counts of one rank on every golden case of ever
 rank reads only its slices of the checkpoint; a rank that dies takes its worker down; the worker serves through the
 balancer with continuous batching and shows its ranks."""
 import json
-import os
 import signal
 import time
 

@@ -65,6 +65,8 @@ class Job:
                                       # ScoreResult
     cost: int = 0                     # nominal token-forwards (Serving._check_cost); above long_row_cost: "long"
     plan: Plan | None = None          # the engine's plan of ``params`` when the caller made it (else the engine does)
+    follows: "Job | None" = None      # an earlier row of the same request with the same prompt (the n choices): with
+                                      # a prefix cache it starts a round after that row, reusing its prompt's blocks
 
 
 def canvas_tokens(job: Job) -> int:
@@ -245,11 +247,14 @@ class RowScheduler:
         A new batch (``first``) takes scoring rows too (they run first, apart: ``_run``); joining rows pass them
         for ``switch_wait`` seconds, then the batch takes no more and drains."""
         taken, now = [], time.monotonic()
+        share = self.continuous and getattr(self.engine, "prefix_cache", None) is not None
         for j in self.pending:
             if rows + len(taken) >= self.batch_size:
                 break
             if j.cancelled:
                 continue
+            if share and j.follows is not None and any(t is j.follows for t in taken):
+                continue       # the row it follows computes the prompt now: it joins next round, from the cache
             if j.score is not None and not first:
                 if now - j.enqueued_at > self.switch_wait:
                     break

@@ -19,7 +19,6 @@ import hashlib
 from array import array
 from dataclasses import dataclass
 
-import torch
 
 
 @dataclass

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import nn
 
 from .checkpoint import CheckpointError, load_native, read_config
 from . import parallel
