@@ -85,3 +85,32 @@ def test_every_family_lists_registered_algorithms_its_default_first():
         assert set(fam.algorithms) <= set(REGISTRY), name
         assert all(name in REGISTRY[a].families for a in fam.algorithms)
     assert all(a.families for a in REGISTRY.values())          # no algorithm without a family
+
+
+@pytest.mark.parametrize("names, fixture", [(("dinfer_blockwise", "dinfer_hierarchy", "dinfer_credit"), "llada_engine"),
+                                            (("llada2", "llada21"), "llada2_engine")])
+def test_algorithms_sharing_a_forward_take_one_forward_a_round(names, fixture, request):
+    """Rows of algorithms that name the same forward step (Algorithm.forward) run in one group: the model's forwards
+    of a round serve all of them (not one per algorithm), each row with its own rule, its tokens and nfe those it has
+    alone. (The cached loops' rows at different phases of their blocks may take an extra forward in a round: the
+    merged group takes a few more forwards than its longest algorithm alone, far fewer than the algorithms apart.)"""
+    engine = request.getfixturevalue(fixture)
+    from worker.engine.algorithms import REGISTRY
+    assert len({REGISTRY[n].group for n in names}) == 1
+    block = 4 if fixture == "llada2_engine" else 8
+    reqs = [Request([5 + i, 6, 7, 8, 9][: 3 + i % 3], GenerationParams(gen_length=16, block_length=block,
+                                                                       algorithm=names[i % len(names)], threshold=0.9))
+            for i in range(6)]
+    alone = [engine.generate([r])[0] for r in reqs]
+
+    def forwards(batch):
+        calls = []
+        hook = engine.model.register_forward_hook(lambda *a: calls.append(1))
+        try:
+            return engine.generate(batch), len(calls)
+        finally:
+            hook.remove()
+    together, shared = forwards(reqs)
+    apart = [forwards([r for r in reqs if r.params.algorithm == n])[1] for n in names]   # each algorithm's batch
+    assert [(r.token_ids, r.nfe) for r in together] == [(r.token_ids, r.nfe) for r in alone]
+    assert max(apart) <= shared < sum(apart)      # dInfer: 19 against 16 + 17 + 16; LLaDA2: 22 against 12 + 22

@@ -6,7 +6,7 @@ models:
 
 - per batch (the default): a batch "runs" for ``base + per_row * rows`` seconds (sleeping on the device thread);
 - per step (``per_step``): a round of steps costs ``base + per_row * rows`` seconds for each algorithm's rows in it
-  (one forward per algorithm group, as the engine runs them), each row takes its schedule's steps (its nfe: blocks x
+  (one forward per algorithm group, Algorithm.group, as the engine runs them), each row takes its schedule's steps (its nfe: blocks x
   steps per block) and, with a feed (continuous batching), rows join between rounds and leave when done."""
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ class SimulatedEngine:
                     p = self.plan(r.prompt_ids, r.params)
                     rows.append([i, r, p, p.num_blocks * p.steps_per_block])
             # one forward per algorithm group per round, as the engine runs them
-            groups = collections.Counter(row[1].params.algorithm for row in rows)
+            groups = collections.Counter(algorithms.REGISTRY[row[1].params.algorithm].group for row in rows)
             cost = sum(self.base + self.per_row * n for n in groups.values())
             if cost > 0:
                 time.sleep(cost)

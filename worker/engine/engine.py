@@ -228,7 +228,8 @@ class Engine:
         """Generate for every request in one batch. Raises ParamError before any work if a request is invalid;
         callers that must not fail the others validate with :meth:`plan` first.
 
-        Rows are grouped by algorithm; each group's algorithm is a generator that yields after every step, and the
+        Rows are grouped by algorithm (algorithms sharing a forward step, Algorithm.forward, together); each group's
+        algorithm is a generator that yields after every step, and the
         groups take their steps in turn (one forward each per round), so every algorithm's rows progress together.
 
         Continuous batching: with a ``feed``, after every round ``feed.admit(running rows, running canvas tokens)``
@@ -293,9 +294,10 @@ class _Batch:
         self.groups[name] = _Group(self, algorithms.get(rows[0].params.algorithm, self.engine.family), rows)
 
     def key(self, r: Row) -> str:
-        """The group a row steps in: its algorithm, apart for long rows."""
+        """The group a row steps in: its algorithm's forward (Algorithm.group: algorithms that share a forward step
+        share a group), apart for long rows."""
         long = self.engine.long_row_cost and row_cost(r.plan) > self.engine.long_row_cost
-        return r.params.algorithm + ("/long" if long else "")
+        return algorithms.get(r.params.algorithm, self.engine.family).group + ("/long" if long else "")
 
     def run(self, rows: list[Row]) -> None:
         by_key: dict[str, list[Row]] = {}

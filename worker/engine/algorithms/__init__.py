@@ -73,6 +73,13 @@ class Algorithm:
     check_model: Callable | None = None                                  # (plan, model): rules the checkpoint sets
     cost: Callable | None = None                                         # (plan) -> nominal token-forwards, if not
                                                                          # worker.engine.params.row_cost's rule
+    forward: str | None = None      # algorithms naming the same forward step in one group, one forward a round: its
+                                    # ``run`` decodes the rows of every one of them (each row by its own algorithm)
+
+    @property
+    def group(self) -> str:
+        """The engine's group key for this algorithm's rows (worker/engine/engine.py ``_Batch``)."""
+        return self.forward or self.name
 
     @property
     def families(self) -> tuple[str, ...]:

@@ -189,7 +189,7 @@ register(Algorithm(
     name="llada2",
     description="LLaDA2 block diffusion (LLaDA2MoeModelLM.generate): block-causal attention with an exact KV cache, "
                 "threshold decoding within each block",
-    exact=True, run=run, cfg=False, check=check, check_plan=check_plan,
+    exact=True, run=run, forward="llada2", cfg=False, check=check, check_plan=check_plan,
     stochastic=lambda p: p.temperature > 0,
     params=(
         BLOCK,
@@ -218,7 +218,7 @@ register(Algorithm(
     name="llada21",
     description="LLaDA2.1 block diffusion with token editing (its generate): each block unmasked by threshold, then "
                 "generated tokens re-predicted and edited until a step changes nothing; exact KV cache",
-    exact=True, run=run, cfg=False, check=check21, check_plan=check_plan,
+    exact=True, run=run, forward="llada2", cfg=False, check=check21, check_plan=check_plan,
     stochastic=lambda p: p.temperature > 0,
     params=(
         BLOCK,
