@@ -31,7 +31,7 @@ from torch import nn
 from . import parallel
 from .checkpoint import CheckpointError, generation_defaults, load_native
 from .family import Family
-from .layers import rotate_half
+from .layers import SwiGLU, rotate_half
 
 SOFTCAP_DEFAULT = 30.0
 
@@ -162,15 +162,10 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: DiffusionGemmaConfig, i: int):
         super().__init__()
-        H, d, kv = cfg.hidden_size, cfg.head_dims[i], cfg.kv_heads[i]
-        tp = self.tp = parallel.current()
-        hq, hk = tp.heads(cfg.num_heads)[0], tp.kv_heads(kv, cfg.num_heads)[0]      # this rank's heads
-        self.heads, self.kv, self.d, self.eps = hq, hk, d, cfg.rms_norm_eps
-        self.q_proj = nn.Linear(H, hq * d, bias=False)
-        self.k_proj = nn.Linear(H, hk * d, bias=False)
-        self.v_proj = nn.Linear(H, hk * d, bias=False) if cfg.sliding[i] else None
-        self.o_proj = nn.Linear(hq * d, H, bias=False)
-        parallel.attention_shards(tp, self.q_proj, self.k_proj, self.v_proj, self.o_proj, cfg.num_heads, kv, d)
+        d = self.d = cfg.head_dims[i]
+        self.tp, self.eps = parallel.current(), cfg.rms_norm_eps
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj, self.heads, self.kv = parallel.attention_projections(
+            cfg.hidden_size, cfg.num_heads, cfg.kv_heads[i], d, values=cfg.sliding[i])      # this rank's heads
         self.q_norm = Norm(d, cfg.rms_norm_eps)
         self.k_norm = Norm(d, cfg.rms_norm_eps)
 
@@ -201,18 +196,9 @@ class Attention(nn.Module):
         return parallel.row_linear(self.tp, a.transpose(1, 2).reshape(B, T, -1), self.o_proj)
 
 
-class MLP(nn.Module):
-    """GELU-tanh gated MLP; with tensor parallelism its channels split and :meth:`forward` this rank's share."""
-
-    def __init__(self, hidden: int, intermediate: int):
-        super().__init__()
-        tp = parallel.current()
-        local = tp.split(intermediate, "intermediate_size")
-        self.gate_proj = nn.Linear(hidden, local, bias=False)
-        self.up_proj = nn.Linear(hidden, local, bias=False)
-        self.down_proj = nn.Linear(local, hidden, bias=False)
-        if tp.parallel:
-            parallel.swiglu_shards(tp, self.gate_proj, self.up_proj, self.down_proj, intermediate)
+class MLP(SwiGLU):
+    """The gated MLP's weights with GELU-tanh; with tensor parallelism its channels split and :meth:`forward` this
+    rank's share."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(gelu_tanh(self.gate_proj(x)) * self.up_proj(x))

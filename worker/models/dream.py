@@ -73,16 +73,9 @@ class DreamConfig:
 class Attention(nn.Module):
     def __init__(self, cfg: DreamConfig):
         super().__init__()
-        h, d = cfg.hidden_size, cfg.head_dim
-        tp = parallel.current()
-        hq, hk = tp.heads(cfg.num_heads)[0], tp.kv_heads(cfg.num_kv_heads, cfg.num_heads)[0]   # this rank's heads
-        self.n_heads, self.n_kv, self.head_dim = hq, hk, d
-        self.q_proj = nn.Linear(h, hq * d, bias=True)
-        self.k_proj = nn.Linear(h, hk * d, bias=True)
-        self.v_proj = nn.Linear(h, hk * d, bias=True)
-        self.o_proj = nn.Linear(hq * d, h, bias=False)
-        parallel.attention_shards(tp, self.q_proj, self.k_proj, self.v_proj, self.o_proj, cfg.num_heads,
-                                  cfg.num_kv_heads, d)
+        self.head_dim = cfg.head_dim
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj, self.n_heads, self.n_kv = \
+            parallel.attention_projections(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, True)
 
     def forward(self, x, cos, sin, mask, kv):
         B, L, _ = x.shape

@@ -205,16 +205,10 @@ class QKNormAttention(nn.Module):
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, eps: float, qk_norm: bool,
                  bias: bool = False, rotary_dim: int | None = None):
         super().__init__()
-        d = head_dim
-        tp = parallel.current()
-        hq, hk = tp.heads(heads)[0], tp.kv_heads(kv_heads, heads)[0]      # this rank's heads
-        self.n_heads, self.n_kv, self.head_dim = hq, hk, d
+        d = self.head_dim = head_dim
         self.rotary_dim = rotary_dim if rotary_dim and rotary_dim < d else None
-        self.q_proj = nn.Linear(hidden, hq * d, bias=bias)
-        self.k_proj = nn.Linear(hidden, hk * d, bias=bias)
-        self.v_proj = nn.Linear(hidden, hk * d, bias=bias)
-        self.o_proj = nn.Linear(hq * d, hidden, bias=bias)
-        parallel.attention_shards(tp, self.q_proj, self.k_proj, self.v_proj, self.o_proj, heads, kv_heads, d)
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj, self.n_heads, self.n_kv = \
+            parallel.attention_projections(hidden, heads, kv_heads, d, bias, bias)      # this rank's heads
         self.q_norm = RMSNorm(d, eps) if qk_norm else None
         self.k_norm = RMSNorm(d, eps) if qk_norm else None
 

@@ -85,21 +85,16 @@ class LLaDABlock(nn.Module):
         super().__init__()
         d, hd = cfg.d_model, cfg.head_dim
         tp = self.tp = parallel.current()
-        hq, hk = tp.heads(cfg.n_heads)[0], tp.kv_heads(cfg.n_kv_heads, cfg.n_heads)[0]   # this rank's heads
         mlp = tp.split(cfg.mlp_hidden_size, "mlp_hidden_size")
-        self.n_heads, self.n_kv_heads, self.head_dim = hq, hk, hd
+        self.head_dim = hd
         self.attn_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.ff_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.q_proj = nn.Linear(d, hq * hd, bias=False)
-        self.k_proj = nn.Linear(d, hk * hd, bias=False)
-        self.v_proj = nn.Linear(d, hk * hd, bias=False)
-        self.attn_out = nn.Linear(hq * hd, d, bias=False)
+        self.q_proj, self.k_proj, self.v_proj, self.attn_out, self.n_heads, self.n_kv_heads = \
+            parallel.attention_projections(d, cfg.n_heads, cfg.n_kv_heads, hd)          # this rank's heads
         self.ff_proj = nn.Linear(d, mlp, bias=False)
         self.up_proj = nn.Linear(d, mlp, bias=False)
         self.ff_out = nn.Linear(mlp, d, bias=False)
         if tp.parallel:
-            parallel.attention_shards(tp, self.q_proj, self.k_proj, self.v_proj, self.attn_out, cfg.n_heads,
-                                      cfg.n_kv_heads, hd)
             parallel.swiglu_shards(tp, self.ff_proj, self.up_proj, self.ff_out, cfg.mlp_hidden_size)
         self.dense = dense_tail          # or a Compiled one (LLaDAModel.compile_dense)
 

@@ -141,16 +141,24 @@ def swiglu_shards(tp: Layout, gate: nn.Linear, up: nn.Linear, down: nn.Linear, f
     tp.row(down, full, r)
 
 
-def attention_shards(tp: Layout, q: nn.Linear, k: nn.Linear | None, v: nn.Linear | None, o: nn.Linear,
-                     heads: int, kv: int, head_dim: int) -> None:
-    """Mark separate q/k/v/o projections of ``heads`` query and ``kv`` kv heads built with this rank's heads."""
-    hq, h0 = tp.heads(heads)
-    hk, k0 = tp.kv_heads(kv, heads)
-    tp.column(q, heads * head_dim, [(h0 * head_dim, hq * head_dim)])
-    for p in (k, v):
-        if p is not None:
-            tp.column(p, kv * head_dim, [(k0 * head_dim, hk * head_dim)])
-    tp.row(o, heads * head_dim, [(h0 * head_dim, hq * head_dim)])
+def attention_projections(hidden: int, heads: int, kv: int, head_dim: int, qkv_bias: bool = False,
+                          o_bias: bool = False, values: bool = True):
+    """This rank's q/k/v/o projections of an attention with ``heads`` query and ``kv`` kv heads, marked for the
+    loader: ``(q, k, v, o, local heads, local kv heads)`` (``v`` None without ``values``)."""
+    tp = current()
+    hq, hk = tp.heads(heads)[0], tp.kv_heads(kv, heads)[0]
+    q = nn.Linear(hidden, hq * head_dim, bias=qkv_bias)
+    k = nn.Linear(hidden, hk * head_dim, bias=qkv_bias)
+    v = nn.Linear(hidden, hk * head_dim, bias=qkv_bias) if values else None
+    o = nn.Linear(hq * head_dim, hidden, bias=o_bias)
+    if tp.parallel:
+        (h0, k0) = tp.heads(heads)[1], tp.kv_heads(kv, heads)[1]
+        tp.column(q, heads * head_dim, [(h0 * head_dim, hq * head_dim)])
+        for p in (k, v):
+            if p is not None:
+                tp.column(p, kv * head_dim, [(k0 * head_dim, hk * head_dim)])
+        tp.row(o, heads * head_dim, [(h0 * head_dim, hq * head_dim)])
+    return q, k, v, o, hq, hk
 
 
 def row_linear(tp: Layout, x: torch.Tensor, linear: nn.Linear) -> torch.Tensor:

@@ -74,17 +74,10 @@ class SDARConfig:
 class Attention(nn.Module):
     def __init__(self, cfg: SDARConfig):
         super().__init__()
-        h, d, bias = cfg.hidden_size, cfg.head_dim, cfg.attention_bias
-        tp = parallel.current()
-        hq, hk = tp.heads(cfg.num_heads)[0], tp.kv_heads(cfg.num_kv_heads, cfg.num_heads)[0]   # this rank's heads
-        self.n_heads, self.n_kv, self.head_dim = hq, hk, d
+        d = self.head_dim = cfg.head_dim
         self.scaling = d ** -0.5
-        self.q_proj = nn.Linear(h, hq * d, bias=bias)
-        self.k_proj = nn.Linear(h, hk * d, bias=bias)
-        self.v_proj = nn.Linear(h, hk * d, bias=bias)
-        self.o_proj = nn.Linear(hq * d, h, bias=False)
-        parallel.attention_shards(tp, self.q_proj, self.k_proj, self.v_proj, self.o_proj, cfg.num_heads,
-                                  cfg.num_kv_heads, d)
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj, self.n_heads, self.n_kv = \
+            parallel.attention_projections(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, d, cfg.attention_bias)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
