@@ -620,7 +620,7 @@ class DiffusionGemmaModel(nn.Module):
         h = self.stack.norm(x)
         logits = parallel.vocab_logits(self.tp, h, W, cfg.vocab_size).to(torch.float32)
         if cfg.softcap:
-            logits = torch.tanh(logits / cfg.softcap) * cfg.softcap
+            logits = logits.div_(cfg.softcap).tanh_().mul_(cfg.softcap)     # tanh(l / c) * c, in place
         return logits
 
 

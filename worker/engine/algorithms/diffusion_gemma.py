@@ -82,10 +82,23 @@ def _generator(row: Row, device: torch.device) -> torch.Generator:
 
 
 def entropy(x: torch.Tensor) -> torch.Tensor:
-    """``Categorical(logits=x).entropy()``, op for op: normalised logits, their softmax, ``-(clamp(l) * p).sum``."""
+    """``Categorical(logits=x).entropy()``, op for op: normalised logits, their softmax, ``-(clamp(l) * p).sum``
+    (the clamp and the product in place: the same values without two more [B, L, V] tensors)."""
     lg = x - x.logsumexp(dim=-1, keepdim=True)
     p = torch.softmax(lg, dim=-1)
-    return -(torch.clamp(lg, min=torch.finfo(lg.dtype).min) * p).sum(-1)
+    return -lg.clamp_(min=torch.finfo(lg.dtype).min).mul_(p).sum(-1)
+
+
+def sample(probs: torch.Tensor, gens: list[torch.Generator]) -> torch.Tensor:
+    """``torch.multinomial(probs[b], 1, generator=gens[b])`` for every row b at once, the same draws and the same
+    result: multinomial's one-sample path divides the probabilities by Exp(1) draws (``exponential_`` on a tensor
+    like them, from the row's generator) and takes the argmax. Here the draws fill one buffer row by row and the
+    division and argmax run once for the batch, without multinomial's per-row checks (each a host sync): the
+    caller checks the batch once (:func:`run`, the entropies' finiteness)."""
+    q = torch.empty_like(probs)
+    for b, g in enumerate(gens):
+        q[b].exponential_(generator=g)
+    return torch.div(probs, q, out=q).argmax(dim=-1)
 
 
 def run(engine, rows: list[Row], fin: Finisher):
@@ -168,15 +181,16 @@ def run(engine, rows: list[Row], fin: Finisher):
         raw = model.denoise(canvas, sc, sc_rows, cache, list(range(len(active))))
         temps = torch.stack([s.temps[s.N - s.left] for s in sts])
         limits = torch.stack([s.limits for s in sts])
-        x = raw / temps[:, None, None]
+        x = raw.div_(temps[:, None, None])          # raw is this step's own tensor: divided in place
         probs = torch.softmax(x, dim=-1, dtype=torch.float32)
-        sample = torch.stack([torch.multinomial(probs[b], 1, generator=s.gen)[:, 0] for b, s in enumerate(sts)])
+        drawn = sample(probs, [s.gen for s in sts])
+        del probs
         argmax = torch.argmax(x, dim=-1)
         ent = entropy(x)
         order_ent, order = torch.sort(ent, dim=-1)
         over = torch.cumsum(order_ent, dim=-1) - order_ent
         accept = torch.zeros_like(over, dtype=torch.bool).scatter(-1, order, over <= limits[:, :1])
-        accepted = torch.where(accept, sample, canvas)
+        accepted = torch.where(accept, drawn, canvas)
         noise = torch.stack([torch.randint(0, V, (1, L), generator=s.gen, device=dev)[0] for s in sts])
         nxt = torch.where(accept, accepted, noise)
         # adaptive stopping: stable (argmax unchanged for S steps) and confident (mean entropy below the threshold)
@@ -193,7 +207,11 @@ def run(engine, rows: list[Row], fin: Finisher):
         mean_ent = ent.mean(dim=-1)
         confident = mean_ent < limits[:, 1]
         stable_t = torch.stack([torch.ones((), dtype=torch.bool, device=dev) if v is None else v for v in stable])
-        stop = (stable_t & confident).tolist()
+        # with the stopping test, in the same transfer: multinomial's check of the probabilities (finite entropies
+        # exactly when the softmax is finite and sums to 1: no nan, no +inf, not every logit -inf)
+        stop, ok = torch.stack([stable_t & confident, torch.isfinite(ent).all(dim=-1)]).tolist()
+        if not all(ok):
+            raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
         sc_next = x.to(emb_dtype)
         finished_canvas = []
         for b, (r, s) in enumerate(zip(active, sts)):
