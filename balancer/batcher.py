@@ -1,8 +1,8 @@
 """Centralized batching: OpenAI requests accumulate into batches (the wait timer starts with a batch's first
-request); each whole batch goes in one call to ``POST /worker/batch`` of a healthy worker with free capacity, the one
-the routing policy prefers (balancer/policy.py; by default the least loaded). While every worker is busy, requests
-keep accumulating, so batches grow under load. Worker state (load, errors, health) is the pool's: the batcher
-reports to it.
+request) while every free worker is busy, and go at once to a worker that is idle (--idle-dispatch); each whole
+batch goes in one call to ``POST /worker/batch`` of a healthy worker with free capacity, the one the routing policy
+prefers (balancer/policy.py; by default the least loaded). While every worker is busy, requests keep accumulating,
+so batches grow under load. Worker state (load, errors, health) is the pool's: the batcher reports to it.
 
 Failover: when a worker dies, stalls or its connection breaks mid-batch, every request of that batch that has not
 yet sent bytes to its client goes back to the front of the queue (bounded retries, the failed worker excluded while
@@ -104,6 +104,9 @@ class BatchConfig:
                                flag="--batch-wait-time", type=click.FloatRange(0))
     max_inflight_per_worker: int = setting(2, "Batches in flight per worker (2: the next batch is queued on the "
                                               "worker while one runs).", type=click.IntRange(1))
+    idle_dispatch: bool = setting(True, "A request that finds a worker idle (no batch in flight) goes to it at once, "
+                                        "without --batch-wait-time: the wait forms batches only while every free "
+                                        "worker is busy, so a lone client pays no batching latency.")
     max_queue: int = setting(4096, "Queued requests beyond which new ones get 429.", type=click.IntRange(1))
     max_retries: int = setting(2, "Re-dispatches of a request after worker failures.", type=click.IntRange(0))
     connect_timeout: float = setting(5.0, "Seconds to open a connection to a worker.", type=click.FloatRange(0.1))
@@ -172,6 +175,12 @@ class CentralBatcher:
 
     def submit(self, p: Pending) -> None:
         p.enqueued_at = time.monotonic()
+        if (self.cfg.idle_dispatch and not self.queue and not (p.excluded or p.solo) and self._task is not None
+                and not self._task.done()):
+            idle = [w for w in self.pool.workers if w.healthy and w.inflight_batches == 0]
+            if idle:               # straight to an idle worker: no hop through the batching loop
+                self._start_dispatch(self.policy.rank(idle)[0], [p])
+                return
         self.queue.append(p)
         self._wake.set()
 
@@ -226,7 +235,8 @@ class CentralBatcher:
             self._no_worker_since = None
             deadline = self.queue[0].enqueued_at + self.cfg.wait_time
             now = time.monotonic()
-            if len(self.queue) < self.cfg.batch_size and now < deadline:
+            if (len(self.queue) < self.cfg.batch_size and now < deadline
+                    and not (self.cfg.idle_dispatch and any(w.inflight_batches == 0 for w in free))):
                 await self._wait(deadline - now)
                 continue
             batch = None

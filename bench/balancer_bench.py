@@ -6,6 +6,9 @@ device (`--simulate-device BASE,PER_ROW`: no model, each batch sleeps BASE + PER
   # (a') the same, with a second tree's workers and balancer in the same run (a before/after comparison)
   git worktree add /tmp/before <commit>
   python bench/balancer_bench.py proxy --compare-tree /tmp/before --http-processes 1 --nginx-processes 1 --rounds 6
+  # (c) the latency the balancer adds (its default settings): open-loop arrivals at fixed rates over 256
+  #     connections, through the balancer, through nginx, and straight to the workers (round robin)
+  python bench/balancer_bench.py latency --rates 200,1000,3000 --duration 10
   # (b) scaling over 1, 2, 4, 8 workers at saturation on a simulated device (40 ms + 3 ms x rows)
   python bench/balancer_bench.py scaling --counts 1,2,4,8 --cost 0.04,0.003 --batch-size 16
 
@@ -23,6 +26,7 @@ import asyncio
 import json
 import os
 import re
+import shlex
 import shutil
 import signal
 import statistics
@@ -96,12 +100,12 @@ def start_workers(procs: Procs, n: int, cost: str, batch_size: int, max_wait: fl
 
 
 def start_balancer(procs: Procs, urls: list[str], batch_size: int, wait: float, inflight: int,
-                   http_processes: int = 1, tree: Path = ROOT, tag: str = "") -> str:
+                   http_processes: int = 1, tree: Path = ROOT, tag: str = "", extra: list[str] = ()) -> str:
     port = free_port()
     procs.start([sys.executable, "-m", cli_module(tree), "balancer", "--worker-urls", ",".join(urls), "--port",
                  str(port), "--batch-size", str(batch_size), "--batch-wait-time", str(wait), "--max-queue", "100000",
                  "--max-inflight-per-worker", str(inflight), "--http-processes", str(http_processes),
-                 "--log-level", "warning"], f"balancer{tag}-{http_processes}", tree)
+                 "--log-level", "warning", *extra], f"balancer{tag}-{http_processes}-{len(procs.procs)}", tree)
     url = f"http://127.0.0.1:{port}"
     wait_http(url + "/health", check=lambda d: d.get("healthy_workers") == len(urls))
     wait_http(url + "/stats", check=lambda d: all(p["status"] == "ready" for p in d["http_processes"]))
@@ -222,6 +226,10 @@ def proxy_bench(args) -> None:
             for n in http_counts:
                 url = start_balancer(procs, urls, args.batch_size, args.batch_wait, args.inflight, n)
                 rows.append((f"balancer, --http-processes {n}", url, [pid()], wpids))
+            for a in args.also:
+                url = start_balancer(procs, urls, args.batch_size, args.batch_wait, args.inflight, 1,
+                                     extra=shlex.split(a))
+                rows.append((f"balancer {a}", url, [pid()], wpids))
             if args.compare_tree:
                 tree = Path(args.compare_tree).resolve()
                 first = len(procs.procs)
@@ -259,11 +267,80 @@ def proxy_bench(args) -> None:
             print("median req/s: " + ", ".join(f"{name} {statistics.median(v):.0f}" for name, v in rps.items()))
             print("median front CPU us/request: " + ", ".join(f"{name} {statistics.median(v):.0f}"
                                                              for name, v in cpu.items()))
-            for b in rows[len(nginx_counts):]:
+            for b in rows[len(nginx_counts):]:      # every balancer against every nginx
                 for n in rows[:len(nginx_counts)]:
                     ratios = [x / y for x, y in zip(rps[b[0]], rps[n[0]])]
                     print(f"{b[0]} / {n[0]} per round: {', '.join(f'{x:.2f}' for x in ratios)} "
                           f"(median {statistics.median(ratios):.2f})")
+        finally:
+            procs.stop()
+
+
+def open_loop(urls: list[str], rate: float, duration: float, connections: int, seed: int) -> dict:
+    """Poisson arrivals at ``rate`` requests/s for ``duration`` s over at most ``connections`` connections, each
+    request to the next of ``urls`` in turn; latency from each request's scheduled start (so a late client does not
+    hide queueing)."""
+    import random
+    import aiohttp
+
+    async def main():
+        rng = random.Random(seed)
+        lat, errors = [], 0
+        sem = asyncio.Semaphore(connections)
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=connections)) as s:
+            async def one(url, t_sched):
+                nonlocal errors
+                async with sem:
+                    async with s.post(url + "/v1/completions", json=BODY) as r:
+                        await r.read()
+                        errors += r.status != 200
+                lat.append(time.perf_counter() - t_sched)
+            tasks, t0, t, i = [], time.perf_counter(), 0.0, 0
+            while t < duration:
+                t += rng.expovariate(rate)
+                delay = t0 + t - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                tasks.append(asyncio.create_task(one(urls[i % len(urls)], t0 + t)))
+                i += 1
+            await asyncio.gather(*tasks)
+        lat.sort()
+        return {"n": len(lat), "errors": errors, "p50_ms": lat[len(lat) // 2] * 1e3,
+                "p99_ms": lat[int(len(lat) * 0.99)] * 1e3}
+    return asyncio.run(main())
+
+
+def latency_bench(args) -> None:
+    rates = [float(r) for r in args.rates.split(",")]
+    with tempfile.TemporaryDirectory() as tmpd:
+        tmp = Path(tmpd)
+        procs = Procs(tmp)
+        try:
+            urls = start_workers(procs, args.workers, "0", 32, 0.0)     # the workers `serve` starts: 2x batch, no wait
+            targets = [("workers direct", urls)]
+            for name, extra in [("balancer (defaults)", [])] + [(f"balancer {a}", shlex.split(a)) for a in args.also]:
+                port = free_port()
+                procs.start([sys.executable, "-m", "dllm_serve", "balancer", "--worker-urls", ",".join(urls),
+                             "--port", str(port), "--log-level", "warning", *extra], f"balancer{len(targets)}")
+                bal = f"http://127.0.0.1:{port}"
+                wait_http(bal + "/health", check=lambda d: d.get("healthy_workers") == len(urls))
+                targets.append((name, [bal]))
+            if shutil.which("nginx") or Path("/usr/sbin/nginx").exists():
+                targets.append(("nginx, 1 process", [start_nginx(procs, urls, tmp, 1)]))
+            print(f"{args.workers} instant workers (--simulate-device 0, batch 32, no wait); balancer with its default "
+                  f"settings; open-loop Poisson arrivals, {args.connections} connections at most, {args.duration:g} s "
+                  f"per point; load: python aiohttp in this process")
+            print(f"{'rate/s':>7} {'target':<32} {'n':>6} {'p50 ms':>8} {'p99 ms':>8} {'errors':>7} "
+                  f"{'added p50':>10} {'added p99':>10}")
+            for rate in rates:
+                base = None
+                for k, (name, us) in enumerate(targets):
+                    open_loop(us, rate, min(2.0, args.duration), args.connections, 0)      # warm-up
+                    r = open_loop(us, rate, args.duration, args.connections, k + 1)
+                    base = base or r
+                    print(f"{rate:>7.0f} {name:<32} {r['n']:>6} {r['p50_ms']:>8.2f} {r['p99_ms']:>8.2f} "
+                          f"{r['errors']:>7} {r['p50_ms'] - base['p50_ms']:>+10.2f} "
+                          f"{r['p99_ms'] - base['p99_ms']:>+10.2f}", flush=True)
         finally:
             procs.stop()
 
@@ -300,13 +377,16 @@ def main() -> None:
     p.add_argument("--connections", type=int, default=256)
     p.add_argument("--duration", type=float, default=10)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--batch-size", type=int, default=64)
-    p.add_argument("--batch-wait", type=float, default=0.005)
+    # the defaults are `dllm-serve serve`'s: the balancer's own, workers at twice its batch size with no wait
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--batch-wait", type=float, default=0.02)
     p.add_argument("--inflight", type=int, default=2)
-    p.add_argument("--worker-batch-size", type=int, default=128)
-    p.add_argument("--worker-wait", type=float, default=0.005)
+    p.add_argument("--worker-batch-size", type=int, default=32)
+    p.add_argument("--worker-wait", type=float, default=0.0)
     p.add_argument("--http-processes", default="1,2", help="balancer --http-processes values to compare")
     p.add_argument("--nginx-processes", default="1,2", help="nginx worker_processes values to compare")
+    p.add_argument("--also", action="append", default=[], metavar="ARGS",
+                   help="another balancer (one HTTP process) with these options added (e.g. --also=--no-idle-dispatch)")
     p.add_argument("--compare-tree", help="another checkout of this project (e.g. a git worktree of an older commit): "
                    "its own workers and balancer join the same interleaved rounds")
     s = sub.add_parser("scaling")
@@ -317,8 +397,15 @@ def main() -> None:
     s.add_argument("--inflight", type=int, default=2)
     s.add_argument("--per-worker-connections", type=int, default=64)
     s.add_argument("--duration", type=float, default=15)
+    lt = sub.add_parser("latency")
+    lt.add_argument("--workers", type=int, default=2)
+    lt.add_argument("--rates", default="200,1000,3000", help="offered requests/s, one point each")
+    lt.add_argument("--connections", type=int, default=256)
+    lt.add_argument("--duration", type=float, default=10)
+    lt.add_argument("--also", action="append", default=[], metavar="ARGS",
+                    help="another balancer with these options beside the default one (e.g. --also=--no-idle-dispatch)")
     args = ap.parse_args()
-    (proxy_bench if args.mode == "proxy" else scaling_bench)(args)
+    {"proxy": proxy_bench, "scaling": scaling_bench, "latency": latency_bench}[args.mode](args)
 
 
 if __name__ == "__main__":

@@ -302,7 +302,7 @@ def test_a_frozen_worker_is_stalled_in_seconds_and_its_rows_answered_elsewhere(t
     import aiohttp
     c = Cluster(tmp_path, TINY_LLADA, 2,
                 worker_args=["--simulate-device", "0.02,0", "--simulate-per-step", "--batch-size", "64"],
-                balancer_args=["--batch-size", "16", "--batch-wait-time", "0.5"])
+                balancer_args=["--batch-size", "16", "--batch-wait-time", "0.5", "--no-idle-dispatch"])
     body = {"max_tokens": 128, "block_length": 32, "steps": 128, "ignore_eos": True}    # 128 steps: ~2.6 s
     small = {"prompt": [9, 10], "max_tokens": 4, "steps": 4}
 

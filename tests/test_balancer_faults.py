@@ -15,7 +15,7 @@ from tests.helpers import read_http_answer
 
 
 async def _balancer(aiohttp_client, urls, **batch):
-    cfg = BalancerConfig(worker_urls=urls, batch=BatchConfig(**{"batch_size": 8, "wait_time": 0.05, **batch}),
+    cfg = BalancerConfig(worker_urls=urls, batch=BatchConfig(**{"batch_size": 8, "wait_time": 0.05, "idle_dispatch": False, **batch}),
                          health=HealthConfig(interval=0.05, timeout=1, stall_timeout=5))
     client = await aiohttp_client(make_app(cfg))
     for _ in range(200):

@@ -4,6 +4,7 @@ import asyncio
 import contextlib
 
 import aiohttp
+from aiohttp import web
 import pytest
 
 from balancer.batcher import BatchConfig, CentralBatcher, Pending
@@ -187,3 +188,40 @@ async def test_closing_cancels_dispatches_without_failing_them_over():
         await b.close()
         assert not b.queue and not p.events and b.retries == 0 and seen == [("hang", "a")]
         assert pool.workers[0].inflight_batches == 0
+
+
+async def test_an_idle_worker_takes_a_request_at_once_a_busy_one_lets_a_batch_form():
+    """--idle-dispatch (the default): a request that finds a worker with nothing in flight goes at once, whatever
+    --batch-wait-time; while the worker is busy the next requests wait and go together. Without it, a lone request
+    waits for --batch-wait-time."""
+    batches = []
+
+    def sizes(app):           # records each /worker/batch call's size
+        @web.middleware
+        async def spy(request, handler):
+            if request.path == "/worker/batch":
+                batches.append(len((await request.json())["requests"]))
+            return await handler(request)
+        app.middlewares.append(spy)
+        return app
+
+    async with batcher_over(sizes(fake_worker("ok", [], delay=0.4)), wait_time=0.25) as (_, b):
+        loop = asyncio.get_running_loop()
+        t = loop.time()
+        first = request("a")
+        b.submit(first)
+        await asyncio.sleep(0.05)          # "a" is on the worker (0.4 s): the worker is busy, not idle
+        later = [request(r) for r in "bc"]
+        for p in later:
+            b.submit(p)
+        assert await answer(first) == ("response", 200, "ok-completion")
+        assert loop.time() - t < 0.45      # sent at once (0.4 s on the worker), not after the 0.25 s wait first
+        for p in later:
+            assert (await answer(p))[1] == 200
+        assert batches == [1, 2]           # b and c waited while the worker was busy, then went together
+    async with batcher_over(fake_worker("ok", []), wait_time=0.25, idle_dispatch=False) as (_, b):
+        t = asyncio.get_running_loop().time()
+        p = request("a")
+        b.submit(p)
+        assert (await answer(p))[1] == 200
+        assert asyncio.get_running_loop().time() - t >= 0.25

@@ -114,7 +114,7 @@ def _check_round(goods, bad, status, expected_text):
 
 async def test_a_poison_request_fails_alone(aiohttp_client):
     async with real_worker() as url:
-        cfg = BalancerConfig(worker_urls=[url], batch=BatchConfig(batch_size=8, wait_time=0.3),
+        cfg = BalancerConfig(worker_urls=[url], batch=BatchConfig(batch_size=8, wait_time=0.3, idle_dispatch=False),
                              health=HealthConfig(interval=0.05, timeout=2))
         client = await aiohttp_client(make_app(cfg))
         while (await (await client.get("/health")).json())["healthy_workers"] != 1:
@@ -133,7 +133,7 @@ async def test_a_poison_request_fails_alone(aiohttp_client):
 
 async def test_a_poison_request_fails_alone_through_a_front_process():
     async with real_worker() as url, balancer_with_fronts([url], processes=2,
-                                                          batch=BatchConfig(batch_size=8, wait_time=0.3)) as base:
+                                                          batch=BatchConfig(batch_size=8, wait_time=0.3, idle_dispatch=False)) as base:
         async with aiohttp.ClientSession() as s:
             expected = (await _raw_post(s, base + "/v1/completions", orjson.dumps(GOOD)))[1]["choices"][0]["text"]
         for poison, status in POISONS[:2] + POISONS[6:7]:
@@ -172,7 +172,7 @@ def rejecting_worker(seen: list):
 async def test_a_whole_batch_rejection_is_split_not_failed(aiohttp_client):
     seen = []
     async with workers(rejecting_worker(seen)) as urls:
-        cfg = BalancerConfig(worker_urls=urls, batch=BatchConfig(batch_size=8, wait_time=0.2, max_retries=0),
+        cfg = BalancerConfig(worker_urls=urls, batch=BatchConfig(batch_size=8, wait_time=0.2, max_retries=0, idle_dispatch=False),
                              health=HealthConfig(interval=0.05, timeout=2))
         client = await aiohttp_client(make_app(cfg))
         while (await (await client.get("/health")).json())["healthy_workers"] != 1:
