@@ -60,6 +60,36 @@ async def fire(url: str, bodies: list[dict], arrivals: list[float]) -> tuple[lis
     return lat, time.monotonic() - t0, errors
 
 
+def work_bound(lengths: list[int], algorithms: list[str], batch: int, base: float, per_row: float,
+               samples: int = 4000, seed: int = 0) -> tuple[float, float]:
+    """Saturation req/s of an ideal static and an ideal continuous scheduler for this mix on the per-step cost model
+    (each round of steps costs BASE + PER_ROW x rows for every algorithm group with rows; a row takes one step per
+    token): static runs batches of ``batch`` rows until each group's longest row ends, continuous keeps ``batch``
+    rows running and refills a row's place the round it ends. No scheduling overhead on either side: the
+    ratio of the two is the most continuous batching can gain on this workload."""
+    rng = random.Random(seed)
+    def row():
+        return [rng.choice(algorithms), rng.choice(lengths)]
+    cost, done = 0.0, 0
+    for _ in range(samples):
+        rows = [row() for _ in range(batch)]
+        for g in set(a for a, _ in rows):
+            ls = [n for a, n in rows if a == g]
+            cost += sum(base + per_row * sum(1 for n in ls if n > k) for k in range(max(ls)))
+        done += batch
+    static = done / cost
+    rows, cost, done = [row() for _ in range(batch)], 0.0, 0
+    for _ in range(samples * max(lengths) // 2):
+        cost += base * len(set(a for a, _ in rows)) + per_row * len(rows)
+        for r in rows:
+            r[1] -= 1
+        for i, r in enumerate(rows):
+            if r[1] == 0:
+                rows[i] = row()
+                done += 1
+    return static, done / cost
+
+
 def pct(values: list[float], q: float) -> float:
     v = sorted(values)
     return v[min(len(v) - 1, int(q * len(v)))]
@@ -112,6 +142,11 @@ def main() -> None:
                 print(f"saturation  {mode:<11} {burst} requests in {span:6.2f} s: {burst / span:7.2f} req/s, "
                       f"{tokens / span:8.1f} tokens/s, errors {errors}", flush=True)
             print(f"saturation throughput continuous / static: {sat['continuous'] / sat['static']:.2f}x")
+            if args.mode == "simulated":
+                base, per_row = (float(x) for x in args.cost.split(","))
+                st, co = work_bound(lengths, algorithms, args.batch_size, base, per_row)
+                print(f"work bound (ideal schedulers, no overhead): static {st:.2f} req/s, continuous {co:.2f} req/s, "
+                      f"at most {co / st:.2f}x")
             print(f"{'load':>5} {'offered req/s':>13} {'mode':<11} {'p50 s':>7} {'p99 s':>7} {'errors':>6}")
             for k, load in enumerate(float(x) for x in args.loads.split(",")):
                 rate = load * sat["static"]
