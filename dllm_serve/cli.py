@@ -339,12 +339,18 @@ SERVE_WORKER = ("default_algorithm", "default_max_tokens", "dtype", "score_mc_nu
 @options(BalancerConfig, only=("drain_timeout",))
 @options(ServeConfig, only=("extra_worker_urls", "no_balancer"))
 @click.option("--slurm-script", default=None, help="sbatch script for SLURM mode (default: "
-                                                   "slurm/serve_single_node.sbatch).")
+                                                   "slurm/serve_single_node.sbatch, with --nodes N > 1 "
+                                                   "slurm/serve_multi_node.sbatch).")
+@click.option("--nodes", type=click.IntRange(1), default=None,
+              help="SLURM mode: nodes of the job (sbatch --nodes); more than one runs slurm/serve_multi_node.sbatch "
+                   "(the balancer on the first node, --gpus or --workers per node).")
 @click.option("--log-level", default="info", show_default=True)
-def serve(local, model_path, dcp_path, base_model, gpus, gpu_ids, workers, slurm_script, log_level, **values):
+def serve(local, model_path, dcp_path, base_model, gpus, gpu_ids, workers, slurm_script, nodes, log_level, **values):
     """Workers (one per GPU, or CPU workers) plus the balancer, supervised: ``--local``, or a SLURM job."""
     from pathlib import Path
     _logging(log_level)
+    if local and nodes is not None:
+        raise click.UsageError("--nodes is for SLURM mode (without --local); --local runs on this machine only")
     if not local:
         from dllm_serve.slurm import submit
         sys.exit(submit(slurm_script, sys.argv[2:] if len(sys.argv) > 2 else []))
@@ -377,8 +383,9 @@ def serve(local, model_path, dcp_path, base_model, gpus, gpu_ids, workers, slurm
                  batch=build(BatchConfig, values), health=build(HealthConfig, values))
     cfg = build(ServeConfig, values, model_path=str(resolved), gpu_ids=ids, cpu_workers=workers or 1, worker=worker,
                 balancer=bcfg, log_level=log_level)
+    where = "no balancer (workers only)" if cfg.no_balancer else f"balancer on http://{cfg.host}:{cfg.port}"
     click.echo(f"dllm-serve: model {resolved}; {len(ids) if ids else cfg.cpu_workers} "
-               f"{'GPU' if ids else 'CPU'} worker(s){f' of {tp} ranks' if tp > 1 else ''}; balancer on http://{cfg.host}:{cfg.port}; logs in "
+               f"{'GPU' if ids else 'CPU'} worker(s){f' of {tp} ranks' if tp > 1 else ''}; {where}; logs in "
                f"{cfg.log_dir}/", err=True)
     sys.exit(run(cfg))
 

@@ -16,12 +16,23 @@ def submit(script: str | None, argv: list[str]) -> int:
     if sbatch is None:
         print("dllm-serve: sbatch not found. Run on this machine with --local, or submit from a SLURM login node.")
         return 2
-    script_path = Path(script) if script else ROOT / "slurm" / "serve_single_node.sbatch"
     flags = [a for a in argv if a not in ("--local",)]
+    nodes = 1
+    for i, a in enumerate(flags):         # --nodes is sbatch's, not the job's `serve --local`
+        if a == "--nodes" and i + 1 < len(flags):
+            nodes = int(flags[i + 1])
+            del flags[i:i + 2]
+            break
+        if a.startswith("--nodes="):
+            nodes = int(a.split("=", 1)[1])
+            del flags[i]
+            break
+    default = "serve_multi_node.sbatch" if nodes > 1 else "serve_single_node.sbatch"
+    script_path = Path(script) if script else ROOT / "slurm" / default
     info = Path(os.environ.get("DLLM_SERVER_INFO_DIR", Path.home() / ".dllm-serve"))
     env = dict(os.environ, DLLM_SERVE_ROOT=str(ROOT), DLLM_SERVE_ARGS=shlex.join(flags),
                DLLM_SERVER_INFO_DIR=str(info))
-    opts = []
+    opts = [f"--nodes={nodes}"]
     for flag in ("--gpus",):
         if flag in flags and flags.index(flag) + 1 < len(flags):
             opts.append(f"--gres=gpu:{flags[flags.index(flag) + 1]}")
@@ -40,6 +51,7 @@ def submit(script: str | None, argv: list[str]) -> int:
     print(f"server info: {info_file}   (wait for SERVER_STATUS=\"running\"); job output: "
           f"{info / f'dllm-serve-{job}.out'}")
     print(f"  until grep -q 'SERVER_STATUS=\"running\"' {info_file} 2>/dev/null; do sleep 5; done; cat {info_file}")
-    print("connect from your machine: ssh -N -L 8000:<node>:<port> <login-node>  (node and port: SERVER_BASE_URL)")
+    print("connect from your machine: ssh -N -L <port>:<node>:<port> <login-node>  (node and port: SERVER_BASE_URL "
+          "in the server info; with no --port the job derives its port from the job id)")
     print(f"stop: scancel {job}")
     return 0

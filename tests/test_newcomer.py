@@ -228,3 +228,30 @@ async def test_the_monitor_prints_plain_lines_into_a_pipe(aiohttp_server):
     for line in lines:
         assert "system=degraded healthy=1/2 queue=2 in_flight=4" in line and "p99=1.2s" in line, line
         assert "w0=busy/rows:4/served:7/errors:0 w1=unhealthy/rows:0/served:0/errors:3" in line, line
+
+
+def test_serve_nodes_submits_the_multi_node_script_and_is_refused_with_local(tmp_path):
+    """`serve --nodes N` (SLURM mode) submits slurm/serve_multi_node.sbatch with sbatch --nodes=N and
+    --gres=gpu:G from --gpus, and --nodes is not passed on to the job's `serve --local`; a fake sbatch records the
+    call. With --local, --nodes is a one-line usage error."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "sbatch").write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$SBATCH_ARGS"\n'
+                                   'printf "%s" "$DLLM_SERVE_ARGS" > "$SBATCH_ARGS.env"\necho 42\n')
+    (bindir / "sbatch").chmod(0o755)
+    env = dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}", SBATCH_ARGS=str(tmp_path / "args"),
+               DLLM_SERVER_INFO_DIR=str(tmp_path / "info"))
+    r = subprocess.run([*DLLM, "serve", "--nodes", "2", "--gpus", "4", "--model-path", "/models/x"], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stdout + r.stderr
+    args = (tmp_path / "args").read_text().split("\n")
+    assert "--nodes=2" in args and "--gres=gpu:4" in args and args[-2].endswith("slurm/serve_multi_node.sbatch")
+    assert (tmp_path / "args.env").read_text() == "--gpus 4 --model-path /models/x"
+    assert "submitted SLURM job 42 (serve_multi_node.sbatch)" in r.stdout
+    r = subprocess.run([*DLLM, "serve", "--gpus", "4"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    args = (tmp_path / "args").read_text().split("\n")
+    assert "--nodes=1" in args and args[-2].endswith("slurm/serve_single_node.sbatch")
+    r = subprocess.run([*DLLM, "serve", "--local", "--nodes", "2"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "--nodes is for SLURM mode" in r.stderr
+    assert len([line for line in r.stderr.splitlines() if line.strip()]) <= 3
