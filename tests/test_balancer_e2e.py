@@ -235,40 +235,6 @@ def test_kill_9_of_a_worker_under_load_loses_no_request(tmp_path):
         c.stop()
 
 
-def test_sigstop_is_stalled_then_readmitted(tmp_path):
-    c = Cluster(tmp_path, TINY_LLADA, 2, worker_args=["--batch-size", "8"],
-                balancer_args=["--batch-size", "8", *FAST_HEALTH, "--stall-timeout", "2"])
-    try:
-        c.wait_ready()
-        results = []
-        t = threading.Thread(target=_load_in_thread, args=(c.url, 24, 256, results))
-        t.start()
-        victim = c.workers[0]
-        while get_json(c.url + "/stats")[1]["workers"][0]["in_flight"] == 0:
-            time.sleep(0.02)
-        os.kill(victim.p.pid, signal.SIGSTOP)
-        seen = set()
-        try:
-            deadline = time.monotonic() + 60
-            while t.is_alive() and time.monotonic() < deadline:
-                seen.add(get_json(c.url + "/worker-status")[1]["workers"][0]["status"])
-                time.sleep(0.1)
-            t.join(120)
-            seen.add(get_json(c.url + "/worker-status")[1]["workers"][0]["status"])
-        finally:
-            os.kill(victim.p.pid, signal.SIGCONT)
-        _report("SIGSTOP (then SIGCONT) of 1 of 2 workers under load (24 requests)", results, 24)
-        assert "stalled" in seen, seen
-        assert len(results) == 24 and all(r in ("stop", "length", "midstream-error") for r in results), results
-        assert get_json(c.url + "/stats")[1]["redispatched_requests"] > 0
-        deadline = time.monotonic() + 30
-        while get_json(c.url + "/worker-status")[1]["workers"][0]["status"] not in ("idle", "busy"):
-            assert time.monotonic() < deadline, "SIGCONT did not re-admit the worker"
-            time.sleep(0.1)
-    finally:
-        c.stop()
-
-
 def test_likelihood_scoring_through_the_balancer_beside_generation(cluster):
     """lm-eval-shaped loglikelihood requests through the balancer, concurrent with generation requests (they share
     the balancer's and the workers' batches): every score equals the reference golden, every generation answers."""

@@ -137,7 +137,9 @@ async def test_failover_disconnects_and_timeouts_through_fronts():
         stats = (await get(base + "/stats"))[1]
         assert stats["total_requests"] == 24 and stats["in_flight"] == 0 and stats["queue_depth"] == 0
 
-    async with workers(fake_worker("hang", seen, cancelled)) as urls, balancer(urls, request_timeout=1.5) as base:
+    # every request reaches the hanging worker (two batches; no idle dispatch of the first alone): each is cancelled there
+    async with workers(fake_worker("hang", seen, cancelled)) as urls, balancer(
+            urls, request_timeout=1.5, batch=BatchConfig(batch_size=8, wait_time=0.05, idle_dispatch=False)) as base:
         seen.clear()
 
         async def give_up(i):

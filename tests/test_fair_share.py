@@ -2,6 +2,7 @@
 (--max-request-cost), likelihood scoring in bounded chunks that stops when its client leaves, and a fair share of the
 device between rows (long rows hold at most --long-row-share of a batch and step in a group of their own, charged
 their forwards), so a small request is answered quickly while long ones run."""
+import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -95,6 +96,7 @@ def test_a_small_request_is_answered_within_10s_while_long_ones_run(tmp_path):
         assert took < 10, took
         assert not any(f.done() for f in longs)        # the long ones were still running
     finally:
+        w.signal(signal.SIGKILL)       # not a drain: the long rows would take ~40 s more
         w.stop()
         pool.shutdown(wait=False, cancel_futures=True)
 
