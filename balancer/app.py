@@ -31,6 +31,7 @@ import click
 from balancer.batcher import BatchConfig, CentralBatcher, Pending
 from balancer.pool import HealthConfig, WorkerPool
 from balancer.stats import Window
+from balancer.weights import MODES, WeightUpdates
 from common.config import PORT, setting
 from common.http import (BODY_BUDGET, EXIT_PORT_IN_USE, MAX_BODY_BYTES, MAX_BODY_BYTES_IN_FLIGHT, AppRunner,
                          BodyBudget, json_response, middlewares, read_body)
@@ -40,7 +41,7 @@ from common.protocol import APIError, error_body, guarded_by_api_key, loads
 
 log = logging.getLogger("dllm.balancer")
 
-STATUSES = ("starting", "idle", "busy", "stalled", "unhealthy", "draining")
+STATUSES = ("starting", "idle", "busy", "updating", "stalled", "unhealthy", "draining")
 
 
 def worker_urls(value: str) -> list[str]:
@@ -107,6 +108,8 @@ class BalancerState:
         self.batcher = CentralBatcher(self.pool, lambda: self.session, cfg.batch, headers)
         self.metrics = BalancerMetrics()
         self.batcher.on_batch = self.metrics.batch_size.observe
+        self.weights = WeightUpdates(self.pool, self.batcher, lambda: self.session, headers)
+        self.batcher.routable, self.batcher.servable = self.weights.routable, self.weights.servable
         self.window = Window(60.0)
         self.total_requests = 0
         self.live: dict[str, Pending] = {}       # requests being answered, by id
@@ -121,17 +124,23 @@ class BalancerState:
     def new_id(self) -> str:
         return f"{self._id_prefix}{next(self._ids)}"
 
-    def admit(self, kind: str, body: bytes, stream: bool, t0: float, cls=Pending, **extra) -> Pending:
-        """Queue a validated request for batching, or raise 503 (draining, no healthy worker) / 429 (queue full).
-        The caller answers from the returned request's events and calls :meth:`release` when it is done."""
+    def admit(self, kind: str, body: bytes, stream: bool, t0: float, cls=Pending, version: str | None = None,
+              **extra) -> Pending:
+        """Queue a validated request for batching, or raise 503 (draining, no healthy worker) / 429 (queue full) /
+        409 (it requires weights, ``version``, that no worker will serve). The caller answers from the returned
+        request's events and calls :meth:`release` when it is done."""
         if self.draining:
             raise APIError(503, "the balancer is shutting down")
         if not self.pool.any_healthy():
             raise APIError(503, "no healthy worker", type="service_unavailable")
+        if version is not None and not self.weights.servable(version):
+            served = sorted({v["hash"] for v in self.weights.snapshot()["versions"]})
+            raise APIError(409, f"no worker serves model_version {version!r} (served: {served})",
+                           param="model_version", code="model_version_unavailable")
         if self.batcher.queue_depth >= self.cfg.batch.max_queue:
             raise APIError(429, f"the balancer queue is full ({self.cfg.batch.max_queue} requests waiting)")
         self.total_requests += 1
-        p = cls(id=self.new_id(), kind=kind, body=body, stream=stream, started=t0, **extra)
+        p = cls(id=self.new_id(), kind=kind, body=body, stream=stream, started=t0, version=version, **extra)
         self.live[p.id] = p
         self.batcher.submit(p)
         return p
@@ -170,7 +179,7 @@ class BalancerDoor:
         self.state = state
 
     async def open(self, request: web.Request, kind: str, body: bytes, req) -> Pending:
-        return self.state.admit(kind, body, req.stream, time.monotonic())
+        return self.state.admit(kind, body, req.stream, time.monotonic(), version=req.model_version)
 
     def close(self, request: web.Request, p: Pending | None, status: int, seconds: float) -> None:
         state = self.state
@@ -201,6 +210,44 @@ async def to_a_worker(request: web.Request) -> web.Response:
             tried.append(f"worker {w.index}: {type(e).__name__}")
     raise APIError(503, "no healthy worker" + (f" answered ({'; '.join(tried)})" if tried else ""),
                    type="service_unavailable")
+
+
+async def load_weights(request: web.Request) -> web.Response:
+    """POST /v1/load_weights {"model_path": DIR} or {"dcp_path": DIR, "base_model": DIR}, optional "mode" ("rolling",
+    the default, or "pause") and "timeout" (seconds for the batches in flight to finish, per step; default
+    --request-timeout): new weights on every worker without a restart (balancer/weights.py). Needs the balancer's
+    API key; without --api-key the endpoint is refused (403), since anyone who can reach the port could swap the
+    model."""
+    state = request.app[STATE]
+    if not state.cfg.api_key:
+        raise APIError(403, "POST /v1/load_weights needs the balancer to run with --api-key (DLLM_API_KEY): it "
+                            "changes the model every client gets", code="api_key_required")
+    body = loads(await read_body(request))
+    if not isinstance(body, dict):
+        raise APIError(400, "the body must be a JSON object")
+    mode = body.get("mode", "rolling")
+    if mode not in MODES:
+        raise APIError(400, f"mode must be one of {list(MODES)}, got {mode!r}", param="mode")
+    timeout = body.get("timeout", state.cfg.request_timeout)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise APIError(400, "timeout must be a positive number of seconds", param="timeout")
+    model_path, dcp_path, base = body.get("model_path"), body.get("dcp_path"), body.get("base_model")
+    if (model_path is None) == (dcp_path is None):
+        raise APIError(400, "give either model_path (a checkpoint directory or hub id) or dcp_path with base_model",
+                       param="model_path")
+    for name, v in (("model_path", model_path), ("dcp_path", dcp_path), ("base_model", base)):
+        if v is not None and (not isinstance(v, str) or not v):
+            raise APIError(400, f"{name} must be a non-empty string", param=name)
+    from common.resolve import ResolveError, resolve_model
+    try:
+        if dcp_path is not None:
+            from common.dcp_cache import ensure_converted
+            path = await asyncio.to_thread(ensure_converted, dcp_path, base, None, log.info)
+        else:
+            path = await asyncio.to_thread(resolve_model, model_path, False)
+    except (ResolveError, RuntimeError, OSError) as e:
+        raise APIError(400, str(e), param="dcp_path" if dcp_path is not None else "model_path")
+    return json_response(await state.weights.load(str(path), mode, float(timeout)))
 
 
 # ---------------------------------------------------------------- status endpoints
@@ -305,6 +352,7 @@ async def stats(request: web.Request) -> web.Response:
         "request_body_bytes": request.app[BODY_BUDGET].snapshot(),     # this process's (each front has its own)
         "workers": [w.snapshot() for w in state.pool.workers],
         "prefix_cache": _prefix_cache(state.pool.workers),
+        "weights": state.weights.snapshot(),
         "centralized_batching": {
             "enabled": True, "max_batch_size": cfg.batch_size, "max_wait_time": cfg.wait_time,
             "max_inflight_per_worker": cfg.max_inflight_per_worker,
@@ -329,6 +377,7 @@ async def worker_status(request: web.Request) -> web.Response:
         "total_workers": len(state.pool.workers),
         "system_status": _system_status(state),
         "queue_depth": state.batcher.queue_depth,
+        "weights": state.weights.snapshot(),
         "workers": [w.snapshot() for w in state.pool.workers],
     })
 
@@ -365,11 +414,13 @@ async def _lifecycle(app: web.Application):
                                           json_serialize=lambda o: orjson.dumps(o).decode())
     state.pool.start()
     state.batcher.start()
+    state.weights.start()
     expiry = asyncio.create_task(_expire_loop(state), name="request-timeouts")
     yield
     if state.fronts is not None:
         await state.fronts.close()
     expiry.cancel()
+    await state.weights.close()
     await state.batcher.close()
     await state.pool.close()
     await state.session.close()
@@ -393,6 +444,7 @@ def make_app(cfg: BalancerConfig) -> web.Application:
     app.router.add_get("/stats", stats)
     app.router.add_get("/worker-status", worker_status)
     app.router.add_get("/metrics", metrics)
+    app.router.add_post("/v1/load_weights", load_weights)
     return app
 
 

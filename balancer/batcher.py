@@ -57,6 +57,7 @@ class Pending:
     done: bool = False
     excluded: set = field(default_factory=set)
     solo: bool = False             # goes alone in its batch (its batch was rejected as a whole)
+    version: str | None = None     # the weights it requires (its model_version): only workers holding them
     worker: Worker | None = None
     enqueued_at: float = field(default_factory=time.monotonic)
     started: float = field(default_factory=time.monotonic)
@@ -92,9 +93,10 @@ class Pending:
 
     next = __anext__
 
-    def fail(self, status: int, message: str, type_: str = "server_error") -> None:
+    def fail(self, status: int, message: str, type_: str = "server_error", param: str | None = None,
+             code: str | None = None) -> None:
         self.done = True
-        self.deliver(self.attempt, "error", status, error_body(message, type_), end=True)
+        self.deliver(self.attempt, "error", status, error_body(message, type_, param, code), end=True)
 
 
 @dataclass
@@ -149,6 +151,11 @@ class CentralBatcher:
         self._closing = False
         self._no_worker_since: float | None = None
         self._dispatches: set[Dispatch] = set()      # in flight, on every worker
+        # weight updates (balancer/weights.py): which workers may take batches, which required weights (a request's
+        # model_version) can still be served, and a pause that holds the queue
+        self.routable = lambda w: not w.updating
+        self.servable = lambda wanted: True
+        self.paused = False
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="central-batcher")
@@ -175,9 +182,9 @@ class CentralBatcher:
 
     def submit(self, p: Pending) -> None:
         p.enqueued_at = time.monotonic()
-        if (self.cfg.idle_dispatch and not self.queue and not (p.excluded or p.solo) and self._task is not None
-                and not self._task.done()):
-            idle = [w for w in self.pool.workers if w.healthy and w.inflight_batches == 0]
+        if (self.cfg.idle_dispatch and not self.queue and not (p.excluded or p.solo or p.version or self.paused)
+                and self._task is not None and not self._task.done()):
+            idle = [w for w in self.pool.workers if w.healthy and w.inflight_batches == 0 and self.routable(w)]
             if idle:               # straight to an idle worker: no hop through the batching loop
                 self._start_dispatch(self.policy.rank(idle)[0], [p])
                 return
@@ -205,7 +212,23 @@ class CentralBatcher:
 
     # ------------------------------------------------------------ forming and dispatching batches
     def _free_workers(self) -> list[Worker]:
-        return [w for w in self.pool.healthy() if w.inflight_batches < self.cfg.max_inflight_per_worker]
+        return [w for w in self.pool.healthy()
+                if w.inflight_batches < self.cfg.max_inflight_per_worker and self.routable(w)]
+
+    def versions_changed(self) -> None:
+        """Workers' weights changed (or an update started or ended): queued requests that require weights no worker
+        will serve any more get 409; the others may now fit other workers."""
+        if any(p.version is not None and not p.cancelled and not self.servable(p.version) for p in self.queue):
+            keep = collections.deque()
+            for p in self.queue:
+                if p.version is not None and not p.cancelled and not self.servable(p.version):
+                    p.fail(409, f"no worker serves model_version {p.version!r} any more", "conflict_error",
+                           "model_version", "model_version_unavailable")
+                else:
+                    keep.append(p)
+            self.queue = keep
+        self._wake.set()
+        self.pool.notify()
 
     def _drop_cancelled(self) -> None:
         if any(p.cancelled for p in self.queue):
@@ -227,7 +250,7 @@ class CentralBatcher:
             if not self.queue:
                 await self._wait(None)
                 continue
-            free = self._free_workers()
+            free = [] if self.paused else self._free_workers()
             if not free:
                 self._check_no_workers()
                 await self._wait(1.0)
@@ -289,7 +312,8 @@ class CentralBatcher:
             if p.cancelled:
                 continue
             if (worker.index in p.excluded and (healthy - p.excluded)) or (
-                    batch and (p.solo or size + len(p.body) > self.cfg.max_batch_bytes)):
+                    batch and (p.solo or size + len(p.body) > self.cfg.max_batch_bytes)) or (
+                    p.version is not None and p.version != (worker.last_health.get("model_version") or {}).get("hash")):
                 keep.append(p)
                 continue
             batch.append(p)

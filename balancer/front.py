@@ -408,8 +408,10 @@ async def proxy(request: web.Request) -> web.Response:
     headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type", "accept")}
     body = await read_bytes(request) if request.can_read_body else None
     try:
+        # a weight update takes as long as its workers take to drain and load (the central bounds it)
+        limit = aiohttp.ClientTimeout(total=None) if request.path == "/v1/load_weights" else None
         async with front.session.request(request.method, yarl.URL("http://central" + request.path_qs, encoded=True),
-                                         headers=headers, data=body) as r:
+                                         headers=headers, data=body, timeout=limit) as r:
             body = await r.read()
             keep = {k: v for k, v in r.headers.items() if k.lower() in ("content-type", "retry-after", "allow")}
             return web.Response(body=body, status=r.status, headers=keep)

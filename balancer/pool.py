@@ -73,11 +73,14 @@ class Worker:
     stall_after: float | None = None    # seconds without progress, holding work, before it is stalled (the pool's)
     launch_id: str | None = None     # when set, only a worker whose /health shows it is ours (the supervisor's)
     instance_id: str | None = None   # the worker process last seen on /health
+    updating: bool = False           # out of the routing while it loads new weights (balancer/weights.py)
 
     @property
     def status(self) -> str:
         if self.draining:
             return "draining"
+        if self.updating and self.ever_ready and not (self.down or self.stalled):
+            return "updating"
         if not self.ever_ready:
             return "starting"
         if self.stalled:
@@ -101,6 +104,7 @@ class Worker:
             "last_activity_seconds_ago": None if self.last_activity is None else round(now - self.last_activity, 3),
             "seconds_since_progress": round(now - self.last_progress, 3),
             "stall_after_seconds": None if self.stall_after is None else round(self.stall_after, 3),
+            "model_version": self.last_health.get("model_version"),
             "worker_health": self.last_health,
         }
 

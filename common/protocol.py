@@ -29,8 +29,9 @@ class APIError(Exception):
                  code: str | None = None, headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
-        self.type = type or {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-                             405: "invalid_request_error", 413: "invalid_request_error",
+        self.type = type or {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                             404: "not_found_error", 405: "invalid_request_error", 409: "conflict_error",
+                             413: "invalid_request_error",
                              429: "rate_limit_error", 503: "service_unavailable"}.get(status, "server_error")
         self.headers = headers or {}
 
@@ -114,6 +115,8 @@ class DiffusionFields(BaseModel):
     return_token_ids: bool = False
     ignore_eos: bool = False
     algorithm_params: dict[str, Any] | None = None   # algorithm-specific parameters (see /generation/algorithms)
+    # require these weights: a model_version hash (every answer's model_version.hash); 409 where none will serve it
+    model_version: str | None = Field(None, min_length=1, max_length=128)
 
 
 class CommonFields(DiffusionFields):

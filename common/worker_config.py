@@ -118,6 +118,9 @@ class WorkerConfig:
                                      type=click.FloatRange(0, min_open=True))
     drain_timeout: float = setting(60.0, "Seconds SIGTERM waits for running work before exiting.",
                                    type=click.FloatRange(0))
+    load_timeout: float = setting(600.0, "Seconds POST /worker/load_weights waits for queued and running rows to "
+                                         "finish on the old weights before it gives up (503, weights unchanged).",
+                                  type=click.FloatRange(0, min_open=True))
     simulate_device: tuple[float, float] | None = setting(
         None, "Test double: no model; each batch sleeps BASE + PER_ROW x rows seconds (each step: "
               "--simulate-per-step) and echoes the prompt (load and scaling tests). The model path still provides "

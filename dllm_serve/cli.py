@@ -358,7 +358,7 @@ def serve(local, model_path, dcp_path, base_model, gpus, gpu_ids, workers, slurm
     from common.resolve import ResolveError, resolve_model
     try:
         if dcp_path:
-            from dllm_serve.dcp_launch import ensure_converted
+            from common.dcp_cache import ensure_converted
             resolved = ensure_converted(dcp_path, base_model, log=lambda m: click.echo(m, err=True))
         else:
             resolved = resolve_model(model_path)
@@ -448,7 +448,7 @@ def convert_dcp(dcp_path, base_model, output, no_cache):
             raise click.ClickException(str(e))
         click.echo(output)
         return
-    from dllm_serve.dcp_launch import ensure_converted
+    from common.dcp_cache import ensure_converted
     try:
         click.echo(ensure_converted(dcp_path, base_model, output, log=lambda m: click.echo(m, err=True)))
     except (RuntimeError, ValueError) as e:

@@ -62,7 +62,8 @@ class WorkerMetrics:
 @dataclass
 class WorkerState:
     config: WorkerConfig
-    status: str = "loading"          # loading | ready | draining | failed
+    status: str = "loading"          # loading | ready | updating (new weights: POST /worker/load_weights) | draining
+                                     # | failed
     engine: object = None
     batcher: object = None
     serving: object = None
@@ -105,8 +106,9 @@ async def read_request(request: web.Request):
 def require_ready(state: WorkerState) -> None:
     if state.status != "ready":
         msg = {"loading": "the model is still loading", "draining": "the worker is shutting down",
+               "updating": "the worker is loading new weights",
                "failed": f"the model failed to load: {state.error}"}[state.status]
-        raise APIError(503, msg, headers={"Retry-After": "5" if state.status == "loading" else "30"})
+        raise APIError(503, msg, headers={"Retry-After": "5" if state.status in ("loading", "updating") else "30"})
 
 
 # ---------------------------------------------------------------- OpenAI endpoints (common/openai_http.py)
@@ -246,6 +248,53 @@ async def worker_cancel(request: web.Request) -> web.Response:
     return json_response({"cancelled": found})
 
 
+async def worker_load_weights(request: web.Request) -> web.Response:
+    """POST /worker/load_weights {"model_path": DIR}: new weights in place (Engine.reload_weights). The worker stops
+    admitting (503, /health status "updating"), lets every queued and running row finish on the old weights (at
+    most ``timeout`` seconds, default --load-timeout), loads, and admits again. A checkpoint that cannot replace the
+    weights (another family, config, shapes or tokenizer; a bad path) is a 400 and changes nothing."""
+    state = request.app[STATE]
+    require_ready(state)
+    body = loads(await read_bytes(request))
+    path = body.get("model_path") if isinstance(body, dict) else None
+    if not isinstance(path, str) or not path:
+        raise APIError(400, "body must be {\"model_path\": \"/checkpoint/dir\"}", param="model_path")
+    timeout = body.get("timeout", state.config.load_timeout)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0:
+        raise APIError(400, "timeout must be a positive number of seconds", param="timeout")
+    engine, loop = state.engine, asyncio.get_running_loop()
+    if not hasattr(engine, "reload_weights"):
+        raise APIError(400, "this worker cannot load new weights")
+    try:
+        await loop.run_in_executor(None, engine.check_weights, path)       # before anything stops
+    except (ValueError, OSError) as e:
+        raise APIError(400, f"cannot load {path!r}: {e}", param="model_path")
+    state.status = "updating"
+    t0 = time.monotonic()
+    try:
+        try:
+            async with asyncio.timeout(timeout):
+                while state.batcher.pending or state.batcher.running:
+                    await asyncio.sleep(0.01)
+        except TimeoutError:
+            raise APIError(503, f"rows were still running after {timeout:g} s: the weights were not changed",
+                           headers={"Retry-After": "5"})
+        log.info("loading new weights from %s", path)
+        try:      # on the device thread, like every forward
+            version = await loop.run_in_executor(state.batcher._executor, engine.reload_weights, path)
+        except (ValueError, OSError) as e:
+            raise APIError(400, f"cannot load {path!r}: {e}", param="model_path")
+        except RuntimeError as e:          # the old weights could not be put back: this process must not serve
+            state.status, state.error = "failed", str(e)
+            request.app[LOAD_FAILED].set()
+            raise APIError(500, str(e))
+        log.info("serving new weights %s (%s) after %.1f s", version["hash"], version["path"], time.monotonic() - t0)
+        return json_response({"model_version": version, "seconds": round(time.monotonic() - t0, 3)})
+    finally:
+        if state.status == "updating":
+            state.status = "ready"
+
+
 # ---------------------------------------------------------------- status endpoints
 async def health(request: web.Request) -> web.Response:
     state = request.app[STATE]
@@ -259,6 +308,7 @@ async def health(request: web.Request) -> web.Response:
         "seconds_since_last_step": round(time.monotonic() - e.last_step_time, 3) if e else None,
         "step_seconds_max": state.steps.step_seconds_max if state.steps else None,
         "model": state.model_name,
+        "model_version": getattr(e, "version", None),
         "family": e.family if e else None,
         "device": str(e.device) if e else state.config.device,
         "tensor_parallel_size": state.config.tensor_parallel_size,
@@ -270,7 +320,7 @@ async def health(request: web.Request) -> web.Response:
     }
     if state.error:
         data["error"] = state.error
-    return json_response(data, 200 if state.status in ("ready", "loading", "draining") else 503)
+    return json_response(data, 200 if state.status in ("ready", "loading", "updating", "draining") else 503)
 
 
 def _model_card(state: WorkerState, name: str) -> dict:
@@ -423,6 +473,7 @@ def make_app(config: WorkerConfig) -> web.Application:
     add_routes(app, app[DOOR])
     app.router.add_post("/worker/batch", worker_batch)
     app.router.add_post("/worker/cancel", worker_cancel)
+    app.router.add_post("/worker/load_weights", worker_load_weights)
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/tokenizer_info", tokenizer_info)

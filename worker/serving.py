@@ -61,6 +61,27 @@ class Serving:
         # seconds on it (4x margin for normalisation that merges characters).
         self.max_prompt_chars = 4 * max_token_chars(self.tok) * engine.max_sequence_length
 
+    def check_version(self, wanted: str | None) -> None:
+        """A request that requires weights (``model_version``: a hash) this worker does not hold: 409."""
+        have = getattr(self.engine, "version", None) or {}
+        if wanted is not None and wanted != have.get("hash"):
+            raise APIError(409, f"model_version {wanted!r} is not what this worker serves ({have.get('hash')!r}, "
+                                f"from {have.get('path')!r})", param="model_version",
+                           code="model_version_unavailable")
+
+    def _versioned(self, emit):
+        """``emit`` that stamps every answer object with the weights that produced it: ``model_version``
+        ({"path", "hash"}) and ``system_fingerprint`` (the hash; OpenAI's field for the backend's configuration).
+        Weights change only while no row runs (Engine.reload_weights), so the version at emit time is the one that
+        computed the answer."""
+        def versioned(kind: str, data, last: bool) -> None:
+            v = getattr(self.engine, "version", None)
+            if v is not None and kind != "error":
+                data["model_version"] = v
+                data["system_fingerprint"] = v["hash"]
+            emit(kind, data, last)
+        return versioned
+
     # ------------------------------------------------------------ request -> rows
     def prepare(self, kind: str, body, req=None) -> Prepared:
         """``req``: the body already validated by parse_request(kind, body), when the caller has it."""
@@ -70,6 +91,7 @@ class Serving:
             prep.responses, prep.rid = r, new_id("resp")
             return prep
         req = req or parse_request(kind, body)
+        self.check_version(req.model_version)
         if req.model is not None and req.model not in self.names:
             raise APIError(404, f"The model {req.model!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
@@ -296,7 +318,7 @@ class Serving:
         ``emit(kind, data, last)`` receives the request's events on the event loop as they happen (see :class:`Run`);
         without it, iterate the Run (common/openai_http.py events)."""
         run = Run(self, prep, emit)
-        run.emit = self._counted(run.emit)
+        run.emit = self._counted(self._versioned(run.emit))
         if prep.responses is not None:
             run.emit = ResponsesEvents(prep.responses, prep.rid, self.model_name, prep.created, run.emit)
         progress = prep.req.stream or bool(prep.req.stop)

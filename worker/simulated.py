@@ -17,7 +17,7 @@ from pathlib import Path
 from worker.engine import algorithms
 from worker.engine.params import GenerationParams, Plan, plan
 from worker.engine.engine import Request, Result
-from worker.models.checkpoint import read_config
+from worker.models.checkpoint import CheckpointError, model_version, read_config
 from worker.tokenizer import load_tokenizer, mask_token_id, stop_token_ids
 
 
@@ -34,6 +34,20 @@ class SimulatedEngine:
         self.name = Path(model_path).name
         self.base, self.per_row, self.per_step = base, per_row, per_step
         self.last_step_time = time.monotonic()
+        self.path, self.version = Path(model_path).resolve(), model_version(model_path)
+
+    def check_weights(self, path) -> None:
+        """Weights of the same kind: a config.json with the same fields but for the tool-written ones."""
+        from worker.engine.engine import Engine
+        old, new = read_config(self.path), read_config(path)
+        if any(old.get(k) != new.get(k) for k in set(old) | set(new) if k not in Engine.RELOAD_IGNORED):
+            raise CheckpointError(f"{str(path)!r}: its config.json differs from the served model's")
+
+    def reload_weights(self, path) -> dict:
+        """No weights to copy: the answers do not depend on them; the version does."""
+        self.check_weights(path)
+        self.path, self.version = Path(path).resolve(), model_version(path)
+        return self.version
 
     scoring = "the simulated device (a test double) has no model to score with"
     default_block_length = None          # no checkpoint block size: the server's default applies

@@ -16,7 +16,8 @@ from typing import Protocol
 import torch
 
 from ..models import FAMILIES, detect_family, load_model
-from ..models.checkpoint import read_config
+from ..models.checkpoint import (CheckpointError, check_reload, generation_defaults, model_version, read_config,
+                                reload_native)
 from ..tokenizer import load_tokenizer, mask_token_id, stop_token_ids
 from . import algorithms
 from .params import GenerationParams, ParamError, Plan, plan, row_cost, with_seed
@@ -57,6 +58,9 @@ class Engine:
         self.algorithm_defaults: dict[str, dict] = {}   # the checkpoint's algorithm_params defaults, per algorithm
         self.ranks = None           # rank 0 of a tensor-parallel worker: its followers (worker/engine/ranks.py)
         self.prefix_cache = None    # worker/engine/prefix_cache.py, where it is exact (use_prefix_cache)
+        self.path: Path | None = None       # the checkpoint the weights came from (from_pretrained, reload_weights)
+        self.version: dict | None = None    # its model_version: {"path", "hash"} (worker/models/checkpoint.py)
+        self._prefix_cache_gb = 0.0
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, device=None, dtype=None, compile: bool = False,
@@ -102,6 +106,8 @@ class Engine:
         if fam.algorithm_defaults is not None:
             engine.algorithm_defaults = fam.algorithm_defaults(path)
         engine.use_prefix_cache(prefix_cache_gb)
+        engine.path = path
+        engine.version = model_version(path) if layout is None or ranks is not None else None   # rank 0 reports it
         if group is not None:
             engine.ranks = group
             group.watch()
@@ -113,6 +119,61 @@ class Engine:
         from .prefix_cache import PrefixCache
         ok = FAMILIES[self.family].prefix_cache if self.family in FAMILIES else False
         self.prefix_cache = PrefixCache(int(gb * 2**30)) if gb > 0 and ok else None
+        self._prefix_cache_gb = gb
+
+    # configuration fields that say nothing about the weights' arithmetic (written by whichever tool saved them)
+    RELOAD_IGNORED = frozenset({"_name_or_path", "transformers_version", "torch_dtype", "dtype", "_commit_hash",
+                                "auto_map"})
+
+    def check_weights(self, path: str | os.PathLike) -> None:
+        """Raise CheckpointError unless ``path`` can replace this engine's weights in place: the same family, the
+        same config.json and generation_config.json (but for tool-written fields), the same tensors in the same
+        shapes, the same tokenizer vocabulary and chat template. Reads headers and small files only."""
+        path = Path(path)
+        family = detect_family(path)
+        if family != self.family:
+            raise CheckpointError(f"{str(path)!r} is a {family} checkpoint and this worker serves {self.family}: a "
+                                  f"family change needs a restart, not a weight update")
+        for what, old, new in (("config.json", read_config(self.path), read_config(path)),
+                               ("generation_config.json", generation_defaults(self.path), generation_defaults(path))):
+            keys = sorted(k for k in set(old) | set(new) if k not in self.RELOAD_IGNORED and old.get(k) != new.get(k))
+            if keys:
+                raise CheckpointError(f"{str(path)!r}: its {what} differs from the served model's in {keys[:10]}: "
+                                      f"only the weights can change without a restart")
+        check_reload(self.model, path, FAMILIES[self.family].title)
+        if self.tokenizer is not None:
+            tok = load_tokenizer(path)
+            if (tok.get_vocab() != self.tokenizer.get_vocab()
+                    or getattr(tok, "chat_template", None) != getattr(self.tokenizer, "chat_template", None)):
+                raise CheckpointError(f"{str(path)!r}: its tokenizer (vocabulary or chat template) differs from the "
+                                      f"served model's: a tokenizer change needs a restart")
+
+    def reload_weights(self, path: str | os.PathLike) -> dict:
+        """Replace the weights with those of ``path`` in place (no second copy of the model; see
+        checkpoint.reload_native) once :meth:`check_weights` passes; the prefix cache (keys and values of the old
+        weights) is emptied. Returns the new model_version. Call it with no batch running (the worker's scheduler
+        is idle). A check that fails changes nothing; a read that fails half-way (an I/O error) puts the old
+        weights back, and raises RuntimeError (the engine must not serve) if even that fails. With tensor
+        parallelism every follower rank reloads its shard first, in step."""
+        path = Path(path).resolve()
+        self.check_weights(path)
+        version = model_version(path)
+        if self.ranks is not None:
+            self.ranks.send(("reload", str(path)))
+        title = FAMILIES[self.family].title
+        try:
+            reload_native(self.model, path, title)
+        except Exception as e:
+            log.error("reloading %s failed half-way (%s): putting the weights of %s back", path, e, self.path)
+            try:
+                reload_native(self.model, self.path, title)
+            except Exception as e2:
+                raise RuntimeError(f"reloading {path} failed ({e}) and the previous weights could not be put back "
+                                   f"({e2})") from e2
+            raise
+        self.use_prefix_cache(self._prefix_cache_gb)
+        self.path, self.version = path, version
+        return version
 
     @property
     def tensor_parallel(self) -> int:

@@ -273,6 +273,9 @@ def follow(argv: list[str] | None = None) -> int:
                 engine = Engine.from_pretrained(path, device=device, dtype=dtype, compile=a.compile, layout=layout,
                                                 prefix_cache_gb=prefix_cache_gb)
                 log.info("rank %d loaded %s", a.rank, path)
+            elif msg[0] == "reload":       # new weights in place (Engine.reload_weights on rank 0, checked there)
+                engine.reload_weights(msg[1])
+                log.info("rank %d reloaded the weights of %s", a.rank, msg[1])
             elif msg[0] == "generate":
                 _, requests, early_exit, cancelled, long_row_cost = msg
                 engine.long_row_cost = long_row_cost

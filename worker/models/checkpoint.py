@@ -236,7 +236,95 @@ def load_native(path: str | os.PathLike, make, family: str, device: torch.device
     model.load_state_dict(load_state_dict(path, {prefix + n: n for n in params}, dtype, device, shards),
                           strict=True, assign=True)
     model.init_rope()
+    model.checkpoint_prefix = prefix          # reload_native reads the same names
     return model.eval().requires_grad_(False)
+
+
+def _expected(model) -> tuple[dict, dict, dict]:
+    """(checkpoint name -> parameter, checkpoint name -> shard, checkpoint name -> whole shape) of a model that
+    load_native built."""
+    prefix = model.checkpoint_prefix
+    params = {prefix + n: p for n, p in model.named_parameters()}
+    shards = {n: p.shard for n, p in params.items() if getattr(p, "shard", None) is not None}
+    shapes = {}
+    for n, p in params.items():
+        shape = list(p.shape)
+        if n in shards:
+            shape[shards[n].dim] = shards[n].full
+        shapes[n] = tuple(shape)
+    return params, shards, shapes
+
+
+def check_reload(model, path: str | os.PathLike, family: str) -> None:
+    """Raise CheckpointError unless ``path`` holds every tensor ``model`` was loaded with, in the same shapes (headers
+    only: nothing is read or changed)."""
+    check_shapes(path, _expected(model)[2], family)
+
+
+@torch.no_grad()
+def reload_native(model, path: str | os.PathLike, family: str) -> None:
+    """Copy the weights of ``path`` into ``model`` (built by load_native) in place, tensor by tensor: the extra memory
+    is one tensor in flight on the host (its copy to the device goes straight into the parameter), never a second
+    model. Check with :func:`check_reload` first: a failure half-way leaves the model mixed."""
+    params, shards, _ = _expected(model)
+    seen = set()
+    for name, t in iter_tensors(path, set(params), shards):
+        params[name].copy_(t)
+        seen.add(name)
+        del t
+    if seen != set(params):
+        raise CheckpointError(f"{str(path)!r}: tensors missing while reloading: {sorted(set(params) - seen)[:10]}")
+
+
+VERSION_FILES = ("config.json", "generation_config.json")
+
+
+def _fingerprint(path: Path) -> list:
+    files = [*weight_files(path), *(path / n for n in VERSION_FILES if (path / n).is_file())]
+    return [[f.name, f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+
+
+def model_version(path: str | os.PathLike) -> dict:
+    """Which weights a checkpoint directory holds: its absolute path and a content hash (BLAKE2b, 16 bytes, over
+    every weight file and config.json / generation_config.json, names and bytes). The hash is computed once per
+    directory state and kept under ``$DLLM_CACHE/versions`` (keyed by the path and the files' names, sizes and
+    mtimes; a lock makes the workers of one machine compute it once), so the same weights give the same hash on
+    every worker and every node."""
+    import fcntl
+    import hashlib
+    path = Path(path).resolve()
+    fp = _fingerprint(path)
+    key = hashlib.sha256(json.dumps([str(path), fp]).encode()).hexdigest()[:32]
+    cache = Path(os.environ.get("DLLM_CACHE", Path.home() / ".cache" / "dllm-serve")) / "versions"
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+        lock = open(cache / f".{key}.lock", "w")
+    except OSError:                 # no writable cache: compute, keep nothing
+        cache, lock = None, None
+    try:
+        if lock is not None:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            hit = cache / f"{key}.json"
+            if hit.is_file():
+                try:
+                    return json.loads(hit.read_text())
+                except ValueError:
+                    pass
+        h = hashlib.blake2b(digest_size=16)
+        for name, _, _ in fp:
+            h.update(name.encode() + b"\0")
+            with open(path / name, "rb") as f:
+                while chunk := f.read(1 << 24):
+                    h.update(chunk)
+        version = {"path": str(path), "hash": h.hexdigest()}
+        if lock is not None:
+            tmp = cache / f".{key}.{os.getpid()}.tmp"
+            tmp.write_text(json.dumps(version))
+            os.replace(tmp, cache / f"{key}.json")
+        return version
+    finally:
+        if lock is not None:
+            lock.close()
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:

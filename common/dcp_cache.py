@@ -1,5 +1,6 @@
-"""Converting a DCP checkpoint once before workers start: a file lock serialises racing launches, the conversion
-runs in a subprocess (torch stays out of the supervisor) into a temporary directory renamed into place atomically,
+"""Converting a DCP checkpoint once (before workers start, or for a weight update: balancer/weights.py): a file lock
+serialises racing launches, the conversion runs in a subprocess (`dllm-serve convert-dcp`: torch stays out of the
+supervisor and the balancer) into a temporary directory renamed into place atomically,
 and the result is reused while the checkpoint is unchanged (a fingerprint of its files' names, sizes and mtimes)."""
 from __future__ import annotations
 

@@ -1,0 +1,238 @@
+"""New weights without a restart: ``POST /v1/load_weights`` on the balancer (docs/operations.md, "Weight updates").
+
+An update names a checkpoint directory (or a DCP checkpoint and its base model, converted once here:
+common/dcp_cache.py) and a mode:
+
+- ``rolling`` (the default): one worker at a time leaves the routing (``Worker.updating``), its batches in flight
+  finish, it loads the weights in place (``POST /worker/load_weights``: the worker itself also finishes every queued
+  row first) and rejoins; the others serve meanwhile, so capacity never drops below N-1 workers.
+- ``pause``: the queue stops (new requests wait in it), every batch in flight finishes on the old weights, every
+  worker loads at once, the queue resumes.
+
+A load the first worker refuses (a bad path, another family, config, shapes or tokenizer) changes nothing; a worker
+that fails later has its predecessors put back on their old weights, so a failed update leaves the fleet as it was.
+Only one update runs at a time. Workers report their weights (``model_version``: the checkpoint's path and content
+hash) on /health and with every answer; once an update has succeeded, a worker that comes back on other weights (a
+restarted process starts from its launch checkpoint) is brought to the update's weights before it gets requests.
+
+A request may require weights (``model_version``: a hash): it goes only to workers that hold them, waits while an
+update is bringing them, and gets 409 when no worker will (docs/api.md)."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import aiohttp
+
+from balancer.pool import Worker, WorkerPool
+from common.protocol import APIError
+
+log = logging.getLogger("dllm.balancer.weights")
+
+MODES = ("rolling", "pause")
+
+
+def version_of(w: Worker) -> dict | None:
+    v = w.last_health.get("model_version")
+    return v if isinstance(v, dict) else None
+
+
+def hash_of(w: Worker) -> str | None:
+    v = version_of(w)
+    return v.get("hash") if v else None
+
+
+class WeightUpdates:
+    def __init__(self, pool: WorkerPool, batcher, session_factory, headers: dict):
+        self.pool, self.batcher, self._session, self.headers = pool, batcher, session_factory, headers
+        self.target: dict | None = None      # the weights of the last update that succeeded
+        self.current: dict | None = None     # the update running: {"path", "mode", "started", "done": [...]}
+        self.toward: str | None = None       # the hash a running update brings (known once its first load succeeds)
+        self.last: dict | None = None        # how the last update ended
+        self._lock = asyncio.Lock()
+        self._sync_task: asyncio.Task | None = None
+        self._sync_failed: set = set()         # worker processes (instance ids) the sync could not bring
+
+    # ------------------------------------------------------------ what the batcher asks
+    def routable(self, w: Worker) -> bool:
+        """May ``w`` take batches now: not while it loads, and, once an update has succeeded, only on that update's
+        weights (or those of the update running), so no answer comes from weights an update has replaced."""
+        if w.updating:
+            return False
+        if self.target is None:
+            return True
+        h = hash_of(w)
+        return h is None or h == self.target["hash"] or h == self.toward
+
+    def servable(self, wanted: str) -> bool:
+        """Some healthy worker holds these weights, or the running update is bringing them."""
+        return wanted == self.toward or any(hash_of(w) == wanted for w in self.pool.workers if w.healthy)
+
+    def snapshot(self) -> dict:
+        versions: dict[str, dict] = {}
+        for w in self.pool.workers:
+            v = version_of(w)
+            if v:
+                versions.setdefault(v["hash"], {**v, "workers": []})["workers"].append(w.index)
+        return {"target": self.target, "versions": list(versions.values()),
+                "update": self.current, "last_update": self.last}
+
+    # ------------------------------------------------------------ the update
+    async def load(self, path: str, mode: str, timeout: float) -> dict:
+        if self._lock.locked():
+            raise APIError(409, f"a weight update is already running ({self.current})", code="update_in_progress")
+        async with self._lock:
+            workers = [w for w in self.pool.workers if w.healthy]
+            if not workers:
+                raise APIError(503, "no healthy worker to load the weights")
+            t0 = time.monotonic()
+            self.current = {"path": path, "mode": mode, "started": time.time(), "done": []}
+            log.info("weight update (%s) to %s over %d workers", mode, path, len(workers))
+            try:
+                if mode == "pause":
+                    version = await self._pause(workers, path, timeout)
+                else:
+                    version = await self._rolling(workers, path, timeout)
+            except APIError as e:
+                self.last = {"path": path, "mode": mode, "ok": False, "error": e.message, "ended": time.time()}
+                log.warning("weight update to %s failed: %s", path, e.message)
+                raise
+            finally:
+                self.current, self.toward = None, None
+                self.batcher.versions_changed()
+            self.target = version
+            self.last = {"path": path, "mode": mode, "ok": True, "model_version": version, "ended": time.time(),
+                         "seconds": round(time.monotonic() - t0, 3)}
+            log.info("weight update done: %s (%s) in %.1f s", version["hash"], version["path"],
+                     time.monotonic() - t0)
+            return {"model_version": version, "mode": mode, "seconds": self.last["seconds"],
+                    "workers": [{"index": w.index, "url": w.url, "model_version": version_of(w)}
+                                for w in self.pool.workers]}
+
+    async def _rolling(self, workers: list[Worker], path: str, timeout: float) -> dict:
+        done: list[tuple[Worker, dict | None]] = []
+        version = None
+        for w in workers:
+            if not w.healthy:               # it went away meanwhile: the sync brings it when it is back
+                continue
+            old = version_of(w)
+            w.updating = True
+            self.batcher.versions_changed()
+            try:
+                await self._drained([w], timeout)
+                version = await self._load_one(w, path, timeout)
+            except APIError as e:
+                await self._put_back(done)
+                raise APIError(e.status, self._failure(w, e.message, done), param=e.param,
+                               code=e.code) from None
+            finally:
+                w.updating = False
+            done.append((w, old))
+            self.current["done"].append(w.index)
+            self.toward = version["hash"]
+            self.batcher.versions_changed()
+        if version is None:
+            raise APIError(503, "no healthy worker to load the weights")
+        return version
+
+    async def _pause(self, workers: list[Worker], path: str, timeout: float) -> dict:
+        self.batcher.paused = True
+        try:
+            await self._drained(workers, timeout)
+            olds = [version_of(w) for w in workers]
+            results = await asyncio.gather(*(self._load_one(w, path, timeout) for w in workers),
+                                           return_exceptions=True)
+            failed = [(w, r) for w, r in zip(workers, results) if isinstance(r, BaseException)]
+            if failed:
+                ok = [(w, old) for w, old, r in zip(workers, olds, results) if not isinstance(r, BaseException)]
+                await self._put_back(ok)
+                w, e = failed[0]
+                msg = e.message if isinstance(e, APIError) else f"{type(e).__name__}: {e}"
+                raise APIError(getattr(e, "status", 502), self._failure(w, msg, ok), param=getattr(e, "param", None))
+            self.current["done"] = [w.index for w in workers]
+            return results[0]
+        finally:
+            self.batcher.paused = False
+            self.batcher.versions_changed()
+
+    async def _drained(self, workers: list[Worker], timeout: float) -> None:
+        """Wait until none of ``workers`` has a batch of ours in flight (they get no new one meanwhile)."""
+        deadline = time.monotonic() + timeout
+        while any(w.inflight_batches for w in workers):
+            if time.monotonic() > deadline:
+                raise APIError(504, f"batches were still running on the workers after {timeout:g} s: the weights "
+                                    f"were not changed", type="timeout")
+            await asyncio.sleep(0.01)
+
+    async def _load_one(self, w: Worker, path: str, timeout: float) -> dict:
+        try:
+            async with self._session().post(w.url + "/worker/load_weights", json={"model_path": path,
+                                                                                  "timeout": timeout},
+                                            headers=self.headers,
+                                            timeout=aiohttp.ClientTimeout(total=timeout + 60)) as r:
+                data = await r.json(content_type=None)
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
+            raise APIError(502, f"worker {w.index} ({w.url}) did not answer the load: {type(e).__name__}: {e}")
+        if r.status != 200:
+            err = data.get("error", {}) if isinstance(data, dict) else {}
+            raise APIError(r.status if r.status in (400, 409, 503, 504) else 502,
+                           f"worker {w.index} ({w.url}): {err.get('message', data)}", param=err.get("param"))
+        version = data["model_version"]
+        w.last_health = {**w.last_health, "model_version": version}
+        return version
+
+    async def _put_back(self, done: list[tuple[Worker, dict | None]]) -> None:
+        """A failed update: the workers it already moved go back to their previous weights (best effort, logged)."""
+        for w, old in done:
+            if not old:
+                continue
+            w.updating = True
+            try:
+                await self._drained([w], 600)
+                await self._load_one(w, old["path"], 600)
+                log.info("worker %d put back on %s", w.index, old["path"])
+            except APIError as e:
+                log.error("worker %d could not be put back on %s: %s", w.index, old["path"], e.message)
+            finally:
+                w.updating = False
+
+    @staticmethod
+    def _failure(w: Worker, message: str, done: list) -> str:
+        back = f"; workers {[x.index for x, _ in done]} were put back on their previous weights" if done else ""
+        return f"the weight update failed on worker {w.index}: {message}{back}"
+
+    # ------------------------------------------------------------ workers that come back on other weights
+    def start(self) -> None:
+        self._sync_task = asyncio.create_task(self._sync_loop(), name="weights-sync")
+
+    async def close(self) -> None:
+        if self._sync_task:
+            self._sync_task.cancel()
+            await asyncio.gather(self._sync_task, return_exceptions=True)
+
+    async def _sync_loop(self) -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            if self.target is None or self._lock.locked():
+                continue
+            for w in self.pool.workers:
+                if (w.healthy and not w.updating and hash_of(w) not in (None, self.target["hash"])
+                        and w.instance_id not in self._sync_failed):
+                    async with self._lock:
+                        log.info("worker %d serves %s, not the update's %s: loading %s", w.index, hash_of(w),
+                                 self.target["hash"], self.target["path"])
+                        w.updating = True
+                        self.batcher.versions_changed()
+                        try:
+                            await self._drained([w], 600)
+                            await self._load_one(w, self.target["path"], 600)
+                        except APIError as e:      # not retried for this process (it gets no batch either)
+                            self._sync_failed.add(w.instance_id)
+                            log.error("worker %d could not load the update's weights: %s", w.index, e.message)
+                        except Exception:
+                            self._sync_failed.add(w.instance_id)
+                            log.exception("weights sync of worker %d", w.index)
+                        finally:
+                            w.updating = False
+                            self.batcher.versions_changed()
