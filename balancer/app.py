@@ -110,6 +110,7 @@ class BalancerState:
         self.batcher.on_batch = self.metrics.batch_size.observe
         self.weights = WeightUpdates(self.pool, self.batcher, lambda: self.session, headers)
         self.batcher.routable, self.batcher.servable = self.weights.routable, self.weights.servable
+        self.batcher.allowed_versions = self.weights.allowed_versions
         self.window = Window(60.0)
         self.total_requests = 0
         self.live: dict[str, Pending] = {}       # requests being answered, by id

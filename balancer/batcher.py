@@ -155,6 +155,7 @@ class CentralBatcher:
         # model_version) can still be served, and a pause that holds the queue
         self.routable = lambda w: not w.updating
         self.servable = lambda wanted: True
+        self.allowed_versions = lambda: None     # hashes a worker must hold for the rows that require none
         self.paused = False
 
     def start(self) -> None:
@@ -352,7 +353,9 @@ class CentralBatcher:
         self.histogram[len(batch)] += 1
         if self.on_batch:
             self.on_batch(len(batch))
-        parts = [b'{"requests":[']          # one join: no intermediate copy of any body (they may be 64 MiB each)
+        allowed = self.allowed_versions()
+        parts = [b'{"model_versions":' + orjson.dumps(allowed) + b',"requests":[' if allowed else b'{"requests":[']
+        # one join: no intermediate copy of any body (they may be 64 MiB each)
         for i, p in enumerate(batch):
             parts += (b',{"id":"' if i else b'{"id":"', p.id.encode(), b'","kind":"', p.kind.encode(), b'","body":',
                       p.body, b"}")
@@ -366,6 +369,9 @@ class CentralBatcher:
                     timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout)) as r:
                 if r.status in REJECTED:
                     self._rejected(w, batch, r.status, await r.read())
+                    open_.clear()
+                elif r.status == 409:          # its weights are not the ones we took it for: it did nothing
+                    self._wrong_weights(w, batch, await r.read())
                     open_.clear()
                 elif r.status != 200:
                     text = (await r.read())[:300].decode(errors="replace")
@@ -416,6 +422,23 @@ class CentralBatcher:
                 p.done = True
                 p.worker = None
             p.deliver(attempts[p.id], kind, ev.get("status", 200), ev.get("data"), end)
+
+    def _wrong_weights(self, w: Worker, batch: list[Pending], body: bytes) -> None:
+        """The worker holds other weights than the batch allows (changed since its last /health: a load the balancer
+        did not make): learn them and put the batch back at the front of the queue (not a failure of anyone)."""
+        try:
+            actual = orjson.loads(body).get("model_version")
+        except (ValueError, AttributeError):
+            actual = None
+        log.warning("worker %d holds other weights (%s) than the batch allows: re-queued", w.index, actual)
+        if isinstance(actual, dict):
+            w.last_health = {**w.last_health, "model_version": actual}
+        for p in batch:
+            p.worker = None
+            p.tries -= 1
+            p.attempt += 1
+        self.queue.extendleft(reversed([p for p in batch if not (p.cancelled or p.done)]))
+        self.versions_changed()
 
     def _rejected(self, w: Worker, batch: list[Pending], status: int, body: bytes) -> None:
         """The worker rejected the whole batch (a 4xx for the batch, not for a row): split it, or answer the row."""

@@ -65,6 +65,13 @@ class WeightUpdates:
         h = hash_of(w)
         return h is None or h == self.target["hash"] or h == self.toward
 
+    def allowed_versions(self) -> list[str] | None:
+        """The hashes a worker must hold to answer rows that require no version (None: any), sent with each batch so
+        a worker whose weights changed behind the balancer's back refuses it (409) instead of answering."""
+        if self.target is None:
+            return None
+        return [self.target["hash"]] + ([self.toward] if self.toward else [])
+
     def servable(self, wanted: str) -> bool:
         """Some healthy worker holds these weights, or the running update is bringing them."""
         return wanted == self.toward or any(hash_of(w) == wanted for w in self.pool.workers if w.healthy)

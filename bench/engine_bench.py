@@ -6,6 +6,7 @@
   python bench/engine_bench.py --memory --shape llada-1b      # peak host RSS while loading a bf16 checkpoint
   python bench/engine_bench.py --memory --shape llada-moe-1b  # the same for a mixture-of-experts checkpoint
   python bench/engine_bench.py --memory --shape llada-1b --tensor-parallel-size 2   # each rank's shard alone
+  python bench/engine_bench.py --memory --reload --shape llada-1b   # RSS while new weights load in place
 
 Tokens/s counts generated tokens (gen_length per row, whole canvas, early exit off) over wall time; forward
 passes/s counts denoising steps (one batched forward each) over wall time.
@@ -74,7 +75,7 @@ def random_engine(name: str, device: torch.device, dtype: torch.dtype):
                   family="llada", name=name)
 
 
-def write_checkpoint(name: str, dest: Path) -> int:
+def write_checkpoint(name: str, dest: Path, seed: int = 0) -> int:
     """Random bf16 weights of a named shape, in its family's layout; returns the weights' size in bytes."""
     from safetensors.torch import save_file
     from worker.models.llada import PREFIX, LLaDAConfig, LLaDAModel
@@ -88,7 +89,7 @@ def write_checkpoint(name: str, dest: Path) -> int:
     dest.mkdir(parents=True, exist_ok=True)
     (dest / "config.json").write_text(json.dumps(cfg))
     total, shard, shards, size = 0, {}, [], 0
-    gen = torch.Generator().manual_seed(0)
+    gen = torch.Generator().manual_seed(seed)
     names = sorted(shapes)
     for i, n in enumerate(names):
         t = (torch.randn(shapes[n], generator=gen) * 0.02).to(torch.bfloat16)
@@ -136,7 +137,48 @@ def measure_load(path: str, device: str, dtype: str, rank: int = 0, size: int = 
     print(json.dumps({"baseline_rss": base, "peak_rss": peak, "param_bytes": nbytes, "load_seconds": secs}))
 
 
+def measure_reload(paths: str, device: str, dtype: str) -> None:
+    """Child process: load the first checkpoint, then reload the second's weights in place
+    (checkpoint.reload_native, what POST /worker/load_weights does); RSS before, and the peak during, the reload."""
+    from worker.models import load_model
+    from worker.models.checkpoint import check_reload, reload_native
+    first, second = paths.split(",")
+    model = load_model(first, device, dtype)
+    check_reload(model, second, "LLaDA")
+    with open("/proc/self/clear_refs", "w") as f:        # VmHWM from here on
+        f.write("5")
+    base = rss_now()
+    t = time.perf_counter()
+    reload_native(model, second, "LLaDA")
+    secs = time.perf_counter() - t
+    peak = rss_peak()
+    params = list(model.parameters())
+    print(json.dumps({"baseline_rss": base, "peak_rss": peak, "reload_seconds": secs,
+                      "param_bytes": sum(p.numel() * p.element_size() for p in params),
+                      "largest_tensor": max(p.numel() * p.element_size() for p in params)}))
+
+
+def reload_memory_bench(args) -> None:
+    with tempfile.TemporaryDirectory(dir=args.tmpdir) as tmp:
+        a, b = Path(tmp) / "a", Path(tmp) / "b"
+        weights = write_checkpoint(args.shape, a, seed=0)
+        write_checkpoint(args.shape, b, seed=1)
+        out = subprocess.run([sys.executable, __file__, "--_measure-reload", f"{a},{b}", "--device", args.device,
+                              "--dtype", "bfloat16"], capture_output=True, text=True, check=True)
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+    grown = r["peak_rss"] - r["baseline_rss"]
+    print(f"shape {args.shape}: {weights / 2**30:.2f} GiB of bf16 weights loaded on {args.device}, then another "
+          f"checkpoint's weights reloaded in place")
+    print(f"  RSS after the first load:            {r['baseline_rss'] / 2**30:.2f} GiB")
+    print(f"  peak RSS while reloading:            {r['peak_rss'] / 2**30:.2f} GiB")
+    print(f"  growth during the reload:            {grown / 2**20:.1f} MiB = {grown / weights:.3f} x the weights "
+          f"(largest tensor {r['largest_tensor'] / 2**20:.1f} MiB)")
+    print(f"  reload time:                         {r['reload_seconds']:.1f} s")
+
+
 def memory_bench(args) -> None:
+    if args.reload:
+        return reload_memory_bench(args)
     if args.tensor_parallel_size > 1:
         return rank_memory_bench(args)
     with tempfile.TemporaryDirectory(dir=args.tmpdir) as tmp:
@@ -249,11 +291,16 @@ def main() -> None:
     ap.add_argument("--tmpdir", default=None, help="where --memory writes its temporary checkpoint")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--_measure-load", dest="measure_load", help=argparse.SUPPRESS)
+    ap.add_argument("--_measure-reload", dest="measure_reload", help=argparse.SUPPRESS)
+    ap.add_argument("--reload", action="store_true",
+                    help="with --memory: RSS while another checkpoint's weights load in place (a weight update)")
     ap.add_argument("--_rank", dest="rank", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--tensor-parallel-size", type=int, default=1,
                     help="with --memory: each rank's shard loaded alone (its RSS against its shard's bytes)")
     args = ap.parse_args()
-    if args.measure_load:
+    if args.measure_reload:
+        measure_reload(args.measure_reload, args.device, args.dtype)
+    elif args.measure_load:
         measure_load(args.measure_load, args.device, args.dtype, args.rank, args.tensor_parallel_size)
     elif args.memory:
         memory_bench(args)

@@ -3,6 +3,7 @@ imports torch."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import click
 import orjson
@@ -347,7 +348,6 @@ SERVE_WORKER = ("default_algorithm", "default_max_tokens", "dtype", "score_mc_nu
 @click.option("--log-level", default="info", show_default=True)
 def serve(local, model_path, dcp_path, base_model, gpus, gpu_ids, workers, slurm_script, nodes, log_level, **values):
     """Workers (one per GPU, or CPU workers) plus the balancer, supervised: ``--local``, or a SLURM job."""
-    from pathlib import Path
     _logging(log_level)
     if local and nodes is not None:
         raise click.UsageError("--nodes is for SLURM mode (without --local); --local runs on this machine only")
@@ -453,6 +453,60 @@ def convert_dcp(dcp_path, base_model, output, no_cache):
         click.echo(ensure_converted(dcp_path, base_model, output, log=lambda m: click.echo(m, err=True)))
     except (RuntimeError, ValueError) as e:
         raise click.ClickException(str(e))
+
+
+@main.command("load-weights")
+@click.option("--url", default=None, envvar="DLLM_URL",
+              help="The balancer's base URL [default: http://127.0.0.1:8000, or the server-info file's].")
+@click.option("--server-info-file", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="A job's server-info file (SLURM: $DLLM_SERVER_INFO_DIR/server-info-<job>): its SERVER_BASE_URL.")
+@click.option("--model-path", default=None, help="The new weights: a checkpoint directory (or hub id) of the served "
+                                                 "model's family, config and tokenizer.")
+@click.option("--dcp-path", default=None, help="The new weights as a DCP checkpoint (converted once, with "
+                                               "--base-model).")
+@click.option("--base-model", default=None, help="Checkpoint the DCP was trained from.")
+@click.option("--mode", type=click.Choice(["rolling", "pause"]), default="rolling", show_default=True,
+              help="rolling: one worker at a time (capacity N-1); pause: new requests wait, every worker at once.")
+@click.option("--timeout", type=click.FloatRange(0, min_open=True), default=None,
+              help="Seconds for in-flight batches to finish before a worker loads [default: the balancer's "
+                   "--request-timeout].")
+@click.option("--api-key", envvar="DLLM_API_KEY", default=None, help="The balancer's API key (required by it).")
+def load_weights(url, server_info_file, model_path, dcp_path, base_model, mode, timeout, api_key):
+    """New weights on a running server without a restart (POST /v1/load_weights; docs/operations.md)."""
+    import urllib.error
+    import urllib.request
+    if (model_path is None) == (dcp_path is None):
+        raise click.UsageError("give --model-path, or --dcp-path with --base-model")
+    if dcp_path is not None and base_model is None:
+        raise click.UsageError("--dcp-path needs --base-model")
+    if url is None and server_info_file is not None:
+        info = dict(line.split("=", 1) for line in Path(server_info_file).read_text().splitlines() if "=" in line)
+        url = info.get("SERVER_BASE_URL", "").strip('"') or None
+        if url is None:
+            raise click.UsageError(f"{server_info_file} has no SERVER_BASE_URL")
+    url = (url or "http://127.0.0.1:8000").rstrip("/")
+    body = {"mode": mode}
+    for k, v in (("model_path", model_path), ("dcp_path", dcp_path), ("base_model", base_model),
+                 ("timeout", timeout)):
+        if v is not None:
+            body[k] = str(Path(v).resolve()) if k in ("model_path", "dcp_path", "base_model") and Path(v).exists() \
+                else v
+    headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
+    req = urllib.request.Request(url + "/v1/load_weights", data=orjson.dumps(body), headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=None) as r:
+            click.echo(r.read().decode())
+    except urllib.error.HTTPError as e:
+        raw = e.read()
+        try:
+            msg = orjson.loads(raw)["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            msg = raw[:500].decode(errors="replace")
+        click.echo(f"dllm-serve load-weights: {e.code}: {msg}", err=True)
+        sys.exit(1)
+    except OSError as e:
+        click.echo(f"dllm-serve load-weights: cannot reach {url}: {e}", err=True)
+        sys.exit(1)
 
 
 @main.command()

@@ -157,6 +157,12 @@ async def worker_batch(request: web.Request) -> web.StreamResponse:
         dup = [rid for rid in ids if rid in seen or seen.add(rid)]
     if dup:
         raise APIError(400, f"duplicate request id {dup[0]!r}", param="requests.id")
+    allowed = body.get("model_versions")      # the balancer's: the weights it may route these rows to
+    have = getattr(state.engine, "version", None)
+    if isinstance(allowed, list) and have is not None and have["hash"] not in allowed:
+        return json_response({**APIError(409, f"this worker holds weights {have['hash']} ({have['path']}), not "
+                                              f"{allowed}", code="model_version_unavailable").body(),
+                              "model_version": have}, 409)
     lines: list[bytes] = []           # NDJSON lines not yet written
     wake = asyncio.Event()
     open_ = len(items)                # requests without their last line yet

@@ -11,6 +11,7 @@ holds more than the final weights plus one tensor in flight.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from pathlib import Path
@@ -261,17 +262,46 @@ def check_reload(model, path: str | os.PathLike, family: str) -> None:
     check_shapes(path, _expected(model)[2], family)
 
 
+RELOAD_CHUNK_BYTES = 64 << 20
+
+
 @torch.no_grad()
-def reload_native(model, path: str | os.PathLike, family: str) -> None:
-    """Copy the weights of ``path`` into ``model`` (built by load_native) in place, tensor by tensor: the extra memory
-    is one tensor in flight on the host (its copy to the device goes straight into the parameter), never a second
-    model. Check with :func:`check_reload` first: a failure half-way leaves the model mixed."""
+def reload_native(model, path: str | os.PathLike, family: str, chunk_bytes: int = RELOAD_CHUNK_BYTES) -> None:
+    """Copy the weights of ``path`` into ``model`` (built by load_native) in place: never a second model, and at most
+    ``chunk_bytes`` in flight on the host (a whole tensor from safetensors is read and copied in slices of rows; a
+    tensor-parallel shard or a .bin tensor at most whole), each slice copied straight into its parameter on the
+    device. Check with :func:`check_reload` first: a failure half-way leaves the model mixed."""
     params, shards, _ = _expected(model)
     seen = set()
-    for name, t in iter_tensors(path, set(params), shards):
-        params[name].copy_(t)
-        seen.add(name)
-        del t
+    for file in weight_files(path):
+        if file.suffix != ".safetensors":
+            continue
+        header, data_start = safetensors_header(file)
+        with open(file, "rb", buffering=0) as f:
+            for name, meta in sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0]):
+                if name not in params or name in shards or name in seen:
+                    continue
+                dtype = SAFETENSORS_DTYPES.get(meta["dtype"])
+                if dtype is None:
+                    raise CheckpointError(f"{file.name}: tensor {name} has unsupported dtype {meta['dtype']}")
+                shape, begin = list(meta["shape"]), meta["data_offsets"][0]
+                dest = params[name]
+                if len(shape) < 2:
+                    shape, dest = [max(1, math.prod(shape))] + [1], dest.view(-1, 1)
+                row = math.prod(shape[1:]) * torch.empty((), dtype=dtype).element_size()
+                step = max(1, chunk_bytes // max(1, row))
+                for r0 in range(0, shape[0], step):
+                    n = min(step, shape[0] - r0)
+                    buf = torch.empty([n] + shape[1:], dtype=dtype)
+                    _read_into(f, buf, data_start + begin + r0 * row, f"{file.name} (tensor {name})")
+                    dest[r0:r0 + n].copy_(buf)
+                seen.add(name)
+    rest = set(params) - seen
+    if rest:
+        for name, t in iter_tensors(path, rest, shards):
+            params[name].copy_(t)
+            seen.add(name)
+            del t
     if seen != set(params):
         raise CheckpointError(f"{str(path)!r}: tensors missing while reloading: {sorted(set(params) - seen)[:10]}")
 

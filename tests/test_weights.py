@@ -1,0 +1,216 @@
+"""New weights without a restart (issue 34): Engine.reload_weights in place, model_version on every answer, POST
+/v1/load_weights on the balancer (rolling and paused), requests pinned to a version, refused and failed loads that
+change nothing. The two versions are the fixtures tiny-llada and tiny-llada-peaky (the same architecture, config and
+tokenizer, other weights), each with the reference code's goldens."""
+import json
+import shutil
+import subprocess
+import threading
+import time
+
+import pytest
+import torch
+
+from tests.conftest import TINY_LLADA, TINY_LLADA_PEAKY
+from tests.helpers import DLLM, ROOT, Cluster, get_json, post_json
+from tests.test_exactness import params_of
+from worker.engine import Engine, Request
+from worker.models import checkpoint
+from worker.models.checkpoint import CheckpointError
+
+A, B = TINY_LLADA.resolve(), TINY_LLADA_PEAKY.resolve()
+
+
+def _cases(n: int = 3) -> list[dict]:
+    """A few golden cases of each checkpoint (basic and a Fast-dLLM one), tagged with their checkpoint."""
+    out = []
+    for path in (A, B):
+        cases = json.loads((path.parent / f"{path.name}-golden.json").read_text())["cases"]
+        out += [dict(c, of=str(path)) for c in cases if c["algorithm"] == "basic" and not c.get("cfg_scale")][:n]
+    return out
+
+
+def _outputs(engine: Engine, cases: list[dict]) -> list[list[int]]:
+    return [engine.generate([Request(c["prompt"], params_of(c))], early_exit=False)[0].canvas for c in cases]
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return Engine.from_pretrained(A, device="cpu")
+
+
+def test_weights_load_in_place_and_give_each_checkpoints_goldens(engine):
+    cases = _cases()
+    ptrs = [p.data_ptr() for p in engine.model.parameters()]
+    va = engine.version
+    assert va["path"] == str(A) and len(va["hash"]) == 32
+    vb = engine.reload_weights(B)
+    assert vb["path"] == str(B) and vb["hash"] != va["hash"] and engine.version == vb
+    assert [p.data_ptr() for p in engine.model.parameters()] == ptrs          # in place: no second model
+    on_b = _outputs(engine, cases)
+    assert [o for o, c in zip(on_b, cases) if c["of"] == str(B)] == [c["output"] for c in cases if c["of"] == str(B)]
+    assert on_b == _outputs(Engine.from_pretrained(B, device="cpu"), cases)  # the same as a fresh load of B
+    checkpoint.reload_native(engine.model, A, "LLaDA", chunk_bytes=256)      # slices of a few rows each
+    assert _outputs(engine, cases)[:3] == [c["output"] for c in cases[:3]]
+    assert engine.reload_weights(A) == va
+    on_a = _outputs(engine, cases)
+    assert [o for o, c in zip(on_a, cases) if c["of"] == str(A)] == [c["output"] for c in cases if c["of"] == str(A)]
+    assert on_a != on_b
+
+
+def _variant(tmp_path, name: str, change) -> str:
+    d = tmp_path / name
+    shutil.copytree(A, d)
+    change(d)
+    return str(d)
+
+
+def test_a_load_that_cannot_replace_the_weights_changes_nothing(engine, tmp_path):
+    cases = _cases(2)
+    before, version = _outputs(engine, cases), engine.version
+
+    def config(d):
+        cfg = json.loads((d / "config.json").read_text())
+        cfg["rope_theta"] = cfg.get("rope_theta", 10000.0) * 2
+        (d / "config.json").write_text(json.dumps(cfg))
+
+    def shapes(d):
+        from safetensors.torch import load_file, save_file
+        sd = load_file(d / "model.safetensors")
+        name = next(k for k in sd if k.endswith("wte.weight"))
+        sd[name] = sd[name][:-1].clone()
+        save_file(sd, d / "model.safetensors", metadata={"format": "pt"})
+
+    def template(d):
+        (d / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")
+
+    bad = {"another family": (str(ROOT / "tests/fixtures/tiny-dream"), "family change"),
+           "another config": (_variant(tmp_path, "cfg", config), "config.json differs"),
+           "other shapes": (_variant(tmp_path, "shapes", shapes), "Mismatched shapes"),
+           "another tokenizer": (_variant(tmp_path, "tok", template), "tokenizer"),
+           "no checkpoint": (str(tmp_path / "nothing"), "not a directory")}
+    for what, (path, says) in bad.items():
+        with pytest.raises(CheckpointError, match=says):
+            engine.reload_weights(path)
+        assert engine.version == version, what
+    assert _outputs(engine, cases) == before
+
+
+def test_a_read_that_fails_half_way_puts_the_old_weights_back(engine, monkeypatch):
+    cases = _cases(2)
+    before, version = _outputs(engine, cases), engine.version
+    real, calls = checkpoint._read_into, []
+
+    def broken(*a):           # the fourth read fails (an I/O error half-way through the new weights), once
+        calls.append(1)
+        if len(calls) == 4:
+            raise OSError("simulated read error")
+        return real(*a)
+    monkeypatch.setattr(checkpoint, "_read_into", broken)
+    with pytest.raises(OSError, match="simulated"):
+        engine.reload_weights(B)
+    assert engine.version == version and _outputs(engine, cases) == before
+
+
+async def test_load_weights_needs_the_api_key(aiohttp_client):
+    from balancer.app import BalancerConfig, make_app
+    open_ = await aiohttp_client(make_app(BalancerConfig(worker_urls=["http://127.0.0.1:9"])))
+    r = await open_.post("/v1/load_weights", json={"model_path": str(B)})
+    assert r.status == 403 and (await r.json())["error"]["code"] == "api_key_required"
+    keyed = await aiohttp_client(make_app(BalancerConfig(worker_urls=["http://127.0.0.1:9"], api_key="k")))
+    assert (await keyed.post("/v1/load_weights", json={"model_path": str(B)})).status == 401
+    auth = {"Authorization": "Bearer k"}
+    for body, param in (({"model_path": str(B), "mode": "fast"}, "mode"), ({}, "model_path"),
+                        ({"model_path": str(B), "dcp_path": "/x"}, "model_path"),
+                        ({"model_path": str(B), "timeout": -1}, "timeout")):
+        r = await keyed.post("/v1/load_weights", json=body, headers=auth)
+        assert r.status == 400 and (await r.json())["error"]["param"] == param, body
+    r = await keyed.post("/v1/load_weights", json={"model_path": str(B)}, headers=auth)
+    assert r.status == 503                              # no healthy worker to load them
+
+
+@pytest.mark.slow
+def test_rolling_and_paused_updates_under_load_answer_each_version_exactly(tmp_path):
+    """Two workers behind the balancer, clients sending golden cases all along (some pinned to a version): a rolling
+    update to B (through `dllm-serve load-weights`), a refused update, a paused update back to A. Every answer
+    equals what its reported version gives (the goldens of its own cases, a fresh engine's for the others), none is
+    lost, a pinned client only ever gets its version (or 409 while no worker serves it)."""
+    cases = _cases()
+    expected = {}
+    for path in (A, B):
+        e = Engine.from_pretrained(path, device="cpu")
+        expected[e.version["hash"]] = _outputs(e, cases)
+    ha, hb = Engine.from_pretrained(A, device="cpu").version["hash"], None
+    hb = next(h for h in expected if h != ha)
+    c = Cluster(tmp_path, A, 2, worker_args=["--batch-size", "8"], balancer_args=["--api-key", "k"])
+    auth = {"Authorization": "Bearer k"}
+    got, stop = [], threading.Event()
+
+    def client(k: int, pin: str | None):
+        i = k
+        while not stop.is_set():
+            cs = cases[i % len(cases)]
+            body = {"prompt": cs["prompt"], "max_tokens": cs["gen_length"], "block_length": cs["block_length"],
+                    "steps": cs["steps"], "return_token_ids": True, "ignore_eos": True}
+            if pin:
+                body["model_version"] = pin
+            t0 = time.monotonic()
+            status, r = post_json(c.url + "/v1/completions", body, headers=auth, timeout=120)
+            got.append((pin, i % len(cases), status, r, t0, time.monotonic()))
+            i += 1
+            if status == 409:
+                time.sleep(0.05)
+    try:
+        c.wait_ready()
+        threads = [threading.Thread(target=client, args=(k, None)) for k in range(4)]
+        threads.append(threading.Thread(target=client, args=(0, ha)))
+        for t in threads:
+            t.start()
+        time.sleep(1.0)
+        out = subprocess.run([*DLLM, "load-weights", "--url", c.url, "--model-path", str(B), "--api-key", "k"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert json.loads(out.stdout)["model_version"]["hash"] == hb
+        rolled = time.monotonic()
+        # a worker that comes back on other weights (as a restarted process does) takes no unpinned request until
+        # the balancer has brought it to the update's weights
+        w0 = c.workers[0].url
+        assert post_json(w0 + "/worker/load_weights", {"model_path": str(A)})[0] == 200
+        deadline = time.monotonic() + 30
+        while get_json(w0 + "/health")[1]["model_version"]["hash"] != hb:
+            assert time.monotonic() < deadline, "the balancer did not bring worker 0 back to the update's weights"
+            time.sleep(0.05)
+        time.sleep(0.5)
+        status, r = post_json(c.url + "/v1/load_weights", {"model_path": str(ROOT / "tests/fixtures/tiny-dream")},
+                              headers=auth, timeout=120)
+        assert status == 400 and "family change" in r["error"]["message"]
+        assert {w["model_version"]["hash"] for w in get_json(c.url + "/worker-status")[1]["workers"]} == {hb}
+        time.sleep(0.5)
+        paused = time.monotonic()
+        status, r = post_json(c.url + "/v1/load_weights", {"model_path": str(A), "mode": "pause"}, headers=auth,
+                              timeout=120)
+        assert status == 200 and r["model_version"]["hash"] == ha and r["mode"] == "pause"
+        time.sleep(1.0)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(60)
+        stats = get_json(c.url + "/stats")[1]
+        c.stop()
+    assert stats["weights"]["target"]["hash"] == ha and stats["weights"]["last_update"]["ok"]
+    assert {v["hash"] for v in stats["weights"]["versions"]} == {ha}
+    answered = [(pin, i, r) for pin, i, status, r, _, _ in got if status == 200]
+    assert all(status in (200, 409) for _, _, status, _, _, _ in got)
+    assert all(pin is not None for pin, _, status, _, _, _ in got if status == 409)  # only pinned ones wait out
+    between = [r["model_version"]["hash"] for pin, _, status, r, t0, t1 in got
+               if not pin and status == 200 and rolled < t0 and t1 < paused]
+    assert len(between) > 5 and set(between) == {hb}, between      # after the rolling update, unpinned answers are all B's
+    seen = {r["model_version"]["hash"] for _, _, r in answered}
+    assert seen == {ha, hb}, seen                                                      # both served meanwhile
+    wrong = [(i, r["model_version"]["hash"]) for _, i, r in answered
+             if r["choices"][0]["token_ids"] != expected[r["model_version"]["hash"]][i]]
+    assert wrong == []
+    assert all(r["model_version"]["hash"] == ha and r["system_fingerprint"] == ha for pin, _, r in answered if pin)
+    pinned = [status for pin, _, status, _, _, _ in got if pin]
+    assert 409 in pinned and pinned[-1] == 200          # refused while only B was served, served again after
+    assert len(answered) > 40
