@@ -101,6 +101,12 @@ def test_two_ranks_give_one_ranks_tokens_and_nfe_on_every_golden(family, ranks):
             a, b = one.score(score), two.score(score)
             assert [x.greedy for x in a] == [x.greedy for x in b]
             assert [x.log_likelihoods for x in b] == [pytest.approx(x.log_likelihoods, rel=1e-5) for x in a]
+            # new weights in place on both ranks (issue 34): the other checkpoint's tokens, as one rank gives them
+            peaky, later = cases("llada_peaky")
+            later = [Request(p, params) for p, params in later[:6]]
+            assert two.reload_weights(peaky)["path"] == str(peaky.resolve())
+            want = outcome(Engine.from_pretrained(peaky, device="cpu", dtype="float32").generate(later))
+            assert outcome(two.generate(later)) == want
     finally:
         ranks["group"] = two.hand_over_ranks()
 

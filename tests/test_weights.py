@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -214,3 +215,35 @@ def test_rolling_and_paused_updates_under_load_answer_each_version_exactly(tmp_p
     pinned = [status for pin, _, status, _, _, _ in got if pin]
     assert 409 in pinned and pinned[-1] == 200          # refused while only B was served, served again after
     assert len(answered) > 40
+
+
+@pytest.mark.slow
+def test_load_weights_from_a_dcp_converts_it_once(tmp_path, monkeypatch):
+    """A DCP checkpoint (NeMo-RL's structured layout, of tiny-llada's weights) as the new weights: the balancer
+    converts it once (common/dcp_cache.py: a second update reuses the result), every worker then reports the
+    converted directory's version. Workers on the simulated device (a test double: the conversion and the versions
+    are what is tested here; the weights' effect is the test above's)."""
+    from tests.test_launcher import _write_dcp
+    monkeypatch.setenv("DLLM_CACHE", str(tmp_path / "cache"))
+    _write_dcp(tmp_path / "ckpt", "structured")
+    c = Cluster(tmp_path, A, 2, worker_args=["--simulate-device", "0"], balancer_args=["--api-key", "k"])
+    auth = {"Authorization": "Bearer k"}
+    try:
+        c.wait_ready()
+        body = {"dcp_path": str(tmp_path / "ckpt"), "base_model": str(A), "mode": "pause"}
+        status, r = post_json(c.url + "/v1/load_weights", body, headers=auth, timeout=300)
+        assert status == 200, r
+        converted = r["model_version"]["path"]
+        assert converted.startswith(str(tmp_path / "cache" / "converted"))
+        assert [w["model_version"]["path"] for w in r["workers"]] == [converted] * 2
+        stamp = (Path(converted) / "config.json").stat().st_mtime_ns
+        status, again = post_json(c.url + "/v1/load_weights", body, headers=auth, timeout=300)
+        assert status == 200 and again["model_version"] == r["model_version"]
+        assert (Path(converted) / "config.json").stat().st_mtime_ns == stamp           # not converted again
+        status, ans = post_json(c.url + "/v1/completions", {"prompt": [5, 6], "max_tokens": 4}, headers=auth)
+        assert status == 200 and ans["model_version"] == r["model_version"]
+        status, bad = post_json(c.url + "/v1/load_weights", {"dcp_path": str(tmp_path), "base_model": str(A)},
+                                headers=auth, timeout=60)
+        assert status == 400 and bad["error"]["param"] == "dcp_path"
+    finally:
+        c.stop()

@@ -237,7 +237,8 @@ def load_native(path: str | os.PathLike, make, family: str, device: torch.device
     model.load_state_dict(load_state_dict(path, {prefix + n: n for n in params}, dtype, device, shards),
                           strict=True, assign=True)
     model.init_rope()
-    model.checkpoint_prefix = prefix          # reload_native reads the same names
+    # what reload_native needs later (assign=True replaced the meta parameters, and their shard marks with them)
+    model.checkpoint_prefix, model.checkpoint_shards, model.checkpoint_shapes = prefix, shards, expected
     return model.eval().requires_grad_(False)
 
 
@@ -246,14 +247,7 @@ def _expected(model) -> tuple[dict, dict, dict]:
     load_native built."""
     prefix = model.checkpoint_prefix
     params = {prefix + n: p for n, p in model.named_parameters()}
-    shards = {n: p.shard for n, p in params.items() if getattr(p, "shard", None) is not None}
-    shapes = {}
-    for n, p in params.items():
-        shape = list(p.shape)
-        if n in shards:
-            shape[shards[n].dim] = shards[n].full
-        shapes[n] = tuple(shape)
-    return params, shards, shapes
+    return params, model.checkpoint_shards, model.checkpoint_shapes
 
 
 def check_reload(model, path: str | os.PathLike, family: str) -> None:
