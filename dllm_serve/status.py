@@ -13,7 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 COLOURS = {"idle": "green", "busy": "cyan", "starting": "yellow", "stalled": "magenta", "unhealthy": "red",
-           "draining": "blue"}
+           "draining": "blue", "updating": "bright_blue"}
 
 
 def fetch(url: str, timeout: float = 5.0) -> dict:
@@ -63,18 +63,19 @@ def render(data: dict, url: str):
                          f"  workers {ws['healthy_workers']}/{ws['total_workers']} healthy",
                          f"  queue {st['queue_depth']}  in flight {st['in_flight']}")
     t = Table(show_edge=False, header_style="bold", pad_edge=False)
-    for col in ("id", "url", "status", "device", "rows", "batches", "served", "errors", "active", "step"):
+    for col in ("id", "url", "status", "device", "weights", "rows", "batches", "served", "errors", "active", "step"):
         t.add_column(col, justify="right" if col not in ("url", "status") else "left", no_wrap=True,
                      min_width=9 if col == "status" else None)
     for w in ws["workers"]:
         h = w.get("worker_health") or {}
+        v = w.get("model_version") or h.get("model_version") or {}
         t.add_row(str(w["worker_id"]), w["url"], Text(w["status"], style=COLOURS.get(w["status"], "")), _device(h),
-                  str(w["in_flight"]), str(w.get("in_flight_batches", 0)), str(w["requests_served"]),
+                  (v.get("hash") or "-")[:8], str(w["in_flight"]), str(w.get("in_flight_batches", 0)), str(w["requests_served"]),
                   str(w["errors"]), _ago(w.get("last_activity_seconds_ago")),
                   _ago(h.get("seconds_since_last_step")) if h.get("busy") else "-")
     cb, lm = st["centralized_batching"], st["last_minute"]
-    legend = Text("rows/batches: in flight; active: since the last event; step: since the device's last "
-                  "denoising step (- while its device runs no batch)", style="dim")
+    legend = Text("weights: the start of its model_version hash; rows/batches: in flight; active: since the last "
+                  "event; step: since the device's last denoising step (- while its device runs no batch)", style="dim")
     foot = Text(f"batching: max {cb['max_batch_size']}, wait {cb['max_wait_time']}s, batches "
                 f"{cb['total_batches_processed']}, avg size {cb['avg_batch_size']}  |  last minute: "
                 f"{lm['requests']} requests, {lm['requests_per_second']} req/s, p50 {_secs(lm['latency_p50'])}, "

@@ -84,8 +84,15 @@ start-multi)
     dir=$(realpath -m "$2"); n=${3:-2}
     [ "$(id -u)" = 0 ] || { echo "not root: network namespaces need root"; exit 3; }
     command -v ip >/dev/null && command -v unshare >/dev/null || { echo "ip (iproute2) and unshare are needed"; exit 3; }
-    mkdir -p "$dir"/{state,spool,munge}
+    mkdir -p "$dir/state"
     tag=$(head -c 3 /dev/urandom | od -An -tx1 | tr -d ' \n')
+    # munge's socket and slurmd's spool (sockets named after the node and the job) need short paths (108 bytes at
+    # most, whatever DIR is): a directory of their own under /tmp, removed by stop
+    short=$(mktemp -d /tmp/dsl.XXXXXX)
+    spool=$short/spool
+    mkdir -p "$spool" "$short/munge"
+    ln -s "$short/munge" "$dir/munge"
+    ln -s "$spool" "$dir/spool"
     x=""
     for cand in $(seq 10 250); do
         ip -4 addr | grep -q " 10\.213\.$cand\." || { x=$cand; break; }
@@ -95,7 +102,8 @@ start-multi)
     cpus=$(nproc)
     mem=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 / 2 ))
     touch "$dir/fakegpu0" "$dir/fakegpu1"
-    { echo "TAG=$tag"; echo "NET=$net"; echo "BRIDGE=$br"; echo "CONTROLLER=$ctl"; echo "NODES=$n"; } > "$dir/cluster.env"
+    { echo "TAG=$tag"; echo "NET=$net"; echo "BRIDGE=$br"; echo "CONTROLLER=$ctl"; echo "NODES=$n"
+      echo "SHORT=$short"; } > "$dir/cluster.env"
     ip link add "$br" type bridge
     ip addr add "$net.254/24" dev "$br"
     ip link set "$br" up
@@ -115,7 +123,7 @@ start-multi)
         ip netns exec "$ns" ip addr add "$net.$i/24" dev "dsp$tag$i"
         ip netns exec "$ns" ip link set "dsp$tag$i" up
         ip netns exec "$ns" ip link set lo up
-        mkdir -p "$dir/spool/$node"
+        mkdir -p "$spool/$node"
         nodes+="NodeName=$node NodeAddr=$net.$i NodeHostname=$node"$'\n'
         echo "NodeName=$node Name=gpu File=$dir/fakegpu[0-1]" >> "$dir/gres.conf"
     done
@@ -123,7 +131,7 @@ start-multi)
 ClusterName=dllmmulti
 SlurmctldHost=$ctl($net.254)
 AuthType=auth/munge
-AuthInfo=socket=$dir/munge/munge.socket.2
+AuthInfo=socket=$short/munge/munge.socket.2
 CryptoType=crypto/munge
 SlurmUser=root
 SlurmdUser=root
@@ -136,7 +144,7 @@ MpiDefault=none
 JobAcctGatherType=jobacct_gather/none
 AccountingStorageType=accounting_storage/none
 StateSaveLocation=$dir/state
-SlurmdSpoolDir=$dir/spool/%n
+SlurmdSpoolDir=$spool/%n
 SlurmctldPidFile=$dir/slurmctld.pid
 SlurmdPidFile=$dir/slurmd-%n.pid
 SlurmctldLogFile=$dir/slurmctld.log
@@ -147,10 +155,10 @@ ReturnToService=2
 NodeName=DEFAULT CPUs=$cpus RealMemory=$mem Gres=gpu:2 State=UNKNOWN
 ${nodes}PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 CONF
-    dd if=/dev/urandom of="$dir/munge/munge.key" bs=1024 count=1 status=none
-    chmod 400 "$dir/munge/munge.key"
-    munged --force --key-file="$dir/munge/munge.key" --socket="$dir/munge/munge.socket.2" \
-        --pid-file="$dir/munge/munged.pid" --log-file="$dir/munge/munged.log" --seed-file="$dir/munge/seed"
+    dd if=/dev/urandom of="$short/munge/munge.key" bs=1024 count=1 status=none
+    chmod 400 "$short/munge/munge.key"
+    munged --force --key-file="$short/munge/munge.key" --socket="$short/munge/munge.socket.2" \
+        --pid-file="$short/munge/munged.pid" --log-file="$short/munge/munged.log" --seed-file="$short/munge/seed"
     export SLURM_CONF=$dir/slurm.conf
     # a daemon as host $1: its own hostname and /etc/hosts (its children, the jobs, inherit both)
     as_host() { h=$1; shift; unshare --uts --mount sh -c "mount --bind $dir/hosts /etc/hosts && hostname $h && exec $*"; }
@@ -192,6 +200,8 @@ stop)
             ip link del "dsv$TAG$i" 2>/dev/null || true
         done
         ip link del "$BRIDGE" 2>/dev/null || true
+        pkill -9 -f -- "$SHORT/" 2>/dev/null || true
+        case "$SHORT" in /tmp/dsl.*) rm -rf "$SHORT" ;; esac
         rm -f "$dir/cluster.env"
     fi
     ;;
