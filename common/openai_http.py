@@ -137,7 +137,8 @@ def meaningful(chunk: dict) -> bool:
         return (kind == "response.output_text.delta" and bool(chunk.get("delta"))) or kind in (
             "response.completed", "response.incomplete", "response.failed")
     for c in chunk.get("choices", ()):
-        if c.get("finish_reason") or c.get("text") or (c.get("delta") or {}).get("content"):
+        if (c.get("finish_reason") or c.get("text") or (c.get("delta") or {}).get("content")
+                or c.get("diffusion_step")):
             return True
     return False
 

@@ -130,6 +130,17 @@ class CommonFields(DiffusionFields):
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     user: str | None = Field(None, max_length=512)
+    # step streaming (ours): "steps" adds an event per denoising step (docs/api.md "Streaming the steps")
+    stream_mode: Literal["text", "steps"] = "text"
+    stream_canvas: bool = False
+
+    @model_validator(mode="after")
+    def _steps_stream(self):
+        if self.stream_mode == "steps" and not self.stream:
+            raise ValueError("stream_mode 'steps' streams: it needs stream true")
+        if self.stream_canvas and self.stream_mode != "steps":
+            raise ValueError("stream_canvas goes with stream_mode 'steps'")
+        return self
 
     @field_validator("stop")
     @classmethod

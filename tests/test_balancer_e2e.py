@@ -92,6 +92,22 @@ def test_streaming_and_models_through_the_balancer(cluster):
     assert "maximum sequence length" in str(e.value)
 
 
+def test_step_streaming_through_the_balancer_with_the_openai_client(cluster):
+    """stream_mode "steps" (issue 35) through the balancer: the openai client streams the step chunks (their
+    diffusion_step in model_extra) with the text, which equals the non-streamed answer."""
+    client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="x", max_retries=0)
+    kw = dict(model="tiny-llada", prompt=[7, 8, 9], max_tokens=16, extra_body={"block_length": 8, "steps": 16,
+                                                                                "ignore_eos": True})
+    full = client.completions.create(**kw).choices[0].text
+    kw["extra_body"] = {**kw["extra_body"], "stream_mode": "steps"}
+    chunks = list(client.completions.create(stream=True, **kw))
+    steps = [c.choices[0].model_extra["diffusion_step"] for c in chunks
+             if c.choices and "diffusion_step" in (c.choices[0].model_extra or {})]
+    assert [s["step"] for s in steps] == list(range(1, 17)) and all("canvas" not in s for s in steps)
+    assert sum(len(s["committed"]) for s in steps) == 16
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full
+
+
 def test_responses_api_through_the_balancer(cluster):
     """POST /v1/responses with the openai client: plain, streamed (responses.stream) and a refused feature."""
     client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="x", max_retries=0)

@@ -57,6 +57,7 @@ class Job:
     sink: object
     index: int = 0
     wants_progress: bool = True       # False: only the final result matters (non-streaming, no stop strings)
+    wants_steps: bool = False         # ("step", (window, settled)) after every denoising step (stream_mode steps)
     cancelled: bool = False
     queued: bool = False              # waiting in the batcher (not yet in a batch)
     enqueued_at: float = field(default_factory=time.monotonic)
@@ -310,7 +311,13 @@ class RowScheduler:
                     feed.post(rows[i].sink, rows[i].index, "progress", ids)
                 else:
                     self._emit(rows[i], "progress", ids)
-        hooks = StepHooks(on_progress=progress, is_cancelled=lambda i: rows[i].cancelled)
+        def step(i, window, settled):
+            if feed is not None:
+                feed.post(rows[i].sink, rows[i].index, "step", (window, settled))
+            else:
+                self._emit(rows[i], "step", (window, settled))
+        hooks = StepHooks(on_progress=progress, is_cancelled=lambda i: rows[i].cancelled, on_step=step,
+                          steps_for=lambda i: rows[i].wants_steps)
         try:
             results: list[Result] = self.engine.generate([Request(j.prompt_ids, j.params, j.plan) for j in jobs], hooks=hooks,
                                                          **({"feed": feed} if feed is not None else {}))

@@ -322,7 +322,8 @@ class Serving:
         if prep.responses is not None:
             run.emit = ResponsesEvents(prep.responses, prep.rid, self.model_name, prep.created, run.emit)
         progress = prep.req.stream or bool(prep.req.stop)
-        run.jobs = [Job(ids, p, sink=run.on_row, index=i, wants_progress=progress,
+        steps = getattr(prep.req, "stream_mode", "text") == "steps"
+        run.jobs = [Job(ids, p, sink=run.on_row, index=i, wants_progress=progress, wants_steps=steps,
                         score=prep.scores[i] if prep.scores else None, cost=prep.costs[i] if prep.costs else 0,
                         plan=prep.plans[i] if prep.plans else None)
                     for i, (ids, p) in enumerate(zip(prep.prompts, prep.params))]
@@ -405,6 +406,9 @@ class Run:
         if prep.scores is not None:
             self._on_score(i, payload)
             return
+        if what == "step":
+            self._on_step(i, *payload)
+            return
         if what == "progress":
             if st.stopped:
                 return
@@ -444,6 +448,26 @@ class Run:
                 c["logprobs"] = serving.logprobs(kind, s)
         self.emit("response", response(kind, prep.rid, name, choices, use, prep.created), True)
 
+
+    def _on_step(self, i: int, window: list[int], settled: int) -> None:
+        """Step streaming: a chunk with no text carrying ``diffusion_step``: the step's number, the positions of the
+        generation window committed in it (settled positions that were masked, changed, or were a canvas's guesses
+        the step before) with their tokens, and the window itself when ``stream_canvas`` asks (docs/api.md)."""
+        st, prep, serving = self.states[i], self.prep, self.serving
+        if st.stopped:
+            return
+        mask, prev, before = serving.engine.mask_id, st.window, st.settled
+        committed = [{"position": p, "token_id": t, "text": serving.token_text(t)}
+                     for p, t in enumerate(window[:settled])
+                     if t != mask and (prev is None or p >= before or p >= len(prev) or prev[p] != t)]
+        st.steps += 1
+        st.window, st.settled = window, settled
+        step = {"step": st.steps, "committed": committed}
+        if prep.req.stream_canvas:
+            step["canvas"] = [None if t == mask else t for t in window]
+            step["settled"] = settled
+        self.emit("chunk", chunk(prep.kind, prep.rid, serving.model_name, prep.created, i,
+                                 "" if prep.kind == "completion" else None, extra={"diffusion_step": step}), False)
 
     def _on_score(self, i: int, result) -> None:
         from worker.engine.likelihood import ScoreResult
@@ -516,6 +540,9 @@ class _Choice:
         self.finish_reason: str | None = None
         self.nfe = 0
         self.logprobs: list | None = None     # the engine's per-token entries (asked only)
+        self.steps = 0                          # step streaming: steps reported, the last window and its settled part
+        self.window: list[int] | None = None
+        self.settled = 0
 
     def _apply(self, ids: list[int]) -> None:
         text = self._decode(ids)

@@ -418,9 +418,9 @@ class _TimedFinisher(Finisher):
         self.feed = feed
         self.group = group
 
-    def update(self, row, gen, schedule_done):
+    def update(self, row, gen, schedule_done, settled=None):
         self.engine.last_step_time = time.monotonic()
-        super().update(row, gen, schedule_done)
+        super().update(row, gen, schedule_done, settled)
 
     def retired(self, row: Row) -> None:
         if self.feed is not None:

@@ -181,7 +181,8 @@ class LeaderRounds:
         self.group, self.engine, self.inner_hooks, self.inner = group, engine, hooks, feed
         self.live = set(indices)
         self.cancelled: set[int] = set()
-        self.hooks = StepHooks(on_progress=hooks.on_progress if hooks else None, is_cancelled=self.is_cancelled)
+        self.hooks = StepHooks(on_progress=hooks.on_progress if hooks else None, is_cancelled=self.is_cancelled,
+                               **({"on_step": hooks.on_step, "steps_for": hooks.steps_for} if hooks else {}))
 
     def is_cancelled(self, i: int) -> bool:
         return i in self.cancelled

@@ -123,9 +123,14 @@ class Row:
 @dataclass
 class StepHooks:
     """Callbacks from the device loop: ``on_progress(index, final_ids)`` when a row's final prefix grows;
-    ``is_cancelled(index)`` to drop a row whose client has gone."""
+    ``is_cancelled(index)`` to drop a row whose client has gone; ``on_step(index, window, settled)`` after every
+    denoising step of a row for which ``steps_for(index)`` is true (step streaming): its generation window (token
+    ids, the mask id where still masked) and how many of its positions are settled (the others are a canvas's
+    current guesses: DiffusionGemma's canvas is never masked)."""
     on_progress: Callable[[int, list[int]], None] | None = None
     is_cancelled: Callable[[int], bool] | None = None
+    on_step: Callable[[int, list[int], int], None] | None = None
+    steps_for: Callable[[int], bool] = lambda index: False
 
 
 class Finisher:
@@ -155,9 +160,13 @@ class Finisher:
                 return window[:i], True
         return window, False
 
-    def update(self, row: Row, gen: list[int], schedule_done: bool) -> None:
-        """``gen``: the row's generated canvas after this step. Marks the row done when it is finished."""
+    def update(self, row: Row, gen: list[int], schedule_done: bool, settled: int | None = None) -> None:
+        """``gen``: the row's generated canvas after this step. Marks the row done when it is finished.
+        ``settled``: for step streaming, how many leading positions are decided (default: all, masks aside)."""
         prefix, stopped = self.final_prefix(row, gen)
+        if self.hooks.on_step is not None and self.hooks.steps_for(row.index):
+            window = gen[: row.plan.gen_length]
+            self.hooks.on_step(row.index, window, len(window) if settled is None else min(settled, len(window)))
         if self.hooks.on_progress is not None and len(prefix) > row.reported:
             row.reported = len(prefix)
             self.hooks.on_progress(row.index, prefix)

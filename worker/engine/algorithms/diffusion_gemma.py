@@ -213,6 +213,14 @@ def run(engine, rows: list[Row], fin: Finisher):
         if not all(ok):
             raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
         sc_next = x.to(emb_dtype)
+        hooks = fin.hooks
+        watched = [b for b, r in enumerate(active) if hooks.on_step is not None and hooks.steps_for(r.index)
+                   and not (stop[b] or sts[b].left == 1)]       # step streaming: rows whose canvas goes on
+        if watched:
+            guess = argmax[watched].tolist()
+            for k, b in enumerate(watched):
+                s = sts[b]
+                hooks.on_step(active[b].index, (s.out + guess[k])[:active[b].plan.gen_length], len(s.out))
         finished_canvas = []
         for b, (r, s) in enumerate(zip(active, sts)):
             r.nfe += 1
@@ -233,7 +241,7 @@ def run(engine, rows: list[Row], fin: Finisher):
                 stops = fin.stops(r)
                 done = len(s.out) >= r.plan.gen_length or any(t in stops for t in am[i])
                 view = s.out + [engine.mask_id] * max(0, r.plan.gen_length - len(s.out))
-                fin.update(r, view, done)
+                fin.update(r, view, done, settled=len(s.out))
                 if not r.done:
                     s.encode = am[i]
         keep([b for b, r in enumerate(active) if not r.done])
