@@ -18,6 +18,7 @@ import sys
 import time
 import urllib.parse
 from dataclasses import dataclass
+from pathlib import Path
 
 import aiohttp
 import orjson
@@ -29,6 +30,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 import click
 
 from balancer.batcher import BatchConfig, CentralBatcher, Pending
+from balancer.batches import BatchJobs, add_routes as add_batch_routes
 from balancer.pool import HealthConfig, WorkerPool
 from balancer.stats import Window
 from balancer.weights import MODES, WeightUpdates
@@ -82,6 +84,12 @@ class BalancerConfig:
     worker_api_key: str | None = setting(None, "Bearer key the balancer sends to workers.",
                                          envvar="DLLM_WORKER_API_KEY")
     worker_launch_ids: list[str | None] | None = setting(None, cli=False)   # per URL: accept only this /health id
+    files_dir: str | None = setting(None, "Where /v1/files and /v1/batches keep their files and batches [default: "
+                                          "$DLLM_CACHE/batches/port-PORT]; batches left running resume from there.")
+    max_file_bytes: int = setting(512 * 2**20, "Largest file POST /v1/files takes (413 beyond).",
+                                  type=click.IntRange(1))
+    batch_concurrency: int = setting(64, "Lines of one /v1/batches batch in the queue at once.",
+                                     type=click.IntRange(1))
 
 
 
@@ -191,6 +199,7 @@ class BalancerDoor:
 
 
 DOOR = web.AppKey("door", BalancerDoor)
+JOBS = web.AppKey("jobs", BatchJobs)
 
 
 async def to_a_worker(request: web.Request) -> web.Response:
@@ -418,11 +427,13 @@ async def _lifecycle(app: web.Application):
     state.pool.start()
     state.batcher.start()
     state.weights.start()
+    app[JOBS].start()
     expiry = asyncio.create_task(_expire_loop(state), name="request-timeouts")
     yield
     if state.fronts is not None:
         await state.fronts.close()
     expiry.cancel()
+    await app[JOBS].close()
     await state.weights.close()
     await state.batcher.close()
     await state.pool.close()
@@ -448,6 +459,10 @@ def make_app(cfg: BalancerConfig) -> web.Application:
     app.router.add_get("/worker-status", worker_status)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/v1/load_weights", load_weights)
+    root = Path(cfg.files_dir) if cfg.files_dir else Path(
+        os.environ.get("DLLM_CACHE", Path.home() / ".cache" / "dllm-serve")) / "batches" / f"port-{cfg.port}"
+    app[JOBS] = BatchJobs(app[STATE], root, cfg.max_file_bytes, cfg.batch_concurrency)
+    add_batch_routes(app, app[JOBS])
     return app
 
 

@@ -455,6 +455,36 @@ def convert_dcp(dcp_path, base_model, output, no_cache):
         raise click.ClickException(str(e))
 
 
+@main.command("run-batch")
+@click.option("-i", "--input", "input_path", required=True, type=click.Path(dir_okay=False, exists=True),
+              help="Requests in the OpenAI batch file format (JSONL: custom_id, method, url, body).")
+@click.option("-o", "--output", "output_path", required=True, type=click.Path(dir_okay=False),
+              help="Results (JSONL, OpenAI's batch output format), appended as they come; an existing file is "
+                   "resumed: lines with a final result are not sent again.")
+@click.option("--url", default=None, envvar="DLLM_URL",
+              help="A running server's base URL [default: http://127.0.0.1:8000].")
+@click.option("--model-path", default=None, help="Instead of --url: serve this model for the run (dllm-serve serve "
+                                                 "--local on free ports, stopped at the end).")
+@click.option("--serve-args", default="", help="More `serve` flags with --model-path, e.g. \"--gpus 8\".")
+@click.option("--api-key", envvar="DLLM_API_KEY", default=None, help="The server's API key, if it has one.")
+@click.option("--concurrency", type=click.IntRange(1), default=64, show_default=True,
+              help="Requests in flight at once.")
+@click.option("--timeout", type=click.FloatRange(0, min_open=True), default=3600.0, show_default=True,
+              help="Seconds one request may take before it is recorded as unanswered.")
+@click.option("--startup-timeout", type=click.FloatRange(0, min_open=True), default=1800.0, show_default=True,
+              help="With --model-path: seconds for the server to become ready.")
+def run_batch(input_path, output_path, url, model_path, serve_args, api_key, concurrency, timeout,
+              startup_timeout):
+    """Run a file of requests (OpenAI batch format) with a progress bar; resumable, every line accounted for.
+    Exit 0 when every line has a final result, 1 when some got no answer (run again to resume them)."""
+    import shlex
+    from dllm_serve.batch import run
+    if url and model_path:
+        raise click.UsageError("give --url or --model-path, not both")
+    sys.exit(run(input_path, output_path, url, model_path, shlex.split(serve_args), api_key, concurrency, timeout,
+                 startup_timeout, lambda m: click.echo(m, err=True)))
+
+
 @main.command("load-weights")
 @click.option("--url", default=None, envvar="DLLM_URL",
               help="The balancer's base URL [default: http://127.0.0.1:8000, or the server-info file's].")

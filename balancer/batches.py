@@ -1,0 +1,362 @@
+"""The OpenAI Files and Batch APIs on the balancer (``/v1/files``, ``/v1/batches``; docs/api.md), for clients that
+submit thousands of requests as a file: ``client.files.create(purpose="batch")``, ``client.batches.create(...)``,
+``client.batches.retrieve(id)``, ``client.files.content(output_file_id)``.
+
+Files and batches live under ``--files-dir`` (each file's bytes and a JSON record; each batch a JSON record), so a
+restarted balancer still lists them and resumes the batches that were running: lines already answered are not sent
+again (common/batchfile.py). A batch's lines go through the balancer's own queue, like any request, at most
+``--batch-concurrency`` at once per batch; a line the balancer cannot admit for the moment (429 queue full, 503 no
+healthy worker) waits and is tried again rather than failing. Answers go to the batch's output file (2xx) or error
+file (everything else, and lines that could not be sent), one result line per request line, in the order answers
+come. ``completion_window`` is accepted ("24h") and not enforced: a batch runs until its lines are done or it is
+cancelled."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import time
+from pathlib import Path
+
+import orjson
+from aiohttp import web
+
+from common.batchfile import BATCH_URLS, is_final, parse_line, result_key, result_line
+from common.http import json_response
+from common.protocol import APIError, loads, parse_request
+
+log = logging.getLogger("dllm.balancer.batches")
+
+RUNNING = ("validating", "in_progress", "finalizing", "cancelling")
+
+
+def _now() -> int:
+    return int(time.time())
+
+
+def _write_json(path: Path, data: dict) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_bytes(orjson.dumps(data))
+    os.replace(tmp, path)
+
+
+class BatchJobs:
+    def __init__(self, state, root: Path, max_file_bytes: int, concurrency: int):
+        self.state, self.root = state, root
+        self.max_file_bytes, self.concurrency = max_file_bytes, concurrency
+        self.files_dir, self.batches_dir = root / "files", root / "batches"
+        self.tasks: dict[str, asyncio.Task] = {}
+        self._cancel: set[str] = set()          # batches being cancelled (read per line: kept in memory)
+
+    # ------------------------------------------------------------ storage
+    def start(self) -> None:
+        """Create the directories; resume the batches a previous balancer left running."""
+        self.files_dir.mkdir(parents=True, exist_ok=True)
+        self.batches_dir.mkdir(parents=True, exist_ok=True)
+        for f in sorted(self.batches_dir.glob("batch_*.json")):
+            try:
+                b = orjson.loads(f.read_bytes())
+            except (OSError, orjson.JSONDecodeError):
+                continue
+            if b.get("status") == "cancelling":
+                self._cancel.add(b["id"])
+            if b.get("status") in RUNNING:
+                log.info("resuming batch %s (%s)", b["id"], b["status"])
+                self.tasks[b["id"]] = asyncio.create_task(self._run(b["id"]), name=f"batch {b['id']}")
+
+    async def close(self) -> None:
+        for t in self.tasks.values():
+            t.cancel()
+        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+
+    def _file(self, fid: str) -> dict:
+        if not fid.startswith("file-") or "/" in fid or not (self.files_dir / f"{fid}.json").is_file():
+            raise APIError(404, f"No such File object: {fid}", param="file_id", code="file_not_found")
+        return orjson.loads((self.files_dir / f"{fid}.json").read_bytes())
+
+    def _data(self, fid: str) -> Path:
+        return self.files_dir / f"{fid}.data"
+
+    def _batch(self, bid: str) -> dict:
+        if not bid.startswith("batch_") or "/" in bid or not (self.batches_dir / f"{bid}.json").is_file():
+            raise APIError(404, f"No such Batch object: {bid}", param="batch_id", code="batch_not_found")
+        return orjson.loads((self.batches_dir / f"{bid}.json").read_bytes())
+
+    def _save_batch(self, b: dict) -> None:
+        _write_json(self.batches_dir / f"{b['id']}.json", b)
+
+    def _new_file(self, fid: str, filename: str, purpose: str, size: int) -> dict:
+        rec = {"id": fid, "object": "file", "bytes": size, "created_at": _now(), "filename": filename,
+               "purpose": purpose, "status": "processed", "status_details": None}
+        _write_json(self.files_dir / f"{fid}.json", rec)
+        return rec
+
+    # ------------------------------------------------------------ /v1/files
+    async def upload(self, request: web.Request) -> web.Response:
+        if not (request.content_type or "").startswith("multipart/"):
+            raise APIError(400, "upload a file as multipart/form-data with the fields purpose and file", param="file")
+        reader = await request.multipart()
+        purpose, fid, filename, size = None, "file-" + secrets.token_hex(12), None, 0
+        data = self._data(fid)
+        try:
+            while (part := await reader.next()) is not None:
+                if part.name == "purpose":
+                    purpose = (await part.text()).strip()
+                elif part.name == "file":
+                    filename = part.filename or "upload.jsonl"
+                    with open(data, "wb") as f:
+                        while chunk := await part.read_chunk(1 << 20):
+                            size += len(chunk)
+                            if size > self.max_file_bytes:
+                                raise APIError(413, f"the file is larger than --max-file-bytes "
+                                                    f"({self.max_file_bytes} bytes)", param="file")
+                            f.write(chunk)
+            if purpose != "batch":
+                raise APIError(400, f"purpose must be 'batch' (the only files this server takes), got {purpose!r}",
+                               param="purpose")
+            if filename is None:
+                raise APIError(400, "no file part in the upload", param="file")
+        except BaseException:
+            data.unlink(missing_ok=True)
+            raise
+        return json_response(self._new_file(fid, filename, purpose, size))
+
+    async def list_files(self, request: web.Request) -> web.Response:
+        files = []
+        for f in self.files_dir.glob("file-*.json"):
+            try:
+                files.append(orjson.loads(f.read_bytes()))
+            except (OSError, orjson.JSONDecodeError):
+                continue
+        purpose = request.query.get("purpose")
+        files = sorted((f for f in files if purpose is None or f["purpose"] == purpose),
+                       key=lambda f: f["created_at"], reverse=True)
+        return json_response({"object": "list", "data": files, "has_more": False})
+
+    async def get_file(self, request: web.Request) -> web.Response:
+        return json_response(self._file(request.match_info["file_id"]))
+
+    async def file_content(self, request: web.Request) -> web.StreamResponse:
+        fid = request.match_info["file_id"]
+        self._file(fid)
+        return web.FileResponse(self._data(fid), headers={"Content-Type": "application/jsonl"})
+
+    async def delete_file(self, request: web.Request) -> web.Response:
+        fid = request.match_info["file_id"]
+        self._file(fid)
+        self._data(fid).unlink(missing_ok=True)
+        (self.files_dir / f"{fid}.json").unlink(missing_ok=True)
+        return json_response({"id": fid, "object": "file", "deleted": True})
+
+    # ------------------------------------------------------------ /v1/batches
+    async def create(self, request: web.Request) -> web.Response:
+        from common.http import read_body
+        body = loads(await read_body(request))
+        if not isinstance(body, dict):
+            raise APIError(400, "the body must be a JSON object")
+        fid, endpoint = body.get("input_file_id"), body.get("endpoint")
+        if not isinstance(fid, str):
+            raise APIError(400, "input_file_id must be a file id", param="input_file_id")
+        if endpoint not in BATCH_URLS:
+            raise APIError(400, f"endpoint must be one of {sorted(BATCH_URLS)}, got {endpoint!r}", param="endpoint")
+        window = body.get("completion_window", "24h")
+        if window != "24h":
+            raise APIError(400, "completion_window must be '24h'", param="completion_window")
+        metadata = body.get("metadata")
+        if metadata is not None and not (isinstance(metadata, dict) and len(metadata) <= 16 and all(
+                isinstance(k, str) and isinstance(v, str) and len(k) <= 64 and len(v) <= 512
+                for k, v in metadata.items())):
+            raise APIError(400, "metadata: at most 16 string keys (64 chars) and values (512 chars)",
+                           param="metadata")
+        f = self._file(fid)
+        if f["purpose"] != "batch":
+            raise APIError(400, f"file {fid} has purpose {f['purpose']!r}, not 'batch'", param="input_file_id")
+        now = _now()
+        b = {"id": "batch_" + secrets.token_hex(12), "object": "batch", "endpoint": endpoint, "errors": None,
+             "input_file_id": fid, "completion_window": window, "status": "validating", "output_file_id": None,
+             "error_file_id": None, "created_at": now, "in_progress_at": None, "expires_at": now + 86400,
+             "finalizing_at": None, "completed_at": None, "failed_at": None, "expired_at": None,
+             "cancelling_at": None, "cancelled_at": None,
+             "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": metadata}
+        self._save_batch(b)
+        self.tasks[b["id"]] = asyncio.create_task(self._run(b["id"]), name=f"batch {b['id']}")
+        return json_response(b)
+
+    async def get_batch(self, request: web.Request) -> web.Response:
+        return json_response(self._batch(request.match_info["batch_id"]))
+
+    async def list_batches(self, request: web.Request) -> web.Response:
+        batches = []
+        for f in self.batches_dir.glob("batch_*.json"):
+            try:
+                batches.append(orjson.loads(f.read_bytes()))
+            except (OSError, orjson.JSONDecodeError):
+                continue
+        batches.sort(key=lambda b: (b["created_at"], b["id"]), reverse=True)
+        after = request.query.get("after")
+        if after:
+            ids = [b["id"] for b in batches]
+            batches = batches[ids.index(after) + 1:] if after in ids else []
+        try:
+            limit = max(1, min(100, int(request.query.get("limit", 20))))
+        except ValueError:
+            raise APIError(400, "limit must be an integer", param="limit")
+        page = batches[:limit]
+        return json_response({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                              "last_id": page[-1]["id"] if page else None, "has_more": len(batches) > limit})
+
+    async def cancel(self, request: web.Request) -> web.Response:
+        b = self._batch(request.match_info["batch_id"])
+        if b["status"] in ("validating", "in_progress", "finalizing"):
+            b["status"], b["cancelling_at"] = "cancelling", _now()
+            self._cancel.add(b["id"])
+            self._save_batch(b)
+            task = self.tasks.get(b["id"])
+            if task is None or task.done():          # nothing runs it (it never will): cancelled now
+                b["status"], b["cancelled_at"] = "cancelled", _now()
+                self._save_batch(b)
+        return json_response(b)
+
+    # ------------------------------------------------------------ running a batch
+    async def _run(self, bid: str) -> None:
+        try:
+            await self._run_lines(bid)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:           # a bug must not leave the batch "in_progress" for ever
+            log.exception("batch %s failed", bid)
+            b = self._batch(bid)
+            b["status"], b["failed_at"] = "failed", _now()
+            b["errors"] = {"object": "list", "data": [{"code": "server_error", "message": f"{type(e).__name__}: {e}",
+                                                       "param": None, "line": None}]}
+            self._save_batch(b)
+
+    async def _run_lines(self, bid: str) -> None:
+        b = self._batch(bid)
+        out_id, err_id = b["output_file_id"] or "file-" + secrets.token_hex(12), \
+            b["error_file_id"] or "file-" + secrets.token_hex(12)
+        out_path, err_path = self._data(out_id), self._data(err_id)
+        done = set()
+        for path in (out_path, err_path):          # resuming: what is final stays, the rest is sent again
+            if path.exists():
+                kept = []
+                for raw in path.read_bytes().splitlines():
+                    try:
+                        obj = orjson.loads(raw)
+                    except orjson.JSONDecodeError:
+                        continue
+                    if isinstance(obj, dict) and is_final(obj) and result_key(obj) is not None:
+                        done.add(result_key(obj))
+                        kept.append(raw + b"\n")
+                path.write_bytes(b"".join(kept))
+        seen: set[str] = set()
+        lines = []
+        with open(self._data(b["input_file_id"]), "rb") as f:
+            for n, raw in enumerate(f, 1):
+                if raw.strip():
+                    lines.append(parse_line(n, raw, seen))
+        for line in lines:               # every line of this batch names its endpoint
+            if line.error is None and line.url != b["endpoint"]:
+                line.kind, line.error = None, {"code": "invalid_url", "message": f"line {line.number}: url "
+                                               f"{line.url!r} is not the batch's endpoint {b['endpoint']!r}"}
+        b.update(status="in_progress" if b["status"] != "cancelling" else "cancelling",
+                 in_progress_at=b["in_progress_at"] or _now(), output_file_id=out_id, error_file_id=err_id)
+        b["request_counts"]["total"] = len(lines)
+        self._save_batch(b)
+        counts = {"completed": len(out_path.read_bytes().splitlines()) if out_path.exists() else 0,
+                  "failed": len(err_path.read_bytes().splitlines()) if err_path.exists() else 0}
+        todo = iter([line for line in lines if line.key not in done])
+        last_save = [time.monotonic()]
+        with open(out_path, "ab") as out, open(err_path, "ab") as err:
+            def record(data: bytes, ok: bool) -> None:
+                fh = out if ok else err
+                fh.write(data)
+                fh.flush()
+                counts["completed" if ok else "failed"] += 1
+                if time.monotonic() - last_save[0] > 0.5:
+                    last_save[0] = time.monotonic()
+                    self._progress(bid, counts)
+
+            async def lane() -> None:         # --batch-concurrency of these take the lines in order
+                for line in todo:
+                    if line.error is not None:
+                        record(result_line(line.custom_id, error=line.error), False)
+                        continue
+                    if self._cancelling(bid) or self.state.draining:
+                        return
+                    status, data = await self._answer(line)
+                    if status is None:        # the balancer is stopping: the line is left for its restart
+                        return
+                    record(result_line(line.custom_id, status, data), 200 <= status < 300)
+            await asyncio.gather(*(lane() for _ in range(self.concurrency)))
+        if self.state.draining and not self._cancelling(bid):
+            self._progress(bid, counts)     # still in_progress: a balancer on the same --files-dir resumes it
+            log.info("batch %s left in progress at shutdown: %s", bid, counts)
+            return
+        b = self._batch(bid)
+        b["request_counts"].update(counts)
+        if b["status"] == "cancelling":
+            b["status"], b["cancelled_at"] = "cancelled", _now()
+        else:
+            b["status"], b["finalizing_at"] = "finalizing", _now()
+            self._save_batch(b)
+            b["status"], b["completed_at"] = "completed", _now()
+        for fid, path in ((out_id, out_path), (err_id, err_path)):
+            self._new_file(fid, f"{bid}_{'output' if fid == out_id else 'error'}.jsonl", "batch_output",
+                           path.stat().st_size)
+        self._save_batch(b)
+        log.info("batch %s %s: %s", bid, b["status"], b["request_counts"])
+
+    def _progress(self, bid: str, counts: dict) -> None:
+        b = self._batch(bid)
+        b["request_counts"].update(counts)
+        self._save_batch(b)
+
+    def _cancelling(self, bid: str) -> bool:
+        return bid in self._cancel
+
+    async def _answer(self, line) -> tuple[int | None, object]:
+        """One line through the balancer's queue, as its door would take it: (status, body); a line the balancer
+        cannot admit now (queue full, no healthy worker) waits and tries again; (None, None) when the balancer is
+        shutting down (the line is not answered)."""
+        body = orjson.dumps(line.body)
+        try:
+            req = parse_request(line.kind, body)
+        except APIError as e:
+            return e.status, e.body()
+        state, delay = self.state, 0.1
+        while True:
+            try:
+                p = state.admit(line.kind, body, False, time.monotonic(), version=req.model_version)
+                break
+            except APIError as e:
+                if state.draining:
+                    return None, None
+                if e.status not in (429, 503):
+                    return e.status, e.body()
+                await asyncio.sleep(delay)
+                delay = min(5.0, delay * 2)
+        result = None
+        try:
+            async for _, event, status, data, end in p:
+                if event in ("response", "error"):
+                    result = (status, data)
+                if end:
+                    break
+        finally:
+            state.release(p)
+        return result if result is not None else (502, {"error": {"message": "no answer", "type": "server_error",
+                                                                  "param": None, "code": None}})
+
+
+def add_routes(app: web.Application, jobs: BatchJobs) -> None:
+    app.router.add_post("/v1/files", jobs.upload)
+    app.router.add_get("/v1/files", jobs.list_files)
+    app.router.add_get("/v1/files/{file_id}", jobs.get_file)
+    app.router.add_get("/v1/files/{file_id}/content", jobs.file_content)
+    app.router.add_delete("/v1/files/{file_id}", jobs.delete_file)
+    app.router.add_post("/v1/batches", jobs.create)
+    app.router.add_get("/v1/batches", jobs.list_batches)
+    app.router.add_get("/v1/batches/{batch_id}", jobs.get_batch)
+    app.router.add_post("/v1/batches/{batch_id}/cancel", jobs.cancel)

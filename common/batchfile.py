@@ -1,0 +1,148 @@
+"""The OpenAI batch file format, shared by ``dllm-serve run-batch`` (dllm_serve/batch.py) and the balancer's
+``/v1/batches`` (balancer/batches.py): reading request lines, writing result lines, and resuming a run from the
+results already written.
+
+An input line: ``{"custom_id": "r1", "method": "POST", "url": "/v1/chat/completions", "body": {...}}``.
+A result line: ``{"id": "batch_req_...", "custom_id": "r1", "response": {"status_code": 200, "request_id": "...",
+"body": {...}}, "error": null}``: an HTTP answer, a 4xx or 5xx included, is a ``response``; a line that could not be
+sent (not JSON, no custom_id, a custom_id seen before, another method or URL) or no answer at all (the server
+unreachable) is an ``error`` ``{"code", "message"}`` with ``response`` null.
+
+Resuming: a result is final when it has a response below 500; lines whose result is not final (5xx, no answer) are
+sent again, and their old result lines are dropped from the results file first (rewritten atomically), so the file
+ends with one line per request."""
+from __future__ import annotations
+
+import os
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import orjson
+
+# the URLs a batch line may name, and the request kind each is (common/openai_http.py ENDPOINTS)
+BATCH_URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/responses": "responses"}
+
+
+@dataclass
+class Line:
+    number: int                       # 1-based line number in the input
+    custom_id: str | None
+    kind: str | None                  # "chat" | "completion" | "responses"; None when the line is refused
+    url: str | None
+    body: dict | None
+    error: dict | None = None         # why the line cannot be sent ({"code", "message"})
+
+    @property
+    def key(self) -> str:
+        """What a resumed run matches results by: the custom_id, or for a refused line its error (which names the
+        line: a refused duplicate of a custom_id is not taken for the line it duplicates)."""
+        return "error:" + self.error["message"] if self.error is not None else self.custom_id
+
+
+def result_key(result: dict) -> str | None:
+    """:attr:`Line.key` of the line a result answers."""
+    err = result.get("error")
+    if isinstance(err, dict) and result.get("response") is None and err.get("message", "").startswith("line "):
+        return "error:" + err["message"]
+    cid = result.get("custom_id")
+    return cid if isinstance(cid, str) and cid else None
+
+
+def read_lines(path: str | os.PathLike) -> Iterator[Line]:
+    """The input file's request lines, checked one by one (blank lines skipped); custom_ids must be unique."""
+    seen: set[str] = set()
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            if not raw.strip():
+                continue
+            yield parse_line(n, raw, seen)
+
+
+def parse_line(n: int, raw: bytes, seen: set[str]) -> Line:
+    def bad(code: str, message: str, cid=None) -> Line:
+        return Line(n, cid, None, None, None, {"code": code, "message": f"line {n}: {message}"})
+    try:
+        obj = orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        return bad("invalid_json", f"not JSON: {e}")
+    if not isinstance(obj, dict):
+        return bad("invalid_request", "a line must be a JSON object")
+    cid = obj.get("custom_id")
+    if not isinstance(cid, str) or not cid:
+        return bad("missing_custom_id", "custom_id must be a non-empty string")
+    if cid in seen:
+        return bad("duplicate_custom_id", f"custom_id {cid!r} was used by an earlier line", cid)
+    seen.add(cid)
+    method, url, body = obj.get("method", "POST"), obj.get("url"), obj.get("body")
+    if method != "POST":
+        return bad("invalid_method", f"method must be POST, got {method!r}", cid)
+    if url not in BATCH_URLS:
+        return bad("invalid_url", f"url must be one of {sorted(BATCH_URLS)}, got {url!r}", cid)
+    if not isinstance(body, dict):
+        return bad("invalid_body", "body must be a JSON object", cid)
+    if body.get("stream"):
+        return bad("invalid_body", "a batch line cannot stream (stream must be false)", cid)
+    return Line(n, cid, BATCH_URLS[url], url, body)
+
+
+def new_request_id() -> str:
+    return "batch_req_" + secrets.token_hex(12)
+
+
+def result_line(custom_id: str | None, status: int | None = None, body=None, request_id: str | None = None,
+                error: dict | None = None) -> bytes:
+    """One result line (with its newline): an HTTP answer (``status``, ``body``) or an ``error``."""
+    response = None
+    if status is not None:
+        rid = request_id or (body.get("id") if isinstance(body, dict) else None) or new_request_id()
+        response = {"status_code": status, "request_id": rid, "body": body}
+    return orjson.dumps({"id": new_request_id(), "custom_id": custom_id, "response": response,
+                         "error": error}) + b"\n"
+
+
+def is_final(result: dict) -> bool:
+    """A result that a resumed run keeps: an answer below 500, or a line that can never be sent."""
+    r = result.get("response")
+    if isinstance(r, dict) and isinstance(r.get("status_code"), int):
+        return r["status_code"] < 500
+    err = result.get("error") or {}
+    return err.get("code") not in ("server_unreachable", "server_error", "timeout")
+
+
+def resume(path: str | os.PathLike) -> set[str]:
+    """The keys (:attr:`Line.key`) of the lines whose results in ``path`` are final; rewrites ``path``
+    (atomically) without the others, and without a last line cut short by an interruption. A missing file: none."""
+    path = Path(path)
+    if not path.exists():
+        return set()
+    done, keep = set(), []
+    for raw in path.read_bytes().splitlines():
+        try:
+            obj = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            continue                  # a line cut short: sent again
+        if isinstance(obj, dict) and is_final(obj) and result_key(obj) is not None:
+            done.add(result_key(obj))
+            keep.append(raw + b"\n")
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(b"".join(keep))
+    os.replace(tmp, path)
+    return done
+
+
+def counts(path: str | os.PathLike) -> dict:
+    """{"total", "completed", "failed"} of a results file (completed: a 2xx answer)."""
+    total = ok = 0
+    path = Path(path)
+    if path.exists():
+        for raw in path.read_bytes().splitlines():
+            try:
+                obj = orjson.loads(raw)
+            except orjson.JSONDecodeError:
+                continue
+            total += 1
+            r = obj.get("response") if isinstance(obj, dict) else None
+            ok += isinstance(r, dict) and 200 <= (r.get("status_code") or 0) < 300
+    return {"total": total, "completed": ok, "failed": total - ok}

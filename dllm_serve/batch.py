@@ -1,0 +1,139 @@
+"""``dllm-serve run-batch``: an OpenAI batch file (common/batchfile.py) sent to a running server, or to a model
+served for the run, with a progress bar; results are appended as they come (an interruption loses nothing done),
+and a rerun sends only the lines without a final result."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import orjson
+
+from common.batchfile import read_lines, result_line, resume
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+async def send(lines, out_path: Path, url: str, api_key: str | None, concurrency: int, timeout: float,
+               progress) -> dict:
+    """Send ``lines`` (common.batchfile.Line) to ``url``, at most ``concurrency`` at once, appending one result line
+    each to ``out_path``; ``progress(n)`` after each. Returns the counts."""
+    import aiohttp
+    tally = {"ok": 0, "failed": 0, "refused": 0, "unsent": 0}
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    sem = asyncio.Semaphore(concurrency)
+    with open(out_path, "ab") as out:
+        def write(data: bytes) -> None:
+            out.write(data)
+            out.flush()
+
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency),
+                                         timeout=aiohttp.ClientTimeout(total=timeout)) as s:
+            async def one(line) -> None:
+                if line.error is not None:
+                    write(result_line(line.custom_id, error=line.error))
+                    tally["refused"] += 1
+                    progress(1)
+                    return
+                async with sem:
+                    try:
+                        async with s.post(url + line.url, json=line.body, headers=headers) as r:
+                            raw = await r.read()
+                            try:
+                                body = orjson.loads(raw)
+                            except orjson.JSONDecodeError:
+                                body = raw.decode(errors="replace")
+                            write(result_line(line.custom_id, r.status, body, r.headers.get("x-request-id")))
+                            tally["ok" if r.status < 300 else "failed"] += 1
+                    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+                        code = "timeout" if isinstance(e, asyncio.TimeoutError) else "server_unreachable"
+                        write(result_line(line.custom_id, error={"code": code, "message": f"{type(e).__name__}: "
+                                                                                            f"{e}"}))
+                        tally["unsent"] += 1
+                progress(1)
+            await asyncio.gather(*(one(line) for line in lines))
+    return tally
+
+
+def _free_ports(n: int) -> int:
+    """The first of ``n`` consecutive free loopback ports."""
+    import random
+    import socket
+    for _ in range(200):
+        base = random.randrange(20000, 60000 - n)
+        socks = []
+        try:
+            for p in range(base, base + n):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError(f"no {n} free consecutive ports")
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server for the run exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=2) as r:
+                if orjson.loads(r.read()).get("healthy_workers", 0) > 0:
+                    return
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"the server for the run was not ready after {timeout:g} s")
+
+
+def run(input_path: str, output_path: str, url: str | None, model_path: str | None, serve_args: list[str],
+        api_key: str | None, concurrency: int, timeout: float, startup_timeout: float, echo) -> int:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+    out = Path(output_path)
+    lines = list(read_lines(input_path))
+    done = resume(out)
+    todo = [line for line in lines if line.key not in done]
+    echo(f"dllm-serve run-batch: {len(lines)} requests in {input_path}; {len(lines) - len(todo)} already done in "
+         f"{output_path}; {len(todo)} to send")
+    server = None
+    tmp = None
+    try:
+        if model_path is not None and todo:
+            tmp = tempfile.mkdtemp(prefix="dllm-run-batch-")
+            port = _free_ports(1)
+            url = f"http://127.0.0.1:{port}"
+            echo(f"serving {model_path} on {url} for the run (logs in {tmp})")
+            server = subprocess.Popen([sys.executable, "-m", "dllm_serve", "serve", "--local", "--model-path",
+                                       model_path, "--port", str(port), "--worker-base-port", str(_free_ports(16)),
+                                       "--log-dir", tmp, "--stagger", "0", *serve_args],
+                                      stdout=open(Path(tmp) / "serve.log", "wb"), stderr=subprocess.STDOUT,
+                                      start_new_session=True, cwd=ROOT, env={**os.environ, "DLLM_API_KEY": ""})
+            _wait_ready(url, server, startup_timeout)
+        url = (url or "http://127.0.0.1:8000").rstrip("/")
+        with Progress(TextColumn("[bold]run-batch"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                      disable=not sys.stderr.isatty()) as bar:
+            task = bar.add_task("requests", total=len(todo))
+            tally = asyncio.run(send(todo, out, url, api_key, concurrency, timeout,
+                                     lambda n: bar.advance(task, n)))
+    finally:
+        if server is not None and server.poll() is None:
+            os.killpg(server.pid, signal.SIGTERM)
+            try:
+                server.wait(60)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)
+    echo(f"dllm-serve run-batch: {tally['ok']} answered 2xx, {tally['failed']} answered with an error, "
+         f"{tally['refused']} refused lines, {tally['unsent']} without an answer (run again to resume); "
+         f"results in {output_path}")
+    return 1 if tally["unsent"] else 0

@@ -1,0 +1,158 @@
+"""Offline batch jobs (issue 35): `dllm-serve run-batch` (resumable, every line accounted for) and the OpenAI Files
+and Batch APIs on the balancer, driven with the openai client. Workers on the simulated device (a test double: its
+answers are the prompt's tokens cycled; the plumbing is what is tested) unless a real model is named."""
+import json
+import os
+import signal
+import subprocess
+import time
+
+import openai
+import pytest
+
+from common.batchfile import result_key
+from tests.conftest import TINY_LLADA
+from tests.helpers import DLLM, ROOT, Cluster, Proc, free_port, get_json, post_json, start_worker
+
+SLOW = ["--simulate-device", "0.15,0", "--batch-size", "4"]      # 0.15 s a batch of up to 4 rows
+
+
+def _lines(n: int, extra: list[str] = ()) -> str:
+    out = [json.dumps({"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions",
+                       "body": {"prompt": [5 + i % 50, 6, 7], "max_tokens": 4}}) for i in range(n)]
+    return "\n".join(out + list(extra)) + "\n"
+
+
+BAD = ["{not json", json.dumps({"custom_id": "r1", "url": "/v1/completions", "body": {"prompt": "x"}}),
+       json.dumps({"custom_id": "top", "url": "/v1/completions", "body": {"prompt": "x", "top_p": 0.5}}),
+       json.dumps({"custom_id": "get", "method": "GET", "url": "/v1/models", "body": {}})]
+
+
+def _results(path) -> dict:
+    """Result lines by the request line they answer (common.batchfile.result_key); each request line once."""
+    out = {}
+    for line in path.read_text().splitlines():
+        r = json.loads(line)
+        key = result_key(r)
+        assert key not in out, f"two results for {key}"
+        out[key] = r
+    return out
+
+
+def _run_batch(tmp_path, *args, **kw):
+    return subprocess.run([*DLLM, "run-batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"),
+                           *args], cwd=ROOT, capture_output=True, text=True, timeout=120, **kw)
+
+
+def test_run_batch_resumes_and_accounts_for_every_line(tmp_path):
+    (tmp_path / "in.jsonl").write_text(_lines(24, BAD))
+    dead = f"http://127.0.0.1:{free_port()}"
+    r = _run_batch(tmp_path, "--url", dead)
+    assert r.returncode == 1 and "3 refused lines, 25 without an answer (run again to resume)" in r.stderr, r.stderr
+    res = _results(tmp_path / "out.jsonl")
+    assert len(res) == 28 and res["r3"]["error"]["code"] == "server_unreachable"
+    w = start_worker(tmp_path, TINY_LLADA, *SLOW)
+    try:
+        w.wait_ready()
+        p = subprocess.Popen([*DLLM, "run-batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"),
+                              "--url", w.url, "--concurrency", "4"], cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 30      # interrupted half-way (Ctrl-C)
+        while sum(1 for r in _results(tmp_path / "out.jsonl").values() if r["response"]) < 8:
+            assert time.monotonic() < deadline and p.poll() is None
+            time.sleep(0.02)
+        p.send_signal(signal.SIGINT)
+        p.wait(30)
+        answered = sum(1 for r in _results(tmp_path / "out.jsonl").values() if r["response"])
+        assert 8 <= answered < 25
+        r = _run_batch(tmp_path, "--url", w.url)
+        assert r.returncode == 0, r.stderr
+        assert f"{3 + answered} already done" in r.stderr and f"{25 - answered} to send" in r.stderr, r.stderr
+    finally:
+        w.stop()
+    res = _results(tmp_path / "out.jsonl")
+    refused = sorted(k for k in res if k.startswith("error:"))
+    assert set(res) == {f"r{i}" for i in range(24)} | {"top"} | set(refused) and len(refused) == 3
+    assert [res[k]["error"]["code"] for k in refused] == ["invalid_json", "duplicate_custom_id", "invalid_method"]
+    for i in range(24):
+        body = res[f"r{i}"]["response"]["body"]
+        assert res[f"r{i}"]["response"]["status_code"] == 200 and body["choices"][0]["finish_reason"] == "length"
+    assert res["top"]["response"]["status_code"] == 400 and res["top"]["response"]["body"]["error"]["param"] == "top_p"
+
+
+def test_run_batch_serves_a_model_for_the_run(tmp_path):
+    (tmp_path / "in.jsonl").write_text(_lines(6))
+    r = _run_batch(tmp_path, "--model-path", str(TINY_LLADA))
+    assert r.returncode == 0, r.stderr
+    res = _results(tmp_path / "out.jsonl")
+    assert [res[f"r{i}"]["response"]["status_code"] for i in range(6)] == [200] * 6
+    assert "serving" in r.stderr and "6 answered 2xx" in r.stderr
+
+
+def _balancer(tmp_path, urls: list[str], port: int, *extra) -> Proc:
+    b = Proc(["balancer", "--worker-urls", ",".join(urls), "--port", str(port), "--files-dir",
+              str(tmp_path / "files"), "--batch-concurrency", "4", *extra], port, tmp_path / f"balancer{port}.log")
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if get_json(b.url + "/health")[1].get("healthy_workers") == len(urls):
+                return b
+        except OSError:
+            pass
+        assert time.monotonic() < deadline, b.tail()
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_the_batch_api_with_the_openai_client_survives_a_balancer_restart(tmp_path):
+    w = start_worker(tmp_path, TINY_LLADA, *SLOW)
+    port = free_port()
+    try:
+        w.wait_ready()
+        b = _balancer(tmp_path, [w.url], port)
+        client = openai.OpenAI(base_url=b.url + "/v1", api_key="x", max_retries=0)
+        (tmp_path / "in.jsonl").write_text(_lines(40, BAD[2:3]))
+        f = client.files.create(file=open(tmp_path / "in.jsonl", "rb"), purpose="batch")
+        assert f.purpose == "batch" and f.bytes == (tmp_path / "in.jsonl").stat().st_size
+        assert client.files.content(f.id).read() == (tmp_path / "in.jsonl").read_bytes()
+        batch = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h",
+                                      metadata={"run": "test"})
+        deadline = time.monotonic() + 30        # the balancer stops half-way
+        while (cur := client.batches.retrieve(batch.id)).request_counts.completed < 8:
+            assert time.monotonic() < deadline and cur.status in ("validating", "in_progress")
+            time.sleep(0.05)
+        b.stop()
+        b = _balancer(tmp_path, [w.url], port)          # the same --files-dir: the batch resumes
+        deadline = time.monotonic() + 60
+        while (cur := client.batches.retrieve(batch.id)).status != "completed":
+            assert time.monotonic() < deadline, cur
+            time.sleep(0.1)
+        assert cur.request_counts.total == 41 and cur.request_counts.completed == 40 and cur.request_counts.failed == 1
+        assert cur.metadata == {"run": "test"} and cur.id in [x.id for x in client.batches.list()]
+        out = [json.loads(x) for x in client.files.content(cur.output_file_id).text.splitlines()]
+        assert sorted(r["custom_id"] for r in out) == sorted(f"r{i}" for i in range(40))        # each once
+        direct = post_json(w.url + "/v1/completions", {"prompt": [5 + 7, 6, 7], "max_tokens": 4})[1]
+        assert next(r for r in out if r["custom_id"] == "r7")["response"]["body"]["choices"][0]["text"] == \
+            direct["choices"][0]["text"]
+        err = [json.loads(x) for x in client.files.content(cur.error_file_id).text.splitlines()]
+        assert [(r["custom_id"], r["response"]["status_code"]) for r in err] == [("top", 400)]
+        # a batch cancelled while it runs ends "cancelled", with the lines answered before it in its output
+        slow = client.batches.create(input_file_id=f.id, endpoint="/v1/completions", completion_window="24h")
+        while client.batches.retrieve(slow.id).request_counts.completed < 4:
+            time.sleep(0.05)
+        assert client.batches.cancel(slow.id).status in ("cancelling", "cancelled")
+        deadline = time.monotonic() + 30
+        while (cur := client.batches.retrieve(slow.id)).status != "cancelled":
+            assert time.monotonic() < deadline, cur
+            time.sleep(0.05)
+        assert 4 <= cur.request_counts.completed < 40
+        with pytest.raises(openai.BadRequestError):
+            client.batches.create(input_file_id=f.id, endpoint="/v1/embeddings", completion_window="24h")
+        with pytest.raises(openai.NotFoundError):
+            client.batches.retrieve("batch_nope")
+        assert client.files.delete(f.id).deleted
+        with pytest.raises(openai.NotFoundError):
+            client.files.retrieve(f.id)
+    finally:
+        w.stop()
+        b.stop()
