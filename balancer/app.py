@@ -374,11 +374,24 @@ async def stats(request: web.Request) -> web.Response:
             "batch_size_histogram": {str(k): v for k, v in sorted(b.histogram.items())},
         },
         "continuous_batching": _rows_summary(state.pool.workers),
+        "tokens_generated": sum(int(w.last_health.get("tokens_generated") or 0) for w in state.pool.workers),
         "http_processes": [{"role": "central", "pid": os.getpid(), "status": "ready",
                             "requests": state.local_requests}] + (state.fronts.snapshot() if state.fronts else []),
         "last_minute": state.window.summary(),
         "uptime_seconds": round(time.time() - state.started, 1),
     })
+
+
+DASHBOARD = Path(__file__).with_name("dashboard.html")
+
+
+async def dashboard(request: web.Request) -> web.Response:
+    """GET /dashboard: one self-contained page (balancer/dashboard.html: no CDN, no library) that polls /stats and
+    /worker-status and draws the last five minutes (docs/balancer.md)."""
+    return web.Response(body=DASHBOARD.read_bytes(), content_type="text/html", charset="utf-8",
+                        headers={"Cache-Control": "no-cache",
+                                 "Content-Security-Policy": "default-src 'self'; img-src 'self' data:; script-src 'unsafe-inline'; "
+                                                            "style-src 'unsafe-inline'"})
 
 
 async def worker_status(request: web.Request) -> web.Response:
@@ -457,6 +470,7 @@ def make_app(cfg: BalancerConfig) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/stats", stats)
     app.router.add_get("/worker-status", worker_status)
+    app.router.add_get("/dashboard", dashboard)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/v1/load_weights", load_weights)
     root = Path(cfg.files_dir) if cfg.files_dir else Path(

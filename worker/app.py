@@ -74,6 +74,7 @@ class WorkerState:
     metrics: WorkerMetrics | None = None
     steps: object = None                         # worker.stepclock.StepClock, once loaded (/health step_seconds_max)
     instance_id: str = field(default_factory=lambda: secrets.token_hex(8))      # this process, on /health
+    tokens_generated: int = 0                    # completion tokens answered since the start (/health)
     launch_id: str | None = field(default_factory=lambda: os.environ.get("DLLM_LAUNCH_ID") or None)
 
     @property
@@ -320,6 +321,8 @@ async def health(request: web.Request) -> web.Response:
         "tensor_parallel_size": state.config.tensor_parallel_size,
         **({"ranks": e.ranks.describe()} if getattr(e, "ranks", None) is not None else {}),
         "prefix_cache": e.prefix_cache.stats() if getattr(e, "prefix_cache", None) is not None else None,
+        "tokens_generated": state.tokens_generated,
+        "gpu": gpu_stats(e.device) if e is not None else None,
         "uptime_seconds": round(time.time() - state.started, 1),
         "instance_id": state.instance_id,
         "launch_id": state.launch_id,
@@ -327,6 +330,24 @@ async def health(request: web.Request) -> web.Response:
     if state.error:
         data["error"] = state.error
     return json_response(data, 200 if state.status in ("ready", "loading", "updating", "draining") else 503)
+
+
+def gpu_stats(device) -> dict | None:
+    """The worker's GPU (a CUDA device): memory used and total (bytes, torch.cuda.mem_get_info) and utilisation (%,
+    torch.cuda.utilization: NVML through nvidia-ml-py, mapped through CUDA_VISIBLE_DEVICES; null without it). None on
+    CPU."""
+    if getattr(device, "type", None) != "cuda":
+        return None
+    import torch
+    try:
+        free, total = torch.cuda.mem_get_info(device)
+    except RuntimeError:
+        return None
+    try:
+        util = torch.cuda.utilization(device)
+    except Exception:                # no nvidia-ml-py or no NVML: memory only
+        util = None
+    return {"memory_used": total - free, "memory_total": total, "utilization": util}
 
 
 def _model_card(state: WorkerState, name: str) -> dict:
@@ -446,7 +467,11 @@ async def _load(app: web.Application) -> None:
                       Defaults(c.default_algorithm, c.default_max_tokens, c.default_block_length,
                                c.score_mc_num, c.score_batch_size, c.score_cfg_scale, c.score_window,
                                max_request_cost=c.max_request_cost), aliases)
-    serving.on_tokens = lambda tokens, nfe: (state.metrics.tokens.inc(tokens), state.metrics.nfe.inc(nfe))
+    def on_tokens(tokens: int, nfe: int) -> None:
+        state.metrics.tokens.inc(tokens)
+        state.metrics.nfe.inc(nfe)
+        state.tokens_generated += tokens
+    serving.on_tokens = on_tokens
     state.serving = serving
     gc.freeze()      # the model, tokenizer and libraries are permanent: keep them out of every GC pass
     state.status = "ready"
