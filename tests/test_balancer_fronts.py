@@ -117,6 +117,7 @@ async def test_fronts_share_the_port_and_the_one_queue():
         assert 'dllm_balancer_requests_total{endpoint="/v1/chat/completions",status="200"} 16.0' in text
 
 
+@pytest.mark.slow
 async def test_failover_disconnects_and_timeouts_through_fronts():
     seen, cancelled = [], []
     async with workers(fake_worker("die", seen), fake_worker("ok", seen)) as urls, balancer(urls) as base:

@@ -44,6 +44,7 @@ def _run_batch(tmp_path, *args, **kw):
                            *args], cwd=ROOT, capture_output=True, text=True, timeout=120, **kw)
 
 
+@pytest.mark.slow
 def test_run_batch_resumes_and_accounts_for_every_line(tmp_path):
     (tmp_path / "in.jsonl").write_text(_lines(24, BAD))
     dead = f"http://127.0.0.1:{free_port()}"
@@ -80,6 +81,7 @@ def test_run_batch_resumes_and_accounts_for_every_line(tmp_path):
     assert res["top"]["response"]["status_code"] == 400 and res["top"]["response"]["body"]["error"]["param"] == "top_p"
 
 
+@pytest.mark.slow
 def test_run_batch_serves_a_model_for_the_run(tmp_path):
     (tmp_path / "in.jsonl").write_text(_lines(6))
     r = _run_batch(tmp_path, "--model-path", str(TINY_LLADA))

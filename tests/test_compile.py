@@ -24,6 +24,7 @@ def _run(engine, cases):
     return [engine.generate([r], early_exit=False)[0] for r in reqs] + engine.generate(reqs, early_exit=False)
 
 
+@pytest.mark.slow
 def test_compiled_dense_path_matches_eager_to_float_tolerance(llada_golden):
     """Compiled kernels reassociate float sums, so logits differ from eager by ~1e-6 relative: on random weights
     that can flip a near-tie, so the compiled path is not token-exact with the reference (eager is). It must agree

@@ -55,6 +55,7 @@ async def test_every_step_of_a_llada_row_and_what_it_committed(aiohttp_client, a
     assert first["object"] == "text_completion" and first["choices"][0]["text"] == ""
 
 
+@pytest.mark.slow
 async def test_diffusion_gemma_commits_whole_canvases_and_streams_its_guesses(aiohttp_client):
     client = await _client(aiohttp_client, TINY_DG)
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 24, "seed": 7, "ignore_eos": True}
