@@ -66,3 +66,37 @@ def test_factor_rule():
     # stopping on the last masked position moves one further: all of them
     assert len(select_factor(torch.tensor([0.99, 0.98, 0.97, 0.1], dtype=torch.float64), Layout(4, 0), masked,
                              1.0)) == 4
+
+
+def test_rows_ranked_together_choose_what_each_row_alone_chooses():
+    """sampling._select_grouped (one topk per group of rows) against select_fixed / select_threshold per row, on
+    vectors full of exact ties (1.0, -inf), rows of different widths and offsets in their reference vectors."""
+    import random
+
+    from worker.engine.sampling import NEG_INF, _select_grouped
+    rng = random.Random(3)
+    for trial in range(300):
+        length, k, B = rng.choice([12, 40, 160]), rng.randrange(1, 6), rng.randrange(1, 9)
+        widths = [rng.randrange(k, 9) for _ in range(B)]
+        K = max(widths)
+        conf = [torch.tensor([rng.choice([1.0, 0.5, NEG_INF, rng.random()]) for _ in range(w)],
+                             dtype=rng.choice([torch.float32, torch.float64])) for w in widths]
+        conf = [c.to(conf[0].dtype) for c in conf]
+        ats = [rng.randrange(0, length - w + 1) for w in widths]
+        threshold = rng.choice([None, 0.9])
+        chosen = torch.zeros(B, K, dtype=torch.bool)
+        if threshold is None:
+            _select_grouped({(length, k, None): [(b, ats[b]) for b in range(B)]}, conf, widths, chosen)
+            want = [select_fixed(conf[b], Layout(length, ats[b]), k) for b in range(B)]
+        else:
+            m = [int((c > NEG_INF).sum()) for c in conf]
+            groups = {}
+            for b in range(B):
+                groups.setdefault((length, m[b], threshold), []).append((b, ats[b]))
+            _select_grouped(groups, conf, widths, chosen)
+            want = [select_threshold(conf[b], Layout(length, ats[b]), m[b], threshold) for b in range(B)]
+        for b in range(B):
+            alone = torch.zeros(K, dtype=torch.bool)
+            idx = want[b]
+            alone[idx[(idx >= 0) & (idx < widths[b])]] = True
+            assert torch.equal(chosen[b], alone), (trial, b)

@@ -246,7 +246,48 @@ def denoise(logits: torch.Tensor, tokens: torch.Tensor, widths: list[int], rows,
             lg = r.rule.transform(logits[b, :w], masked[b, :w])
             x0[b, :w] = propose(lg[None], [r], [w])[0]
             conf[b] = confidences(lg[None], x0[b:b + 1, :w], masked[b:b + 1, :w], [r], [w], [r.rule.softmax])[0]
+    grouped: dict[tuple, list[tuple[int, int]]] = {}     # (length, k) -> [(row, at)]: rows ranked together
+    counts = None
     for b, r in enumerate(rows):
-        w = widths[b]
-        chosen[b, :w] = r.rule.select(conf[b], x0[b, :w], masked[b, :w], layouts[b], r, mask_id)
+        kind = type(r.rule)
+        if kind is FixedRule:
+            grouped.setdefault((layouts[b].length, r.scheduled_transfers(), None), []).append((b, layouts[b].at))
+        elif kind is ThresholdRule:
+            if counts is None:
+                counts = masked.sum(1).tolist()      # one transfer for the batch, not one per row
+            grouped.setdefault((layouts[b].length, int(counts[b]), r.rule.threshold), []).append((b, layouts[b].at))
+        else:
+            w = widths[b]
+            chosen[b, :w] = r.rule.select(conf[b], x0[b, :w], masked[b, :w], layouts[b], r, mask_id)
+    if grouped:
+        _select_grouped(grouped, conf, widths, chosen)
     return x0, chosen & masked
+
+
+def _select_grouped(groups: dict, conf: list[torch.Tensor], widths: list[int], chosen: torch.Tensor) -> None:
+    """FixedRule / ThresholdRule rows, ranked with one ``torch.topk`` per group of rows whose reference vectors have
+    the same length and whose ``k`` is the same: each row of a 2-D topk is ranked exactly as the same vector alone
+    (ties included; tests/test_sampling.py checks it), so this is ``select_fixed`` / ``select_threshold`` per row,
+    without a dozen small tensor operations per row."""
+    device = chosen.device
+    K = chosen.shape[1]
+    for (length, k, threshold), members in groups.items():
+        idx_rows = [b for b, _ in members]
+        at = torch.tensor([a for _, a in members], device=device)
+        w = torch.tensor([widths[b] for b in idx_rows], device=device)
+        c = torch.nn.utils.rnn.pad_sequence([conf[b] for b in idx_rows], batch_first=True, padding_value=NEG_INF)
+        if c.shape[1] < K:
+            c = F.pad(c, (0, K - c.shape[1]), value=NEG_INF)
+        j = torch.arange(length, device=device)[None, :] - at[:, None]          # vector element -> candidate
+        inside = (j >= 0) & (j < w[:, None])
+        vec = torch.where(inside, c.gather(1, j.clamp(0, K - 1)), torch.full((), NEG_INF, dtype=c.dtype,
+                                                                             device=device))
+        values, top = torch.topk(vec, k, dim=-1)
+        cand = top - at[:, None]
+        keep = (cand >= 0) & (cand < w[:, None])
+        if threshold is not None:               # Fast-dLLM: the first always, each other one unless < threshold
+            ok = ~(values < threshold)
+            ok[:, :1] = True
+            keep &= ok
+        rows_t = torch.tensor(idx_rows, device=device)[:, None].expand_as(cand)
+        chosen[rows_t[keep], cand[keep]] = True

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..rows import Canvas, Finisher, Row, between_steps, record_logprobs, wants_logprobs
+from ..rows import Canvas, Finisher, Row, between_steps, record_logprobs, wants_logprobs, window_index
 from ..sampling import Layout, Softmax, denoise, fast_dllm_rule
 from . import Algorithm, register
 
@@ -102,11 +102,8 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
         active = canvas.rows
         B = len(active)
         regions = [candidate_region(r, gens[r.index], mask_id) for r in active]
-        K = max(e - s for s, e in regions)
-        ar = torch.arange(K)
-        gidx = torch.stack([canvas.gen_start(b) + s + torch.clamp(ar, max=e - s - 1)
-                            for b, (s, e) in enumerate(regions)])
-        gidx = gidx.to(model.device)
+        gidx, _ = window_index([(canvas.gen_start(b) + s, canvas.gen_start(b) + e)
+                                for b, (s, e) in enumerate(regions)], model.device)
 
         cfg = [b for b, r in enumerate(active) if r.params.cfg_scale > 0]
         x, pos, mask = canvas.x, canvas.pos, canvas.mask

@@ -20,11 +20,10 @@ from ..sampling import Layout, Softmax, fast_dllm_rule
 from .basic import candidate_region, commit, start_block, step_done, whole_sequence
 
 
-def _gather_logits(model, hidden: torch.Tensor, idx: list[list[int]]) -> torch.Tensor:
-    """Logits at the given hidden-state columns of each row ([B, K, V], rows padded with their last column)."""
-    K = max(len(i) for i in idx)
-    g = torch.tensor([i + [i[-1]] * (K - len(i)) for i in idx], device=hidden.device)
-    return model.logits(hidden.gather(1, g[..., None].expand(-1, -1, hidden.shape[-1])))
+def _gather_logits(model, hidden: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+    """Logits at each row's hidden-state columns [start, end) ([B, K, V], rows padded with their last column)."""
+    cols, _ = window_index(spans, hidden.device)
+    return model.logits(hidden.gather(1, cols[..., None].expand(-1, -1, hidden.shape[-1])))
 
 
 def _full_step(row: Row) -> bool:
@@ -45,15 +44,15 @@ def _full_forward(model, canvas: Canvas, cache, gens, full: list[int], block_onl
     sel = slice(None) if slots is None else slots
     mask = None if canvas.mask is None else canvas.mask[sel]
     hidden = model(canvas.x[sel], canvas.pos[sel], mask, cache=cache, slots=slots)
-    regions, idx = [], []
+    regions, spans = [], []
     for b in full:
         r = active[b]
         s, e = r.block_range() if block_only else candidate_region(r, gens[r.index], mask_id)
         regions.append((s, e))
-        idx.append([canvas.gen_start(b) + j for j in range(s, e)])
-    lg = _gather_logits(model, hidden, idx)
+        spans.append((canvas.gen_start(b) + s, canvas.gen_start(b) + e))
+    lg = _gather_logits(model, hidden, spans)
     for i, b in enumerate(full):
-        out[b] = (regions[i], whole_sequence(active[b], regions[i]), lg[i, : len(idx[i])])
+        out[b] = (regions[i], whole_sequence(active[b], regions[i]), lg[i, : regions[i][1] - regions[i][0]])
 
 
 def _window_forward(model, canvas: Canvas, cache, part: list[int], dual: bool, out) -> None:
@@ -83,10 +82,9 @@ def _window_forward(model, canvas: Canvas, cache, part: list[int], dual: bool, o
     bi, wi = valid.nonzero(as_tuple=True)
     mask = None if canvas.mask is None else canvas.mask[sel]
     hidden = model(ids, pos, mask, cache=cache, slots=slots, window=(bi, wi, cols[bi, wi]))
-    idx = [list(range(a, a + active[b].plan.block_length)) for a, b in zip(at, part)]
-    lg = _gather_logits(model, hidden, idx)
+    lg = _gather_logits(model, hidden, [(a, a + active[b].plan.block_length) for a, b in zip(at, part)])
     for i, b in enumerate(part):
-        out[b] = (regions[i], layouts[i], lg[i, : len(idx[i])])
+        out[b] = (regions[i], layouts[i], lg[i, : active[b].plan.block_length])
 
 
 def _commit_all(canvas: Canvas, decided: list, mask_id: int, device) -> None:
@@ -95,16 +93,11 @@ def _commit_all(canvas: Canvas, decided: list, mask_id: int, device) -> None:
     regions = [d[0] for d in decided]
     widths = [e - s for s, e in regions]
     K = max(widths)
-    first = decided[0][2]
-    logits = first.new_empty((len(decided), K, first.shape[-1]))
-    gidx = torch.empty((len(decided), K), dtype=torch.long)
-    for b, ((s, e), _, lg) in enumerate(decided):
-        logits[b, : e - s] = lg
-        if e - s < K:
-            logits[b, e - s:] = lg[-1]
-        g0 = canvas.gen_start(b)
-        gidx[b] = torch.tensor([g0 + min(s + j, e - 1) for j in range(K)])
-    commit(canvas, logits, gidx.to(device), widths, mask_id, [d[1] for d in decided])
+    logits = torch.stack([lg if lg.shape[0] == K else torch.cat([lg, lg[-1:].expand(K - lg.shape[0], -1)])
+                          for _, _, lg in decided])
+    g0 = [canvas.gen_start(b) for b in range(len(decided))]
+    gidx, _ = window_index([(g + s, g + e) for g, (s, e) in zip(g0, regions)], device)    # [B, K]
+    commit(canvas, logits, gidx, widths, mask_id, [d[1] for d in decided])
 
 
 def run_cached(engine, rows: list[Row], fin: Finisher, dual: bool, make_rule=fast_dllm, block_only: bool = False,

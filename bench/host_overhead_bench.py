@@ -1,0 +1,158 @@
+"""The host's share of a denoising step, for every algorithm (not a test: it prints numbers).
+
+What a step costs besides the model: the wall time of ``Engine.generate`` minus the time spent inside the model's
+forward and logits calls (timed around them), per step, at batch 1 and at batch ``--batch``; on a GPU this is what
+stands between one forward and the next. Also counted, per step: the calls that wait for the device on CUDA
+(``Tensor.item``, ``tolist``, ``cpu``, ``numpy``, ``__bool__``/``__int__``/``__float__``, ``nonzero``). Each
+algorithm runs on its family's tiny fixture (tests/fixtures), float32 on CPU, the whole canvas (early exit off).
+
+  python bench/host_overhead_bench.py --batch 32
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from worker.engine import Engine, GenerationParams, Request  # noqa: E402
+from worker.engine import algorithms  # noqa: E402
+
+FIXTURES = {"llada": "tiny-llada", "nemotron": "tiny-nemotron", "dream": "tiny-dream", "sdar": "tiny-sdar",
+            "llada2": "tiny-llada2", "diffusion_gemma": "tiny-diffusion-gemma"}
+SYNCS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "nonzero")
+
+
+@contextlib.contextmanager
+def counting_syncs(counter: list):
+    """Counts the calls that would wait for a GPU. On this CPU run every tensor is a host tensor, so reads of a
+    tensor that a ``.cpu()`` call already brought over (one counted transfer, then free reads on the host) are told
+    apart by their storage; the count is what a CUDA run of the same code would sync."""
+    real = {name: getattr(torch.Tensor, name) for name in SYNCS}
+    copied: set[int] = set()
+
+    def wrap(name, fn):
+        def counted(self, *a, **k):
+            out = fn(self, *a, **k)
+            if name == "cpu":
+                counter[0] += 1
+                copied.add(out.untyped_storage().data_ptr())
+                return out
+            if self.untyped_storage().data_ptr() not in copied:
+                counter[0] += 1
+            return out
+        return counted
+    try:
+        for name, fn in real.items():
+            setattr(torch.Tensor, name, wrap(name, fn))
+        yield
+    finally:
+        for name, fn in real.items():
+            setattr(torch.Tensor, name, fn)
+
+
+class ModelClock:
+    """Times every call into the model (forward, logits, encode, denoise) on the engine's model object."""
+
+    def __init__(self, model):
+        self.model, self.seconds, self.calls = model, 0.0, 0
+        cls = type(model)
+        for name in ("logits", "encode", "denoise"):          # forward runs inside __call__, timed below
+            fn = getattr(cls, name, None)
+            if fn is not None:
+                setattr(model, name, self._timed(getattr(model, name)))
+        # nn.Module.__call__ dispatches to forward through the class: time the call itself too
+        self._call = cls.__call__
+        clock = self
+
+        class Timed(cls):
+            def __call__(self, *a, **k):
+                t = time.perf_counter()
+                try:
+                    return clock._call(self, *a, **k)
+                finally:
+                    clock.seconds += time.perf_counter() - t
+                    clock.calls += 1
+        model.__class__ = Timed
+
+    def _timed(self, fn):
+        def timed(*a, **k):
+            t = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                self.seconds += time.perf_counter() - t
+        return timed
+
+
+def params(alg: str, engine: Engine, gen: int) -> GenerationParams:
+    block = engine.default_block_length or 8
+    if alg == "diffusion_gemma":
+        return GenerationParams(gen_length=gen, block_length=engine.model.cfg.canvas_length, algorithm=alg, seed=1,
+                                extra={"max_denoising_steps": 8})
+    if alg in ("llada2", "llada21", "sdar"):      # steps per block: their defaults (the block's length)
+        return GenerationParams(gen_length=gen, block_length=block, algorithm=alg)
+    thr = 0.9 if alg.startswith("dinfer") else None
+    return GenerationParams(gen_length=gen, block_length=block, steps=gen, algorithm=alg, threshold=thr)
+
+
+def measure(engine: Engine, alg: str, batch: int, gen: int, reps: int) -> tuple[float, float, int]:
+    """(host microseconds per step, device-waiting calls per step, steps) over ``reps`` runs."""
+    rng = random.Random(0)
+    vocab = min(engine.model.cfg.vocab_size if hasattr(engine.model.cfg, "vocab_size") else 250, 250)
+    reqs = [Request([rng.randrange(5, vocab) for _ in range(16)], params(alg, engine, gen)) for _ in range(batch)]
+    engine.generate(reqs[:1], early_exit=False)          # warm-up
+    clock = ModelClock(engine.model)
+    host, syncs, steps = [], [0], 0
+    for _ in range(reps):
+        clock.seconds = 0.0
+        before = syncs[0]
+        t = time.perf_counter()
+        with counting_syncs(syncs):
+            res = engine.generate(reqs, early_exit=False)
+        wall = time.perf_counter() - t
+        n = max(r.nfe for r in res)                       # the batch's steps (its longest row's forwards)
+        host.append((wall - clock.seconds) / n * 1e6)
+        steps = n
+        syncs_per_step = (syncs[0] - before) / n
+    engine.model.__class__ = engine.model.__class__.__mro__[1]
+    return min(host), syncs_per_step, steps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--gen", type=int, default=64)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--only", help="comma-separated algorithm names")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    only = set(args.only.split(",")) if args.only else None
+    engines: dict[str, Engine] = {}
+    print(f"host time per step = wall - time inside the model, minimum of {args.reps} runs; prompts of 16 tokens, "
+          f"{args.gen} generated, float32 CPU, 1 thread")
+    print(f"{'algorithm':<18} {'family':<16} {'us/step b=1':>12} {'us/step b=' + str(args.batch):>13} "
+          f"{'us/row':>8} {'syncs/step b=1':>15} {'b=' + str(args.batch):>7}")
+    for name in sorted(algorithms.REGISTRY):
+        if only and name not in only:
+            continue
+        family = algorithms.REGISTRY[name].families[0]
+        if family not in engines:
+            engines[family] = Engine.from_pretrained(ROOT / "tests" / "fixtures" / FIXTURES[family], device="cpu",
+                                                     dtype="float32")
+        e = engines[family]
+        one, s1, _ = measure(e, name, 1, args.gen, args.reps)
+        many, sn, _ = measure(e, name, args.batch, args.gen, args.reps)
+        print(f"{name:<18} {family:<16} {one:>12.0f} {many:>13.0f} {(many - one) / (args.batch - 1):>8.1f} "
+              f"{s1:>15.1f} {sn:>7.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
