@@ -279,9 +279,9 @@ class Canvas:
 def window_index(spans: list[tuple[int, int]], device) -> tuple[torch.Tensor, torch.Tensor]:
     """For window forwards: ``cols`` [B, W] the canvas columns of each row's window [start, end) (padded with its last
     column) and ``valid`` [B, W] which of them are real (W = the widest window)."""
+    W = max(e - s for s, e in spans)
     bounds = torch.tensor(spans)
     s, e = bounds[:, 0], bounds[:, 1]
-    W = int((e - s).max())
     j = torch.arange(W)
     cols = torch.minimum(s[:, None] + j[None, :], (e - 1)[:, None])
     valid = j[None, :] < (e - s)[:, None]
