@@ -87,6 +87,13 @@ class ServeConfig:
         return to_args(WorkerConfig, values) + ["--log-level", self.log_level] + self.worker_args
 
 
+def cpu_share(workers: int) -> int:
+    """Each of ``workers`` CPU workers' torch threads: an equal share of the cores this process may use. Workers
+    that each take every core wait on one another's threads (OpenMP spins at its barriers): with two on two cores,
+    requests took minutes instead of a second."""
+    return max(1, len(os.sched_getaffinity(0)) // max(1, workers))
+
+
 def _die_with_parent() -> None:
     """Child side (Linux): receive SIGTERM when the supervisor dies, however it dies: no orphan workers."""
     try:
@@ -190,6 +197,8 @@ class Supervisor:
         else:
             env["CUDA_VISIBLE_DEVICES"] = ""
             args += ["--device", "cpu"]
+            if not c.worker.get("threads"):
+                args += ["--threads", str(cpu_share(c.cpu_workers))]
         logf = open(w.log_path, "ab")
         logf.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} starting worker {w.index} on "
                    f"{'GPU ' + w.gpu if w.gpu is not None else 'CPU'}: {' '.join(args)}\n".encode())

@@ -65,6 +65,10 @@ class WorkerConfig:
     long_row_share: float = setting(0.5, "Share of --batch-size that long rows may hold (at least one row).",
                                     type=click.FloatRange(0, 1))
     device: str = setting("auto", "cuda, cuda:N, cpu or auto.")
+    threads: int = setting(0, "Threads for torch's CPU work (intra-op). 0: torch's default, every core this "
+                              "process may use; `serve` gives each of its CPU workers an equal share of the cores "
+                              "instead (workers sharing cores with all threads each wait on one another: tens of "
+                              "times slower).", type=click.IntRange(0))
     tensor_parallel_size: int = setting(1, "Ranks of this worker (torch.distributed: NCCL on CUDA, gloo on the CPU): "
                                            "attention heads, MLP channels and the vocabulary split over them, MoE "
                                            "experts too (expert parallelism). Rank r uses cuda:<the --device index + "

@@ -296,7 +296,7 @@ def _gpu_ids(gpus: int | None, gpu_ids: str | None, workers: int | None = None) 
 SERVE_WORKER = ("default_algorithm", "default_max_tokens", "dtype", "score_mc_num", "score_batch_size",
                 "score_cfg_scale", "score_window", "served_model_name", "compile", "continuous_batching",
                 "max_batch_tokens", "switch_wait", "max_request_cost", "long_row_cost", "long_row_share",
-                "tensor_parallel_size", "rank_timeout", "prefix_cache_gb")
+                "tensor_parallel_size", "rank_timeout", "prefix_cache_gb", "threads")
 
 
 @main.command()
@@ -323,6 +323,8 @@ SERVE_WORKER = ("default_algorithm", "default_max_tokens", "dtype", "score_mc_nu
                                      "(docs/operations.md, \"Tensor parallelism\")."},
     "rank_timeout": {"flags": ("--rank-timeout", "--worker-rank-timeout")},
     "prefix_cache_gb": {"flags": ("--prefix-cache-gb", "--worker-prefix-cache-gb")},
+    "threads": {"help": "torch CPU threads per CPU worker (0: the cores this process may use, shared equally "
+                        "among the CPU workers)."},
     "default_max_tokens": {"help": "max_tokens when a request gives none (default: the checkpoint's "
                                    "generation_config.json max_new_tokens, else 256)."},
     "served_model_name": {"help": "Model id in the API (default, as vLLM: a checkpoint directory's absolute path, "

@@ -129,6 +129,9 @@ class Cluster:
     """N real workers on the fixture plus a balancer, as subprocesses."""
 
     def __init__(self, tmp: Path, model: Path, n: int = 2, worker_args=(), balancer_args=()):
+        if "--threads" not in worker_args:      # as `serve` does: an equal share of the cores each
+            from balancer.supervisor import cpu_share
+            worker_args = (*worker_args, "--threads", str(cpu_share(n)))
         self.workers = [start_worker(tmp, model, *worker_args, name=f"worker{i}") for i in range(n)]
         port = free_port()
         urls = ",".join(w.url for w in self.workers)

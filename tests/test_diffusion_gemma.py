@@ -271,3 +271,21 @@ def test_a_cancelled_row_leaves_the_others_exact(engine, golden):
     res = engine.generate([Request(c["prompt"], params(c)) for c in cases], hooks=StepHooks(is_cancelled=gone))
     assert res[2].finish_reason == "cancelled"
     assert [i for i, (r, c) in enumerate(zip(res, cases)) if i != 2 and not same(r, c, max_tokens(c))] == []
+
+
+def test_every_denoising_step_is_progress_for_health(engine, golden, monkeypatch):
+    """The worker's /health reports the time since the last step (the balancer's stall rule reads it): every
+    denoising step must stamp it, not only a canvas's end (a canvas runs up to max_denoising_steps steps; a worker
+    was judged stalled mid-canvas under load before)."""
+    stamps = []
+    cls = type(engine)
+
+    class Watched(cls):
+        def __setattr__(self, name, value):
+            if name == "last_step_time":
+                stamps.append(value)
+            super().__setattr__(name, value)
+    monkeypatch.setattr(engine, "__class__", Watched)
+    c = max(golden["cases"], key=lambda c: c["decoder_forwards"])
+    r = engine.generate([Request(c["prompt"], params(c))])[0]
+    assert r.nfe == c["decoder_forwards"] and len(stamps) >= r.nfe

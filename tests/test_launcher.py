@@ -204,7 +204,8 @@ def _info(path: Path) -> dict:
 
 @pytest.mark.slow
 def test_serve_local_restarts_a_killed_worker_and_stops_cleanly(tmp_path):
-    """Two CPU workers and a balancer with one front process (--http-processes 2): nothing left after SIGTERM."""
+    """Two CPU workers (an equal share of the cores each) and a balancer with one front process (--http-processes
+    2): nothing left after SIGTERM."""
     port, wport = free_port(), free_port(2)
     info = tmp_path / "server.env"
     log = open(tmp_path / "serve.log", "wb")
@@ -224,6 +225,10 @@ def test_serve_local_restarts_a_killed_worker_and_stops_cleanly(tmp_path):
         assert status == 200 and body["model"] == str(ROOT / "worker" / "demo_model")
         while get_json(url + "/health")[1]["healthy_workers"] < 2:
             time.sleep(0.2)
+        # the cores shared among the CPU workers (each taking all of them made both tens of times slower)
+        from balancer.supervisor import cpu_share
+        assert [get_json(f"http://127.0.0.1:{wport + i}/health")[1]["cpu_threads"] for i in range(2)] == \
+            [cpu_share(2)] * 2
         children = psutil.Process(p.pid).children(recursive=True)
         assert sorted("balancer.front" in " ".join(c.cmdline()) for c in children) == [False, False, True]
         assert sorted(f.name for f in (tmp_path / "logs").iterdir()) == ["worker-0.log", "worker-1.log"]

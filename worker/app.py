@@ -75,6 +75,7 @@ class WorkerState:
     steps: object = None                         # worker.stepclock.StepClock, once loaded (/health step_seconds_max)
     instance_id: str = field(default_factory=lambda: secrets.token_hex(8))      # this process, on /health
     tokens_generated: int = 0                    # completion tokens answered since the start (/health)
+    cpu_threads: int | None = None              # torch intra-op threads (/health; --threads)
     launch_id: str | None = field(default_factory=lambda: os.environ.get("DLLM_LAUNCH_ID") or None)
 
     @property
@@ -319,6 +320,7 @@ async def health(request: web.Request) -> web.Response:
         "family": e.family if e else None,
         "device": str(e.device) if e else state.config.device,
         "tensor_parallel_size": state.config.tensor_parallel_size,
+        "cpu_threads": state.cpu_threads,
         **({"ranks": e.ranks.describe()} if getattr(e, "ranks", None) is not None else {}),
         "prefix_cache": e.prefix_cache.stats() if getattr(e, "prefix_cache", None) is not None else None,
         "tokens_generated": state.tokens_generated,
@@ -428,6 +430,10 @@ async def _load(app: web.Application) -> None:
     state = app[STATE]
     c = state.config
     try:
+        import torch
+        if c.threads:
+            torch.set_num_threads(c.threads)
+        state.cpu_threads = torch.get_num_threads()
         if c.simulate_device is not None:
             from worker.simulated import SimulatedEngine
             engine = await asyncio.get_running_loop().run_in_executor(

@@ -371,6 +371,9 @@ class _Batch:
             g = self.groups[name]
             try:
                 next(g.steps)
+                # a step is done (every algorithm yields once per step; DiffusionGemma's finisher is told only when
+                # a canvas ends): the progress /health reports, which the balancer's stall rule reads
+                self.engine.last_step_time = time.monotonic()
                 g.charge()
             except StopIteration:      # rows that came for it after its last step start the next group
                 rest = self.groups.pop(name).inbox
