@@ -288,8 +288,8 @@ def test_a_frozen_worker_is_stalled_in_seconds_and_its_rows_answered_elsewhere(t
     body = {"max_tokens": 128, "block_length": 32, "steps": 128, "ignore_eos": True}    # 128 steps: ~2.6 s
     small = {"prompt": [9, 10], "max_tokens": 4, "steps": 4}
 
-    async def one(s, b, t0=None):
-        async with s.post(c.url + "/v1/completions", json=b, timeout=aiohttp.ClientTimeout(total=90)) as r:
+    async def one(s, b, t0=None, url=None):
+        async with s.post((url or c.url) + "/v1/completions", json=b, timeout=aiohttp.ClientTimeout(total=90)) as r:
             raw = await r.text()
         done = time.monotonic() - (t0 or 0)
         if not b.get("stream"):
@@ -302,10 +302,12 @@ def test_a_frozen_worker_is_stalled_in_seconds_and_its_rows_answered_elsewhere(t
         c.wait_ready()
         want = {}
 
-        async def reference():            # each prompt's answer, before any fault
-            async with aiohttp.ClientSession() as s:
-                for k in range(4):
-                    want[k] = (await one(s, {**body, "prompt": [k + 5, 6]}))[1]
+        async def reference():            # each prompt's answer, before any fault, from each worker at once (both
+            async with aiohttp.ClientSession() as s:     # then know their step time, which the stall rule needs)
+                got = await asyncio.gather(*(one(s, {**body, "prompt": [k + 5, 6]}, url=w.url)
+                                             for w in c.workers for k in range(4)))
+                assert [g[1] for g in got[:4]] == [g[1] for g in got[4:]]
+                want.update((k, g[1]) for k, g in enumerate(got[:4]))
         asyncio.run(reference())
         served0 = sum(w["requests_served"] for w in get_json(c.url + "/stats")[1]["workers"])
         results, small_result, t0 = [], [], []
