@@ -221,3 +221,19 @@ def test_worker_and_balancer_serve_the_family(tmp_path, dream_golden):
         assert status == 400 and "dream" in r["error"]["message"]
     finally:
         cl.stop()
+
+
+def test_the_schedules_transfer_counts_computed_on_the_host_are_the_references():
+    """``int(m * (1 - t[i+1] / t[i]))`` is computed on the host from ratios read once per row (a read per step and
+    row would each wait for a GPU): it must equal the reference's float32 tensor arithmetic for every count."""
+    from worker.engine.algorithms.dream import ratios, transfer_count
+    from worker.engine.params import GenerationParams
+    counts = torch.arange(0, 4097)
+    for total in (2, 3, 7, 16, 100, 256, 999):
+        for eps in (1e-3, 0.1, 0.5):
+            t = torch.linspace(1, eps, total + 1)
+            got = ratios(GenerationParams(extra={"eps": eps}), total, "cpu")
+            for i in sorted({0, 1, total // 2, total - 2}):
+                want = (counts / 1 * (1 - t[i + 1] / t[i])).long().tolist()      # the reference's, per count
+                assert [transfer_count(m, got[i], False) for m in range(4097)] == want, (total, eps, i)
+    assert transfer_count(37, 0.25, True) == 37

@@ -20,6 +20,7 @@ Randomness (``origin``, ``temperature > 0``, ``alg_temp > 0``) comes from the ro
 Masks inside the prompt are decoded too, as the reference does (infilling)."""
 from __future__ import annotations
 
+import struct
 from dataclasses import replace
 
 import torch
@@ -82,20 +83,38 @@ def total_steps(row: Row) -> int:
     return row.params.steps or row.plan.gen_length
 
 
+def ratios(p: GenerationParams, total: int, device) -> list[float]:
+    """The schedule's ``1 - t[i+1] / t[i]`` for every step i of ``timesteps = linspace(1, eps, total + 1)``: the
+    reference's float32 arithmetic on the device, read once per row (not once per step: each read waits for the
+    device). Each is a float32 value, exact as a Python float."""
+    t = torch.linspace(1, p.extra["eps"], total + 1, device=device)
+    return (1 - t[1:] / t[:-1]).tolist()
+
+
+def _float32(x: float) -> float:
+    """``x`` rounded to the nearest float32 (a float32 multiplication's result: the product of two float32 values
+    is exact in a Python float, then rounded once, as the device rounds it)."""
+    return struct.unpack("f", struct.pack("f", x))[0]
+
+
+def transfer_count(m: int, ratio: float, last: bool) -> int:
+    """The reference's ``int(num_mask_token * (1 - s / t))`` (``int(num_mask_token)`` at the last step), with
+    ``num_mask_token = mask_index.sum() / 1`` the float32 count ``m`` (exact below 2**24) and ``ratio`` from
+    :func:`ratios`: the same float32 product and truncation, computed on the host."""
+    return m if last else int(_float32(float(m) * ratio))
+
+
 def decide(p: GenerationParams, g: torch.Generator | None, logits: torch.Tensor, where: torch.Tensor, length: int,
-           timesteps: torch.Tensor, i: int, total: int, alg: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Step ``i`` of ``total`` of the schedule: ``logits`` [m, V] at the masked positions ``where`` (ascending
-    indices into the reference's vector of ``length`` positions: the row, or a cached step's window). Returns
-    (positions to write, their tokens)."""
-    last = i >= total - 1
-    ratio = 1 - timesteps[i + 1] / timesteps[i]          # 0-d float32, as the reference's ``1 - s / t``
-    if alg == "origin":
+           ratio: float, last: bool, alg: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A step of the schedule (``ratio``: its ``1 - t[i+1] / t[i]`` from :func:`ratios`; ``last``: the schedule's
+    last step): ``logits`` [m, V] at the masked positions ``where`` (ascending indices into the reference's vector
+    of ``length`` positions: the row, or a cached step's window). Returns (positions to write, their tokens)."""
+    if alg == "origin":      # a float32 tensor against the float32 value: the reference's comparison
         draw = torch.rand(where.shape[0], device=logits.device, generator=g) < (1 if last else ratio)
         _, x0 = sample_tokens(logits[draw], p, g, "probability")
         return where[draw], x0
     conf, x0 = sample_tokens(logits, p, g, CONFIDENCE[alg])
-    m = torch.tensor(where.shape[0], device=logits.device) / 1      # the reference's mask_index.sum() / batch
-    n = int(m) if last else int(m * ratio)
+    n = transfer_count(where.shape[0], ratio, last)
     if n <= 0:
         return where[:0], x0[:0]
     full = torch.full((1, length), float("-inf"), dtype=conf.dtype, device=conf.device)
@@ -113,14 +132,13 @@ def decide(p: GenerationParams, g: torch.Generator | None, logits: torch.Tensor,
 def run(engine, rows: list[Row], fin: Finisher) -> None:
     model, mask_id, dev = engine.model, engine.mask_id, engine.model.device
     canvas = Canvas(rows, mask_id, engine.pad_id, dev)
-    steps = {r.index: torch.linspace(1, r.params.extra["eps"], total_steps(r) + 1, device=dev) for r in rows}
+    steps = {r.index: ratios(r.params, total_steps(r), dev) for r in rows}
     while canvas.rows:
         new = between_steps(canvas, fin)
         if new is None:
             break
         if new:
-            steps.update({r.index: torch.linspace(1, r.params.extra["eps"], total_steps(r) + 1, device=dev)
-                          for r in new})
+            steps.update({r.index: ratios(r.params, total_steps(r), dev) for r in new})
         x, W = canvas.x, canvas.x.shape[1]
         hidden = model(x, canvas.pos, canvas.mask)
         off = torch.tensor(canvas.offsets, device=dev)
@@ -136,7 +154,7 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
             if n:
                 o = canvas.offsets[b]
                 cols, tokens = decide(r.params, r.generator, logits[start:start + n], ci[start:start + n] - o, W - o,
-                                      steps[r.index], r.step, total_steps(r), r.params.extra["alg"])
+                                      steps[r.index][r.step], r.step >= total_steps(r) - 1, r.params.extra["alg"])
                 x[b, cols + o] = tokens
                 record_row_logprobs(r, ci[start:start + n] - o, cols, cols - r.plan.prompt_length, tokens,
                                     logits[start:start + n])

@@ -24,7 +24,7 @@ import torch
 from ..params import GenerationParams, ParamError
 from ..rows import Canvas, Finisher, Row, between_steps, record_row_logprobs, window_index
 from . import Algorithm, ParamInfo, register
-from .dream import DREAM_PARAMS, check_sampling, decide, sample_tokens
+from .dream import DREAM_PARAMS, check_sampling, decide, ratios, sample_tokens
 
 
 def steps_per_block(row: Row) -> int:
@@ -86,9 +86,13 @@ def _block_steps(model, canvas: Canvas, cache, part: list[int], starts: list[int
     hidden = model(ids, canvas.pos[sel].gather(1, cols), mask, cache=cache, slots=slots,
                    window=(bi, wi, cols[bi, wi]))
     bl = [active[b].plan.block_length for b in part]
-    masked = [(ids[i, :bl[i]] == mask_id).nonzero(as_tuple=True)[0] for i in range(len(part))]
-    src_b = torch.cat([torch.full_like(m, i) for i, m in enumerate(masked)])
-    src_w = torch.cat([(m - 1).clamp(min=0) for m in masked])           # shifted within the window
+    top = max(bl)          # each row's block: the first bl[i] positions of its window; one read for all rows
+    in_block = ids[:, :top] == mask_id
+    if min(bl) < top:
+        in_block &= torch.arange(top, device=dev)[None, :] < torch.tensor(bl, device=dev)[:, None]
+    src_b, where_all = in_block.nonzero(as_tuple=True)
+    masked = torch.split(where_all, in_block.sum(1).tolist())
+    src_w = (where_all - 1).clamp(min=0)           # shifted within the window
     logits = model.logits(hidden[src_b, src_w]) if len(src_b) else None
     at = 0
     for i, b in enumerate(part):
@@ -104,8 +108,8 @@ def _block_steps(model, canvas: Canvas, cache, part: list[int], starts: list[int
                 record_row_logprobs(r, where, pick, r.block * r.plan.block_length + pick, tokens, lg)
         else:
             if n:
-                pick, tokens = decide(r.params, r.generator, lg, where, length, timesteps[r.index],
-                                      r.step, spb, "entropy")
+                pick, tokens = decide(r.params, r.generator, lg, where, length, timesteps[r.index][r.step],
+                                      r.step >= spb - 1, "entropy")
                 x[b, starts[b] + pick] = tokens
                 record_row_logprobs(r, where, pick, r.block * r.plan.block_length + pick, tokens, lg)
             r.step += 1
@@ -157,7 +161,8 @@ def run_dream_cache(engine, rows: list[Row], fin: Finisher, dual: bool) -> None:
 
     def setup(new: list[Row]) -> None:
         for r in new:
-            timesteps[r.index] = torch.linspace(1, r.params.extra["eps"], steps_per_block(r) + 1, device=dev)
+            if r.params.threshold is None:
+                timesteps[r.index] = ratios(r.params, steps_per_block(r), dev)
             r.block, r.step = 0, 0      # step 0 = the block's full forward; then i = 1, 2, ... as the reference's
 
     setup(rows)
