@@ -11,10 +11,12 @@ algorithm runs on its family's tiny fixture (tests/fixtures), float32 on CPU, th
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import random
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -31,22 +33,30 @@ SYNCS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "
 
 
 @contextlib.contextmanager
-def counting_syncs(counter: list):
+def counting_syncs(counter: list, sites: collections.Counter | None = None):
     """Counts the calls that would wait for a GPU. On this CPU run every tensor is a host tensor, so reads of a
     tensor that a ``.cpu()`` call already brought over (one counted transfer, then free reads on the host) are told
     apart by their storage; the count is what a CUDA run of the same code would sync."""
     real = {name: getattr(torch.Tensor, name) for name in SYNCS}
     copied: set[int] = set()
 
+    def counted_at(name: str) -> None:
+        counter[0] += 1
+        if sites is not None:         # the innermost frame in the project's worker/ code
+            for f in reversed(traceback.extract_stack()[:-2]):
+                if "/worker/" in f.filename:
+                    sites[f"{name} at {Path(f.filename).name}:{f.lineno}"] += 1
+                    break
+
     def wrap(name, fn):
         def counted(self, *a, **k):
             out = fn(self, *a, **k)
             if name == "cpu":
-                counter[0] += 1
+                counted_at(name)
                 copied.add(out.untyped_storage().data_ptr())
                 return out
             if self.untyped_storage().data_ptr() not in copied:
-                counter[0] += 1
+                counted_at(name)
             return out
         return counted
     try:
@@ -103,7 +113,8 @@ def params(alg: str, engine: Engine, gen: int) -> GenerationParams:
     return GenerationParams(gen_length=gen, block_length=block, steps=gen, algorithm=alg, threshold=thr)
 
 
-def measure(engine: Engine, alg: str, batch: int, gen: int, reps: int) -> tuple[float, float, int]:
+def measure(engine: Engine, alg: str, batch: int, gen: int, reps: int,
+            sites: collections.Counter | None = None) -> tuple[float, float, int]:
     """(host microseconds per step, device-waiting calls per step, steps) over ``reps`` runs."""
     rng = random.Random(0)
     vocab = min(engine.model.cfg.vocab_size if hasattr(engine.model.cfg, "vocab_size") else 250, 250)
@@ -115,7 +126,7 @@ def measure(engine: Engine, alg: str, batch: int, gen: int, reps: int) -> tuple[
         clock.seconds = 0.0
         before = syncs[0]
         t = time.perf_counter()
-        with counting_syncs(syncs):
+        with counting_syncs(syncs, sites):
             res = engine.generate(reqs, early_exit=False)
         wall = time.perf_counter() - t
         n = max(r.nfe for r in res)                       # the batch's steps (its longest row's forwards)
@@ -132,6 +143,8 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--only", help="comma-separated algorithm names")
+    ap.add_argument("--where", action="store_true", help="also print where the device-waiting calls are, per step "
+                    "at --batch (slower: a stack per call)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     only = set(args.only.split(",")) if args.only else None
@@ -152,6 +165,11 @@ def main() -> None:
         many, sn, _ = measure(e, name, args.batch, args.gen, args.reps)
         print(f"{name:<18} {family:<16} {one:>12.0f} {many:>13.0f} {(many - one) / (args.batch - 1):>8.1f} "
               f"{s1:>15.1f} {sn:>7.1f}", flush=True)
+        if args.where:
+            sites: collections.Counter = collections.Counter()
+            _, _, steps = measure(e, name, args.batch, args.gen, 1, sites)
+            for site, n in sites.most_common(8):
+                print(f"    {n / steps:6.1f}/step  {site}")
 
 
 if __name__ == "__main__":

@@ -100,3 +100,47 @@ def test_rows_ranked_together_choose_what_each_row_alone_chooses():
             idx = want[b]
             alone[idx[(idx >= 0) & (idx < widths[b])]] = True
             assert torch.equal(chosen[b], alone), (trial, b)
+
+
+def test_block_rows_choose_together_as_each_alone():
+    """SDAR's and LLaDA2's rows choose their positions in one pass (block_causal.choose_rows, no read of the device
+    per row): the same positions as each row's reference rule alone, with ties (probabilities on a coarse grid),
+    counts above the masks left and every strategy."""
+    from worker.engine.algorithms.block_causal import choose_rows
+
+    def alone(strategy, masked, prob, n, threshold, only_masked):
+        out = torch.zeros_like(masked)
+        if strategy == "sequential":
+            first = int(masked.nonzero()[0, 0])
+            out[first:first + n] = True
+            return out
+        conf = torch.where(masked, prob, float("-inf"))
+        if threshold is not None:
+            high = conf > threshold
+            if int(high.sum()) >= n:
+                return high
+        out[torch.topk(conf, min(n, int(masked.sum())) if only_masked else n)[1]] = True
+        return out
+
+    g = torch.Generator().manual_seed(0)
+    for only_masked in (True, False):
+        for _ in range(60):
+            rows = []
+            for _ in range(int(torch.randint(1, 9, (1,), generator=g))):
+                width = (4, 8)[int(torch.randint(0, 2, (1,), generator=g))]
+                masked = torch.rand(width, generator=g) < 0.6
+                masked[int(torch.randint(0, width, (1,), generator=g))] = True
+                prob = torch.randint(0, 4, (width,), generator=g).float() / 4
+                strategy = ("sequential", "low_confidence_static", "low_confidence_dynamic")[
+                    int(torch.randint(0, 3, (1,), generator=g))]
+                threshold = (None, 0.5, 0.25)[int(torch.randint(0, 3, (1,), generator=g))]
+                if strategy != "low_confidence_dynamic":
+                    threshold = None
+                n = int(torch.randint(0, width + 1, (1,), generator=g))
+                if strategy == "sequential":
+                    n = min(n, width)
+                rows.append((strategy, masked, prob, n, threshold))
+            got = choose_rows([r[1] for r in rows], [r[2] for r in rows], [r[3] for r in rows],
+                              [r[4] for r in rows], [r[0] for r in rows], only_masked)
+            for r, o in zip(rows, got):
+                assert torch.equal(o, alone(*r, only_masked)), (r, o)

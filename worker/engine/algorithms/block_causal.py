@@ -28,6 +28,42 @@ def check_common(p: GenerationParams, name: str, takes: str) -> None:
         raise ParamError("algorithm_params", f"{name}: top_p must be in (0, 1], got {p.extra['top_p']!r}")
 
 
+def choose_rows(masked: list[torch.Tensor], prob: list[torch.Tensor], n: list[int], threshold: list[float | None],
+                strategy: list[str], only_masked: bool) -> list[torch.Tensor]:
+    """Which positions of each row's block this step writes (bool [block_length] per row), for every row at once
+    and without reading anything back from the device: ``masked`` / ``prob`` per row, ``n`` its scheduled count.
+    A row's rule, as its reference's: ``sequential``: the n positions from its first masked one; otherwise with a
+    ``threshold`` the masked positions whose probability exceeds it when there are at least n of them, else (and
+    without a threshold) the n most probable masked ones by ``torch.topk`` over the block, masked positions ranked
+    at ``-inf`` (``only_masked``: LLaDA2's ``min(n, masks left)``: the masked positions among them; SDAR writes all
+    n). Rows whose blocks have the same length and whose n is the same are ranked by one 2-D topk, each row exactly as
+    alone (ties included; tests/test_sampling.py)."""
+    out: list[torch.Tensor | None] = [None] * len(masked)
+    groups: dict[tuple[int, int], list[int]] = {}
+    for i, m in enumerate(masked):
+        groups.setdefault((m.shape[0], n[i]), []).append(i)
+    for (width, k), members in groups.items():
+        dev = masked[members[0]].device
+        m = torch.stack([masked[i] for i in members])
+        col = torch.arange(width, device=dev)[None, :]
+        conf = torch.where(m, torch.stack([prob[i] for i in members]), float("-inf"))
+        top = torch.zeros_like(m).scatter_(1, torch.topk(conf, k, dim=-1)[1], True) if k else torch.zeros_like(m)
+        if only_masked:
+            top &= m
+        seq = [j for j, i in enumerate(members) if strategy[i] == "sequential"]
+        if seq:             # the first masked position: argmax gives the first of the maxima
+            first = m[seq].to(torch.uint8).argmax(1, keepdim=True)
+            top[seq] = (col >= first) & (col < first + k)
+        dyn = [j for j, i in enumerate(members) if threshold[i] is not None and strategy[i] != "sequential"]
+        if dyn:
+            thr = torch.tensor([threshold[members[j]] for j in dyn], dtype=conf.dtype, device=dev)[:, None]
+            high = conf[dyn] > thr
+            top[dyn] = torch.where((high.sum(1) >= k)[:, None], high, top[dyn])
+        for j, i in enumerate(members):
+            out[i] = top[j]
+    return out
+
+
 class BlockBatch:
     """``x`` [B, W] and ``cache`` for the ``active`` rows; ``setup(row)`` is called for every row as it arrives.
 

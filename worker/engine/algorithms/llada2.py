@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from ..params import GenerationParams, ParamError
 from ..rows import Finisher, Row, record_block_logprobs
 from . import Algorithm, ParamInfo, register
-from .block_causal import BlockBatch, check_common
+from .block_causal import BlockBatch, check_common, choose_rows
 from .sdar import check_plan, sample as sample_filtered, transfer_schedule
 
 
@@ -40,17 +40,6 @@ def sample(logits: torch.Tensor, p: GenerationParams, g: torch.Generator | None)
     return sample_filtered(logits, p, g)
 
 
-def choose(masked: torch.Tensor, prob: torch.Tensor, n: int, threshold: float) -> torch.Tensor:
-    """Which of the block's positions this step commits (bool [block_length])."""
-    conf = torch.where(masked, prob, float("-inf"))
-    high = conf > threshold
-    if int(high.sum()) >= n:
-        return high
-    out = torch.zeros_like(masked)
-    out[torch.topk(conf, min(n, int(masked.sum())))[1]] = True
-    return out
-
-
 def sample21(logits: torch.Tensor, p: GenerationParams, g: torch.Generator | None):
     """LLaDA2.1's sampler: greedy is the logits' argmax (2.0 takes the softmax's)."""
     if p.temperature == 0:
@@ -59,21 +48,12 @@ def sample21(logits: torch.Tensor, p: GenerationParams, g: torch.Generator | Non
     return sample_filtered(logits, p, g)
 
 
-def step21(s: "_State", cur: torch.Tensor, logits: torch.Tensor, p: GenerationParams, r: Row, start: int,
-           mask_id: int) -> torch.Tensor:
-    """One LLaDA2.1 step on a block (``cur``): unmask by threshold (at least ``num_to_transfer``), and edit every
-    generated (not prompt, not masked) position whose new token differs with probability above
-    ``editing_threshold``. Returns the block's new tokens; sets ``s.post`` / ``s.idle`` for the end rule."""
-    masked = cur == mask_id
-    any_masked = bool(masked.any())
-    if not any_masked:
-        s.post += 1
-    token, prob = sample21(logits, p, r.generator)
-    write = choose(masked, prob, p.extra["num_to_transfer"], p.threshold) if any_masked else torch.zeros_like(masked)
+def edits21(cur: torch.Tensor, token: torch.Tensor, prob: torch.Tensor, p: GenerationParams, r: Row, start: int,
+            mask_id: int) -> torch.Tensor:
+    """LLaDA2.1's edits on a block (``cur``): every generated (not prompt, not masked) position whose new token
+    differs with probability above ``editing_threshold`` (bool [block_length])."""
     generated = torch.arange(start, start + cur.shape[0], device=cur.device) >= r.plan.prompt_length
-    edit = ~masked & generated & (prob > p.extra["editing_threshold"]) & (token != cur)
-    s.idle = not any_masked and not bool(edit.any())
-    return torch.where(write | edit, token, cur)
+    return (cur != mask_id) & generated & (prob > p.extra["editing_threshold"]) & (token != cur)
 
 
 class _State:
@@ -118,19 +98,39 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
                             for b, r in enumerate(active)], device=dev)
         logits = model.logits(hidden[torch.arange(len(active), device=dev)[:, None], idx]).float()
         x = batch.x
+        cur, picked, counts, flags = [], [], [], {}
+        for b, r in enumerate(active):
+            s, bl, p = state[r.index], r.params.block_length, r.params
+            cur.append(x[b, s.block * bl:(s.block + 1) * bl])
+            if p.algorithm == "llada21":
+                picked.append(sample21(logits[b, :bl], p, r.generator))
+                counts.append(p.extra["num_to_transfer"])
+            else:
+                picked.append(sample(logits[b, :bl], p, r.generator))
+                counts.append(transfer_schedule(bl, p.extra["denoising_steps"])[s.step])
+        # every row's unmasking by threshold (at least its count, at most the masks left) in one pass: no read of
+        # the device per row (a block without masks unmasks nothing)
+        masked = [c == mask_id for c in cur]
+        write = choose_rows(masked, [q[1] for q in picked], counts, [r.params.threshold for r in active],
+                            ["threshold"] * len(active), True)
         for b, r in enumerate(active):
             s, bl, p = state[r.index], r.params.block_length, r.params
             start = s.block * bl
-            cur = x[b, start:start + bl]
+            token, prob = picked[b]
             if p.algorithm == "llada21":
-                new = step21(s, cur, logits[b, :bl], p, r, start, mask_id)
+                edit = edits21(cur[b], token, prob, p, r, start, mask_id)
+                flags[b] = torch.stack([masked[b].any(), edit.any()])
+                new = torch.where(write[b] | edit, token, cur[b])
             else:
-                token, prob = sample(logits[b, :bl], p, r.generator)
-                sched = transfer_schedule(bl, p.extra["denoising_steps"])
-                new = torch.where(choose(cur == mask_id, prob, sched[s.step], p.threshold), token, cur)
+                new = torch.where(write[b], token, cur[b])
             if r.logprobs is not None:
-                record_block_logprobs(r, cur, new, start, logits[b, :bl])
+                record_block_logprobs(r, cur[b], new, start, logits[b, :bl])
             x[b, start:start + bl] = new
+        if flags:                  # LLaDA2.1's end rule: whether each block had masks, whether a step edited (one read)
+            for b, (had_masks, edited) in zip(flags, torch.stack(list(flags.values())).cpu().tolist()):
+                s = state[active[b].index]
+                s.post += not had_masks
+                s.idle = not had_masks and not edited
         xc = x.cpu()
         for b, r in enumerate(active):
             s, bl = state[r.index], r.params.block_length
@@ -142,7 +142,7 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
             s.step += 1
             start = s.block * bl
             schedule_done = False
-            masks_left = xc[b, start:start + bl].eq(mask_id).any().item()
+            masks_left = mask_id in xc[b, start:start + bl].tolist()      # the host copy: no device read
             if r.params.algorithm == "llada21":
                 # the reference's loop ends when a step after the masks neither unmasks nor edits, or before the
                 # forward that would exceed max_post_steps

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from ..params import GenerationParams, ParamError, Plan
 from ..rows import Finisher, Row, record_block_logprobs
 from . import Algorithm, ParamInfo, register
-from .block_causal import BlockBatch, check_common
+from .block_causal import BlockBatch, check_common, choose_rows
 
 STRATEGIES = ("low_confidence_dynamic", "low_confidence_static", "sequential")
 
@@ -60,22 +60,6 @@ def sample(logits: torch.Tensor, p: GenerationParams, g: torch.Generator | None)
     probs = F.softmax(logits, dim=-1)
     token = torch.multinomial(probs, num_samples=1, generator=g)
     return token[:, 0], torch.gather(probs, -1, token)[:, 0]
-
-
-def choose(strategy: str, masked: torch.Tensor, prob: torch.Tensor, n: int, threshold: float) -> torch.Tensor:
-    """Which of the block's positions this step writes (bool [block_length])."""
-    out = torch.zeros_like(masked)
-    if strategy == "sequential":
-        first = int(masked.nonzero()[0, 0])
-        out[first:first + n] = True
-        return out
-    conf = torch.where(masked, prob, float("-inf"))
-    if strategy == "low_confidence_dynamic":
-        high = conf > threshold
-        if int(high.sum()) >= n:
-            return high
-    out[torch.topk(conf, n)[1]] = True
-    return out
 
 
 class _State:
@@ -123,18 +107,26 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
                                 for b in den], device=dev)
             logits = model.logits(hidden[torch.tensor(den, device=dev)[:, None], idx])
         x, xc = batch.x, None
+        cur, picked = [], []
         for i, b in enumerate(den):
             r = active[b]
-            s, bl, p = state[r.index], r.params.block_length, r.params
+            s, bl = state[r.index], r.params.block_length
+            cur.append(x[b, s.block * bl:(s.block + 1) * bl])
+            picked.append(sample(logits[i, :bl], r.params, r.generator))
+        if den:                    # the rows choose together (no per-row read of the device)
+            ps = [active[b].params for b in den]
+            write = choose_rows([c == mask_id for c in cur], [q[1] for q in picked],
+                                [transfer_schedule(p.block_length, p.extra["denoising_steps"])[
+                                    state[active[b].index].step] for b, p in zip(den, ps)],
+                                [p.threshold if p.extra["remasking_strategy"] == "low_confidence_dynamic" else None
+                                 for p in ps], [p.extra["remasking_strategy"] for p in ps], False)
+        for i, b in enumerate(den):
+            r = active[b]
+            s, bl = state[r.index], r.params.block_length
             start = s.block * bl
-            cur = x[b, start:start + bl]
-            masked = cur == mask_id
-            token, prob = sample(logits[i, :bl], p, r.generator)
-            sched = transfer_schedule(bl, p.extra["denoising_steps"])
-            write = choose(p.extra["remasking_strategy"], masked, prob, sched[s.step], p.threshold)
-            new = torch.where(write, token, cur)
+            new = torch.where(write[i], picked[i][0], cur[i])
             if r.logprobs is not None:
-                record_block_logprobs(r, cur, new, start, logits[i, :bl])
+                record_block_logprobs(r, cur[i], new, start, logits[i, :bl])
             x[b, start:start + bl] = new
             s.step += 1
         if den:
@@ -154,7 +146,7 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
                     s.block, s.step, s.phase = s.block + 1, 0, "denoise"
             else:
                 start = s.block * bl
-                left = xc[b, start:start + bl].eq(mask_id).any().item()
+                left = mask_id in xc[b, start:start + bl].tolist()      # the host copy: no device read
                 # the reference has no step left for a block still masked (it would fail): store it as it is
                 if not left or s.step >= r.params.extra["denoising_steps"]:
                     s.phase, s.final = "store", start + bl
