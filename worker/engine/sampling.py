@@ -240,12 +240,16 @@ def denoise(logits: torch.Tensor, tokens: torch.Tensor, widths: list[int], rows,
                           [widths[b] for b in plain], [rows[b].rule.softmax for b in plain])
         for b, c in zip(plain, sub):
             conf[b] = c
-    for b, r in enumerate(rows):
-        if r.rule.transforms_logits:   # the decision is made on the rule's logits
-            w = widths[b]
-            lg = r.rule.transform(logits[b, :w], masked[b, :w])
-            x0[b, :w] = propose(lg[None], [r], [w])[0]
-            conf[b] = confidences(lg[None], x0[b:b + 1, :w], masked[b:b + 1, :w], [r], [w], [r.rule.softmax])[0]
+    fused = [b for b, r in enumerate(rows) if r.rule.transforms_logits]
+    if fused:       # the decision is made on each rule's own logits: proposed and rated together, as the plain rows
+        lg = [rows[b].rule.transform(logits[b, :widths[b]], masked[b, :widths[b]]) for b in fused]
+        lg = torch.stack([F.pad(t, (0, 0, 0, K - t.shape[0])) for t in lg])
+        fr, fw = [rows[b] for b in fused], [widths[b] for b in fused]
+        fx = propose(lg, fr, fw)
+        for i, b in enumerate(fused):
+            x0[b, :fw[i]] = fx[i, :fw[i]]
+        for b, c in zip(fused, confidences(lg, fx, masked[fused], fr, fw, [r.rule.softmax for r in fr])):
+            conf[b] = c
     grouped: dict[tuple, list[tuple[int, int]]] = {}     # (length, k) -> [(row, at)]: rows ranked together
     counts = None
     for b, r in enumerate(rows):
