@@ -68,6 +68,12 @@ def counting_syncs(counter: list, sites: collections.Counter | None = None):
             setattr(torch.Tensor, name, fn)
 
 
+def sync() -> None:
+    """On CUDA, the model's time is its kernels' (each timed call waits for them): the rest is the host's."""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
 class ModelClock:
     """Times every call into the model (forward, logits, encode, denoise) on the engine's model object."""
 
@@ -88,6 +94,7 @@ class ModelClock:
                 try:
                     return clock._call(self, *a, **k)
                 finally:
+                    sync()
                     clock.seconds += time.perf_counter() - t
                     clock.calls += 1
         model.__class__ = Timed
@@ -98,6 +105,7 @@ class ModelClock:
             try:
                 return fn(*a, **k)
             finally:
+                sync()
                 self.seconds += time.perf_counter() - t
         return timed
 
@@ -143,6 +151,7 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=64)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--only", help="comma-separated algorithm names")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (bfloat16 there, float32 on the CPU)")
     ap.add_argument("--where", action="store_true", help="also print where the device-waiting calls are, per step "
                     "at --batch (slower: a stack per call)")
     args = ap.parse_args()
@@ -150,7 +159,7 @@ def main() -> None:
     only = set(args.only.split(",")) if args.only else None
     engines: dict[str, Engine] = {}
     print(f"host time per step = wall - time inside the model, minimum of {args.reps} runs; prompts of 16 tokens, "
-          f"{args.gen} generated, float32 CPU, 1 thread")
+          f"{args.gen} generated, {'float32 CPU, 1 thread' if args.device == 'cpu' else args.device + ', bfloat16'}")
     print(f"{'algorithm':<18} {'family':<16} {'us/step b=1':>12} {'us/step b=' + str(args.batch):>13} "
           f"{'us/row':>8} {'syncs/step b=1':>15} {'b=' + str(args.batch):>7}")
     for name in sorted(algorithms.REGISTRY):
@@ -158,8 +167,8 @@ def main() -> None:
             continue
         family = algorithms.REGISTRY[name].families[0]
         if family not in engines:
-            engines[family] = Engine.from_pretrained(ROOT / "tests" / "fixtures" / FIXTURES[family], device="cpu",
-                                                     dtype="float32")
+            engines[family] = Engine.from_pretrained(ROOT / "tests" / "fixtures" / FIXTURES[family],
+                                                     device=args.device, dtype="auto")
         e = engines[family]
         one, s1, _ = measure(e, name, 1, args.gen, args.reps)
         many, sn, _ = measure(e, name, args.batch, args.gen, args.reps)

@@ -43,6 +43,7 @@ SETTINGS = [
 REFERENCE = r"""
 import importlib.util, json, sys, time, torch
 ckpt, job, llada_dir, fast_dir, threads = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3], sys.argv[4], int(sys.argv[5])
+dev, dtype = sys.argv[6], getattr(torch, sys.argv[7])
 torch.set_num_threads(threads)
 sys.path.insert(0, fast_dir + "/llada")
 from model.modeling_llada import LLaDAModelLM
@@ -53,18 +54,18 @@ def load(name, path):
     return mod
 fast = load("fast_generate", fast_dir + "/llada/generate.py")
 ml = load("llada_generate", llada_dir + "/generate.py")
-model = LLaDAModelLM.from_pretrained(ckpt, torch_dtype=torch.float32).eval()
+model = LLaDAModelLM.from_pretrained(ckpt, torch_dtype=dtype).to(dev).eval()
 mask = job["mask_id"]
 def run(s, prompts):
     name, fn, gen, block, steps, thr, batch = s
     outs = []
     if fn == "basic" and batch > 1:          # LLaDA's generate takes a batch (all prompts the same length)
-        p = torch.tensor(prompts)
+        p = torch.tensor(prompts, device=dev)
         x = ml.generate(model, p, attention_mask=torch.ones_like(p), steps=steps, gen_length=gen,
                         block_length=block, mask_id=mask)
         return [r[p.shape[1]:].tolist() for r in x]
     for prompt in prompts:                    # Fast-dLLM's functions take one prompt
-        p = torch.tensor([prompt])
+        p = torch.tensor([prompt], device=dev)
         if fn == "basic":
             x = ml.generate(model, p, attention_mask=torch.ones_like(p), steps=steps, gen_length=gen,
                             block_length=block, mask_id=mask)
@@ -88,11 +89,11 @@ print(json.dumps(out))
 
 OURS = r"""
 import json, sys, time, torch
-ckpt, job, threads, root = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+ckpt, job, threads, root, dev, dtype = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6]
 torch.set_num_threads(threads)
 sys.path.insert(0, root)
 from worker.engine import Engine, GenerationParams, Request
-engine = Engine.from_pretrained(ckpt, device="cpu", dtype="float32")
+engine = Engine.from_pretrained(ckpt, device=dev, dtype=dtype)
 ALG = {"basic": "basic", "dual_cache": "dual_cache", "prefix_cache": "prefix_cache"}
 def run(s, prompts):
     name, fn, gen, block, steps, thr, batch = s
@@ -153,10 +154,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--prompt-length", type=int, default=32)
     ap.add_argument("--only", help="comma-separated setting numbers (1-6) to run")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (both sides)")
+    ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
+                    help="default: float32 on the CPU, bfloat16 on cuda")
     args = ap.parse_args()
     for name, d in (("--llada", args.llada), ("--fast-dllm", args.fast_dllm)):
         if not Path(d).is_dir():
             raise SystemExit(f"{name} {d!r} is not a directory")
+    dtype = args.dtype or ("float32" if args.device == "cpu" else "bfloat16")
     settings = SETTINGS if not args.only else [SETTINGS[int(i) - 1] for i in args.only.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         if args.checkpoint:
@@ -170,8 +175,8 @@ def main() -> None:
         prompts = [[rng.randrange(5, 280) for _ in range(args.prompt_length)] for _ in range(8)]
         job = json.dumps({"settings": settings, "prompts": prompts, "mask_id": cfg["mask_token_id"]})
         ref_cmd = [args.reference_python, "-c", REFERENCE, str(ckpt), job, str(Path(args.llada).resolve()),
-                   str(Path(args.fast_dllm).resolve()), str(args.threads)]
-        ours_cmd = [sys.executable, "-c", OURS, str(ckpt), job, str(args.threads), str(ROOT)]
+                   str(Path(args.fast_dllm).resolve()), str(args.threads), args.device, dtype]
+        ours_cmd = [sys.executable, "-c", OURS, str(ckpt), job, str(args.threads), str(ROOT), args.device, dtype]
         times = {"ref": [[] for _ in settings], "ours": [[] for _ in settings]}
         tokens = {"ref": [], "ours": []}
         for r in range(args.rounds):
@@ -184,7 +189,7 @@ def main() -> None:
         same = [all(run[i] == tokens["ref"][0][i] for run in tokens["ours"] + tokens["ref"])
                 for i in range(len(settings))]
         print(f"checkpoint {ckpt if args.checkpoint else f'random LLaDA-layout, {nparams / 1e6:.1f}M parameters'}; "
-              f"prompts of {args.prompt_length} tokens; float32, CPU, {args.threads} thread(s); medians of "
+              f"prompts of {args.prompt_length} tokens; {dtype}, {args.device}, {args.threads} thread(s); medians of "
               f"{args.rounds} interleaved rounds")
         print(f"{'setting':<52} {'ref tok/s':>10} {'ours tok/s':>11} {'ours/ref':>9} {'tokens':>10}")
         for i, s in enumerate(settings):
