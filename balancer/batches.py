@@ -41,6 +41,17 @@ def _write_json(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
+
+def _load_all(folder: Path, pattern: str) -> list[dict]:
+    """The JSON records in ``folder`` named like ``pattern``; one being written or removed meanwhile is skipped."""
+    out = []
+    for f in folder.glob(pattern):
+        try:
+            out.append(orjson.loads(f.read_bytes()))
+        except (OSError, orjson.JSONDecodeError):
+            continue
+    return out
+
 class BatchJobs:
     def __init__(self, state, root: Path, max_file_bytes: int, concurrency: int):
         self.state, self.root = state, root
@@ -123,12 +134,7 @@ class BatchJobs:
         return json_response(self._new_file(fid, filename, purpose, size))
 
     async def list_files(self, request: web.Request) -> web.Response:
-        files = []
-        for f in self.files_dir.glob("file-*.json"):
-            try:
-                files.append(orjson.loads(f.read_bytes()))
-            except (OSError, orjson.JSONDecodeError):
-                continue
+        files = _load_all(self.files_dir, "file-*.json")
         purpose = request.query.get("purpose")
         files = sorted((f for f in files if purpose is None or f["purpose"] == purpose),
                        key=lambda f: f["created_at"], reverse=True)
@@ -187,12 +193,7 @@ class BatchJobs:
         return json_response(self._batch(request.match_info["batch_id"]))
 
     async def list_batches(self, request: web.Request) -> web.Response:
-        batches = []
-        for f in self.batches_dir.glob("batch_*.json"):
-            try:
-                batches.append(orjson.loads(f.read_bytes()))
-            except (OSError, orjson.JSONDecodeError):
-                continue
+        batches = _load_all(self.batches_dir, "batch_*.json")
         batches.sort(key=lambda b: (b["created_at"], b["id"]), reverse=True)
         after = request.query.get("after")
         if after:
