@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -28,7 +29,9 @@ ROOT = Path(__file__).resolve().parent.parent
 FIXTURE = ROOT / "tests" / "fixtures" / "tiny-llada"
 
 SHAPES = {"5m": dict(d_model=256, n_layers=5, n_heads=8, n_kv_heads=8, mlp_hidden_size=1024),
-          "tiny": dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, mlp_hidden_size=128)}
+          "tiny": dict(d_model=64, n_layers=2, n_heads=4, n_kv_heads=4, mlp_hidden_size=128),
+          # a GPU size: 0.8B parameters (the fixture's small vocabulary), where the forward's arithmetic counts
+          "1b": dict(d_model=2048, n_layers=16, n_heads=16, n_kv_heads=16, mlp_hidden_size=5632)}
 
 # (name, function, gen_length, block_length, steps, threshold, batch)
 SETTINGS = [
@@ -134,8 +137,8 @@ def make_checkpoint(dest: Path, shape: dict) -> int:
     return sum(t.numel() for t in sd.values())
 
 
-def run_json(cmd: list[str]) -> list:
-    out = subprocess.run(cmd, capture_output=True, text=True)
+def run_json(cmd: list[str], env: dict | None = None) -> list:
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if out.returncode != 0:
         raise SystemExit(f"{cmd[0]} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -155,6 +158,10 @@ def main() -> None:
     ap.add_argument("--prompt-length", type=int, default=32)
     ap.add_argument("--only", help="comma-separated setting numbers (1-6) to run")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (both sides)")
+    ap.add_argument("--reference-eager", action="store_true",
+                    help="run the reference with TORCHDYNAMO_DISABLE=1: Fast-dLLM's model wraps its attention in "
+                         "torch.compile, which on a GPU compiles (and recompiles for new shapes) for minutes inside "
+                         "the timed runs; eager is the same arithmetic without that")
     ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
                     help="default: float32 on the CPU, bfloat16 on cuda")
     args = ap.parse_args()
@@ -177,12 +184,13 @@ def main() -> None:
         ref_cmd = [args.reference_python, "-c", REFERENCE, str(ckpt), job, str(Path(args.llada).resolve()),
                    str(Path(args.fast_dllm).resolve()), str(args.threads), args.device, dtype]
         ours_cmd = [sys.executable, "-c", OURS, str(ckpt), job, str(args.threads), str(ROOT), args.device, dtype]
+        ref_env = dict(os.environ, TORCHDYNAMO_DISABLE="1") if args.reference_eager else None
         times = {"ref": [[] for _ in settings], "ours": [[] for _ in settings]}
         tokens = {"ref": [], "ours": []}
         for r in range(args.rounds):
             order = [("ref", ref_cmd), ("ours", ours_cmd)]
             for who, cmd in (order if r % 2 == 0 else order[::-1]):
-                res = run_json(cmd)
+                res = run_json(cmd, ref_env if who == "ref" else None)
                 tokens[who].append([x["tokens"] for x in res])
                 for i, x in enumerate(res):
                     times[who][i].append(x["seconds"])
@@ -190,7 +198,7 @@ def main() -> None:
                 for i in range(len(settings))]
         print(f"checkpoint {ckpt if args.checkpoint else f'random LLaDA-layout, {nparams / 1e6:.1f}M parameters'}; "
               f"prompts of {args.prompt_length} tokens; {dtype}, {args.device}, {args.threads} thread(s); medians of "
-              f"{args.rounds} interleaved rounds")
+              f"{args.rounds} interleaved rounds" + ("; reference eager (TORCHDYNAMO_DISABLE=1)" if args.reference_eager else ""))
         print(f"{'setting':<52} {'ref tok/s':>10} {'ours tok/s':>11} {'ours/ref':>9} {'tokens':>10}")
         for i, s in enumerate(settings):
             toks = s[2] * s[6]

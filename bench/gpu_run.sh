@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The GPU figures of docs/benchmarks.md in one run (not a test; it prints numbers). On a machine with one CUDA GPU:
+#
+#   bench/gpu_run.sh LLADA_DIR FAST_DLLM_DIR REFERENCE_PYTHON [LOG_DIR]
+#
+# LLADA_DIR and FAST_DLLM_DIR are checkouts of ML-GSAI/LLaDA and NVlabs/Fast-dLLM (fetched by you, never vendored);
+# REFERENCE_PYTHON runs them (torch with CUDA and transformers 4.46, which Fast-dLLM's model code needs). In order
+# of importance, each under its own time limit so that one slow part leaves the rest: the host's share of a step for
+# every algorithm on the GPU, the same-run comparison with the reference code (5.4M parameters: the host-bound end;
+# the reference eager, as its torch.compile of attention recompiles for minutes per shape on a fresh GPU machine),
+# one forward at the LLaDA-8B shape (eager against a CUDA graph), our engine there (random weights), and the
+# reference comparison at 0.8B parameters.
+set -u
+llada=$1 fast=$2 refpy=$3 logs=${4:-/tmp/dllm-gpu-run}
+py=${PYTHON:-python3}
+mkdir -p "$logs"
+export PYTHONUNBUFFERED=1
+cd "$(dirname "$0")/.."
+
+part() {            # part NAME SECONDS COMMAND...: run it, log it, say how it ended
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name ($limit s at most): $*"
+    timeout "$limit" "$@" > "$logs/$name.log" 2>&1
+    local rc=$?
+    tail -n 40 "$logs/$name.log"
+    echo "== $name: exit $rc"
+}
+
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
+$py -c "import torch, transformers; print('ours: torch', torch.__version__, 'transformers', transformers.__version__)"
+$refpy -c "import torch, transformers; print('reference: torch', torch.__version__, 'transformers', transformers.__version__)"
+part host_overhead "${HOST_LIMIT:-150}" $py bench/host_overhead_bench.py --device cuda --batch 32 --reps 2
+part reference_5m "${REF_LIMIT:-200}" $py bench/reference_bench.py --llada "$llada" --fast-dllm "$fast" \
+    --reference-python "$refpy" --device cuda --rounds 3 --reference-eager
+part forward_8b "${FWD_LIMIT:-60}" $py bench/forward_bench.py --shape llada-8b --device cuda
+part engine_8b_basic "${E8_LIMIT:-75}" $py bench/engine_bench.py --shape llada-8b --device cuda --prompt-len 32 \
+    --gen-length 256 --block-length 32 --steps 256 --batch-sizes 1 --warmup 1
+part engine_8b_dual "${E8_LIMIT:-75}" $py bench/engine_bench.py --shape llada-8b --device cuda --prompt-len 32 \
+    --gen-length 256 --block-length 32 --steps 256 --algorithm dual_cache --threshold 0.9 --batch-sizes 1,16 --warmup 1
+part reference_1b "${REF1B_LIMIT:-120}" $py bench/reference_bench.py --llada "$llada" --fast-dllm "$fast" \
+    --reference-python "$refpy" --device cuda --rounds 1 --shape 1b --only 1,4,5 --reference-eager
