@@ -78,3 +78,31 @@ def test_vicinity_refresh_and_warmup_change_the_work_done(llada_engine, llada_go
     # warm-up for the whole block (8 steps of 8 tokens) = full forwards every step = the cache never used
     assert set(warm_fw) == {full} and set(no_cache_fw) == {full}
     assert (warm.canvas, warm.nfe) == (no_cache.canvas, no_cache.nfe) and warm.nfe == len(warm_fw)
+
+
+def test_rows_chosen_together_match_each_row_alone():
+    """The threshold and hierarchy rules' whole-batch choice (select_rows, what sampling.denoise calls for a batch)
+    is each row's own select: rows of different widths padded as denoise pads them, confidences full of ties,
+    proposals equal to the mask token, rows without masks."""
+    from worker.engine.algorithms.dinfer import DInferThreshold, Hierarchy
+    from worker.engine.sampling import NEG_INF
+    g = torch.Generator().manual_seed(3)
+    mask_id = 9
+    for trial in range(60):
+        R, K = int(torch.randint(1, 6, (1,), generator=g)), int(torch.randint(1, 9, (1,), generator=g))
+        widths = torch.randint(1, K + 1, (R,), generator=g).tolist()
+        conf = torch.randint(0, 4, (R, K), generator=g).float() / 4       # ties everywhere
+        if trial % 2 == 0:          # and values just inside / outside the threshold rule's 1e-5 of the best
+            conf = conf + torch.randint(0, 3, (R, K), generator=g).float() * 6e-6
+        x0 = torch.randint(7, 11, (R, K), generator=g)                      # sometimes the mask token
+        masked = torch.rand(R, K, generator=g) < [0.7, 0.0, 1.0][trial % 3]
+        for b, w in enumerate(widths):
+            conf[b, w:], masked[b, w:] = NEG_INF, False
+        conf = torch.where(masked, conf, torch.full_like(conf, NEG_INF)) if trial % 2 else conf
+        for rules in ([DInferThreshold(0.6 + 0.4 * float(t)) for t in torch.rand(R, generator=g)],
+                      [Hierarchy(0.5, 0.25)] * R, [Hierarchy(None, None)] * R, [Hierarchy(0.6, None)] * R):
+            got = type(rules[0]).select_rows(rules, conf, x0, masked, mask_id)
+            for b, w in enumerate(widths):
+                alone = rules[b].select(conf[b, :w], x0[b, :w], masked[b, :w], None, None, mask_id)
+                assert torch.equal(got[b, :w], alone), (trial, rules[0], b)
+                assert not got[b, w:].any()

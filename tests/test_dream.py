@@ -237,3 +237,48 @@ def test_the_schedules_transfer_counts_computed_on_the_host_are_the_references()
                 want = (counts / 1 * (1 - t[i + 1] / t[i])).long().tolist()      # the reference's, per count
                 assert [transfer_count(m, got[i], False) for m in range(4097)] == want, (total, eps, i)
     assert transfer_count(37, 0.25, True) == 37
+
+
+def test_rows_decided_together_match_each_row_alone():
+    """dream.decide_together (every deterministic row's step in a few whole-batch operations) writes what
+    decide / the Dream caches' threshold rule write row by row: schedule counts and thresholds, three confidence
+    kinds, top_k / top_p groups, rows of different vector lengths, and logits full of ties."""
+    from worker.engine.algorithms.dream import Choice, decide, decide_together, transfer_count
+    from worker.engine.algorithms.dream_cache import threshold_step
+    g = torch.Generator().manual_seed(5)
+    V = 6
+    for trial in range(40):
+        rows, choices, pieces, rowid, local = [], [], [], [], []
+        at = 0
+        for b in range(int(torch.randint(1, 7, (1,), generator=g))):
+            length = int(torch.randint(3, 10, (1,), generator=g))
+            m = int(torch.randint(1, length + 1, (1,), generator=g))
+            where = torch.randperm(length, generator=g)[:m].sort().values
+            lg = torch.randint(0, 3, (m, V), generator=g).float()          # few distinct values: ties everywhere
+            alg = ["maskgit_plus", "topk_margin", "entropy"][trial % 3]
+            extra = {"alg": alg, "alg_temp": 0.0, "top_p": [None, 0.7][b % 2], "top_k": [None, 3][trial % 2],
+                     "eps": 1e-3}
+            p = GenerationParams(gen_length=8, algorithm="dream", extra=extra)
+            thr = [None, 0.3, 0.95][(trial + b) % 3]
+            ratio, last = [0.25, 0.5, 0.125][b % 3], (trial + b) % 5 == 0
+            conf = {"maskgit_plus": "probability", "topk_margin": "margin", "entropy": "neg_entropy"}[alg]
+            n = m if thr is not None else transfer_count(m, ratio, last)
+            base = int(torch.randint(0, 4, (1,), generator=g))
+            choices.append(Choice(b, b, at, at + m, length, base, n, thr, "probability" if thr else conf,
+                                  GenerationParams(gen_length=8, algorithm="dream", extra=extra, threshold=thr)))
+            rows.append((p, lg, where, length, ratio, last, alg, thr, base))
+            pieces.append(lg)
+            rowid += [b] * m
+            local += where.tolist()
+            at += m
+        x = torch.full((len(rows), 16), -7, dtype=torch.long)
+        alone = x.clone()
+        for b, (p, lg, where, length, ratio, last, alg, thr, base) in enumerate(rows):
+            if thr is None:
+                pick, tok = decide(p, None, lg, where, length, ratio, last, alg)
+            else:
+                pick, tok = threshold_step(GenerationParams(gen_length=8, algorithm="dream", extra=p.extra,
+                                                            threshold=thr), None, lg, where, length)
+            alone[b, pick + base] = tok
+        decide_together(choices, torch.cat(pieces), torch.tensor(rowid), torch.tensor(local), x)
+        assert torch.equal(x, alone), trial

@@ -226,11 +226,11 @@ class Canvas:
 
     def read_gens(self) -> dict[int, list[int]]:
         """Each row's generated canvas (row index -> ids), read back from the device in one transfer."""
-        xc = self.x.cpu()
+        xc = self.x.cpu().tolist()
         out = {}
         for b, r in enumerate(self.rows):
             s = self.gen_start(b)
-            out[r.index] = xc[b, s: s + r.plan.canvas_length].tolist()
+            out[r.index] = xc[b][s: s + r.plan.canvas_length]
         return out
 
     def keep(self, keep: list[int]) -> int:

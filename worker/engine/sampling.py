@@ -174,6 +174,15 @@ class Rule:
         """Bool over the row's candidates (``conf``, ``x0``, ``masked`` are its ``w`` candidates)."""
         raise NotImplementedError
 
+    # A rule whose choice needs no layout can also choose for many rows at once: ``select_rows(rules, conf, x0,
+    # masked, mask_id)`` on [R, K] matrices (a row's columns past its width: -inf confidence, not masked) returns
+    # bool [R, K], row r exactly what ``rules[r].select`` returns for it alone; rows whose rules have the same type
+    # and ``batch_key()`` are chosen together (sampling.denoise).
+    select_rows = None
+
+    def batch_key(self):
+        return None
+
 
 def _as_bool(idx: torch.Tensor, w: int, device) -> torch.Tensor:
     # topk never reaches past the candidates (there are always at least k of them with a finite confidence); a
@@ -251,6 +260,7 @@ def denoise(logits: torch.Tensor, tokens: torch.Tensor, widths: list[int], rows,
         for b, c in zip(fused, confidences(lg, fx, masked[fused], fr, fw, [r.rule.softmax for r in fr])):
             conf[b] = c
     grouped: dict[tuple, list[tuple[int, int]]] = {}     # (length, k) -> [(row, at)]: rows ranked together
+    together: dict[tuple, list[int]] = {}                 # (rule type, batch key) -> rows chosen together
     counts = None
     for b, r in enumerate(rows):
         kind = type(r.rule)
@@ -260,11 +270,19 @@ def denoise(logits: torch.Tensor, tokens: torch.Tensor, widths: list[int], rows,
             if counts is None:
                 counts = masked.sum(1).tolist()      # one transfer for the batch, not one per row
             grouped.setdefault((layouts[b].length, int(counts[b]), r.rule.threshold), []).append((b, layouts[b].at))
+        elif r.rule.select_rows is not None:
+            together.setdefault((kind, r.rule.batch_key()), []).append(b)
         else:
             w = widths[b]
             chosen[b, :w] = r.rule.select(conf[b], x0[b, :w], masked[b, :w], layouts[b], r, mask_id)
     if grouped:
         _select_grouped(grouped, conf, widths, chosen)
+    for (kind, _), members in together.items():
+        c = torch.nn.utils.rnn.pad_sequence([conf[b] for b in members], batch_first=True, padding_value=NEG_INF)
+        if c.shape[1] < K:
+            c = F.pad(c, (0, K - c.shape[1]), value=NEG_INF)
+        idx = torch.tensor(members, device=tokens.device)
+        chosen[idx] = kind.select_rows([rows[b].rule for b in members], c, x0[idx], masked[idx], mask_id)
     return x0, chosen & masked
 
 

@@ -29,6 +29,14 @@ def select_dinfer_threshold(conf: torch.Tensor, x0: torch.Tensor, masked: torch.
     return (c >= (c.max() - 1e-5).clamp(-1000, threshold)) & masked
 
 
+def select_dinfer_threshold_rows(conf: torch.Tensor, x0: torch.Tensor, masked: torch.Tensor,
+                                 threshold: torch.Tensor, mask_id: int) -> torch.Tensor:
+    """:func:`select_dinfer_threshold` for rows [R, K] at once (``threshold`` [R, 1] in the confidences' dtype):
+    the same comparisons, the best taken per row."""
+    c = torch.where(masked & (x0 != mask_id), conf, torch.full_like(conf, NEG_INF))
+    return (c >= torch.minimum((c.amax(1, keepdim=True) - 1e-5).clamp(min=-1000), threshold)) & masked
+
+
 def select_hierarchy(conf: torch.Tensor, masked: torch.Tensor, threshold: float | None,
                      low: float | None) -> torch.Tensor:
     """dInfer's ``HierarchyDecoder`` for one row: non-masked positions get the dtype's lowest value; in each
@@ -46,6 +54,25 @@ def select_hierarchy(conf: torch.Tensor, masked: torch.Tensor, threshold: float 
     if threshold is not None:
         pick |= torch.gt(c, threshold)
     pick[torch.argmax(c)] = True
+    return pick & masked
+
+
+def select_hierarchy_rows(conf: torch.Tensor, masked: torch.Tensor, threshold: float | None,
+                          low: float | None) -> torch.Tensor:
+    """:func:`select_hierarchy` for rows [R, K] at once (the same ``threshold`` and ``low`` for all): the runs,
+    their best and the first most confident position found per row."""
+    lowest = torch.finfo(conf.dtype).min
+    c = torch.where(masked, conf, torch.full_like(conf, lowest))
+    prev = torch.cat([masked.new_zeros(masked.shape[0], 1), masked[:, :-1]], 1)
+    seg = torch.cumsum((masked & ~prev).long(), 1) - 1
+    seg = torch.where(masked, seg, torch.zeros_like(seg))
+    seg_max = torch.full_like(c, lowest).scatter_reduce(1, seg, c, reduce="amax", include_self=True)
+    pick = c == seg_max.gather(1, seg)
+    if low is not None:
+        pick &= torch.gt(c, low)
+    if threshold is not None:
+        pick |= torch.gt(c, threshold)
+    pick.scatter_(1, torch.argmax(c, 1, keepdim=True), True)
     return pick & masked
 
 
@@ -74,6 +101,11 @@ class DInferThreshold(Rule):
     def select(self, conf, x0, masked, layout, row, mask_id):
         return select_dinfer_threshold(conf, x0, masked, self.threshold, mask_id)
 
+    @staticmethod
+    def select_rows(rules, conf, x0, masked, mask_id):
+        thr = torch.tensor([r.threshold for r in rules], dtype=conf.dtype, device=conf.device)[:, None]
+        return select_dinfer_threshold_rows(conf, x0, masked, thr, mask_id)
+
 
 @dataclass
 class Hierarchy(Rule):
@@ -84,6 +116,13 @@ class Hierarchy(Rule):
 
     def select(self, conf, x0, masked, layout, row, mask_id):
         return select_hierarchy(conf, masked, self.threshold, self.low)
+
+    def batch_key(self):
+        return self.threshold, self.low
+
+    @staticmethod
+    def select_rows(rules, conf, x0, masked, mask_id):
+        return select_hierarchy_rows(conf, masked, rules[0].threshold, rules[0].low)
 
 
 @dataclass

@@ -21,7 +21,7 @@ Masks inside the prompt are decoded too, as the reference does (infilling)."""
 from __future__ import annotations
 
 import struct
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -129,6 +129,82 @@ def decide(p: GenerationParams, g: torch.Generator | None, logits: torch.Tensor,
     return pick, token[pick]
 
 
+@dataclass
+class Choice:
+    """One row's decision this step, made together with other rows' by :func:`decide_together`: its masked
+    positions are the step's logits rows ``lo:hi``, in a reference vector of ``length`` positions whose position 0 is
+    column ``base`` of canvas row ``b``; ``slot`` is its row in the step's ``rowid`` numbering. ``n``: how many the
+    schedule commits, or with ``threshold`` the rule of :func:`threshold_pick` over all its ``n`` masked positions."""
+    b: int
+    slot: int
+    lo: int
+    hi: int
+    length: int
+    base: int
+    n: int
+    threshold: float | None
+    confidence: str
+    p: GenerationParams
+
+
+def together(p: GenerationParams, logprobs) -> bool:
+    """Whether a row's step can be decided with other rows' (:func:`decide_together`): nothing random (temperature
+    0, no ``alg_temp``, not ``origin``) and no logprobs to record."""
+    return (p.temperature == 0 and not p.extra.get("alg_temp") and p.extra.get("alg") != "origin"
+            and logprobs is None)
+
+
+def decide_together(choices: list[Choice], logits: torch.Tensor, rowid: torch.Tensor, local: torch.Tensor,
+                    x: torch.Tensor) -> None:
+    """Every choice's step at once, written into ``x``, with no read from the device: ``logits`` [N, V] the step's
+    candidates, ``rowid`` / ``local`` [N] each one's slot and position in its row's reference vector. The same
+    arithmetic as :func:`decide` / the threshold rule row by row: ``sample_tokens`` on the rows' candidates (one call
+    per group of equal sampling settings; row-wise operations), and one ``torch.topk`` per group of rows with equal
+    vector length and count, each row of a 2-D topk ranked as the vector alone (ties included; tests/test_dream.py)."""
+    if not choices:
+        return
+    dev = logits.device
+    slots = max(c.slot for c in choices) + 1
+    width = max(c.length for c in choices)
+    by_sampling: dict[tuple, list[Choice]] = {}
+    for c in choices:
+        by_sampling.setdefault((c.p.extra["top_p"], c.p.extra["top_k"], c.confidence), []).append(c)
+    full = tok = None
+    for group in by_sampling.values():
+        if len(by_sampling) == 1 and sum(c.hi - c.lo for c in group) == logits.shape[0]:
+            sel = None
+        else:
+            sel = torch.tensor([i for c in group for i in range(c.lo, c.hi)], device=dev)
+        conf, x0 = sample_tokens(logits if sel is None else logits[sel], group[0].p, None, group[0].confidence)
+        if full is None:
+            full = torch.full((slots, width), float("-inf"), dtype=conf.dtype, device=dev)
+            tok = torch.full((slots, width), -1, dtype=torch.long, device=dev)
+        r, col = (rowid, local) if sel is None else (rowid[sel], local[sel])
+        full[r, col] = conf
+        tok[r, col] = x0
+    rows, cols, values = [], [], []
+    by_shape: dict[tuple, list[Choice]] = {}
+    for c in choices:
+        if c.n > 0:
+            by_shape.setdefault((c.length, c.n, c.threshold is None), []).append(c)
+    for (length, n, schedule), group in by_shape.items():
+        idx = torch.tensor([c.slot for c in group], device=dev)
+        score, pick = torch.topk(full[idx, :length], n, dim=-1)
+        new = tok[idx, :length].gather(1, pick)
+        b = torch.tensor([c.b for c in group], device=dev)[:, None].expand(-1, n)
+        col = pick + torch.tensor([c.base for c in group], device=dev)[:, None]
+        if not schedule:         # the threshold rule: the first, and every other one not below the threshold
+            thr = torch.tensor([c.threshold for c in group], dtype=score.dtype, device=dev)[:, None]
+            keep = ~(score < thr)
+            keep[:, 0] = True
+            new = torch.where(keep, new, x[b, col])
+        rows.append(b.reshape(-1))
+        cols.append(col.reshape(-1))
+        values.append(new.reshape(-1))
+    if rows:
+        x[torch.cat(rows), torch.cat(cols)] = torch.cat(values)
+
+
 def run(engine, rows: list[Row], fin: Finisher) -> None:
     model, mask_id, dev = engine.model, engine.mask_id, engine.model.device
     canvas = Canvas(rows, mask_id, engine.pad_id, dev)
@@ -148,17 +224,24 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
         src = torch.where(ci > off[bi], ci - 1, ci)        # shifted logits: position j reads position j - 1
         logits = model.logits(hidden[bi, src])
         counts = masked.sum(1).tolist()
-        start = 0
+        start, choices = 0, []
         for b, r in enumerate(canvas.rows):
             n = counts[b]
             if n:
-                o = canvas.offsets[b]
-                cols, tokens = decide(r.params, r.generator, logits[start:start + n], ci[start:start + n] - o, W - o,
-                                      steps[r.index][r.step], r.step >= total_steps(r) - 1, r.params.extra["alg"])
-                x[b, cols + o] = tokens
-                record_row_logprobs(r, ci[start:start + n] - o, cols, cols - r.plan.prompt_length, tokens,
-                                    logits[start:start + n])
+                o, p = canvas.offsets[b], r.params
+                ratio, last = steps[r.index][r.step], r.step >= total_steps(r) - 1
+                if together(p, r.logprobs):
+                    choices.append(Choice(b, b, start, start + n, W - o, o, transfer_count(n, ratio, last), None,
+                                          CONFIDENCE[p.extra["alg"]], p))
+                else:
+                    cols, tokens = decide(p, r.generator, logits[start:start + n], ci[start:start + n] - o, W - o,
+                                          ratio, last, p.extra["alg"])
+                    x[b, cols + o] = tokens
+                    record_row_logprobs(r, ci[start:start + n] - o, cols, cols - r.plan.prompt_length, tokens,
+                                        logits[start:start + n])
             start += n
+        if choices:
+            decide_together(choices, logits, bi, ci - off[bi], x)
         gens = canvas.read_gens()
         done = []
         for b, r in enumerate(canvas.rows):

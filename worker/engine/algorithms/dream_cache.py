@@ -24,7 +24,8 @@ import torch
 from ..params import GenerationParams, ParamError
 from ..rows import Canvas, Finisher, Row, between_steps, record_row_logprobs, window_index
 from . import Algorithm, ParamInfo, register
-from .dream import DREAM_PARAMS, check_sampling, decide, ratios, sample_tokens
+from .dream import (CONFIDENCE, DREAM_PARAMS, Choice, check_sampling, decide, decide_together, ratios,
+                    sample_tokens, together, transfer_count)
 
 
 def steps_per_block(row: Row) -> int:
@@ -94,28 +95,33 @@ def _block_steps(model, canvas: Canvas, cache, part: list[int], starts: list[int
     masked = torch.split(where_all, in_block.sum(1).tolist())
     src_w = (where_all - 1).clamp(min=0)           # shifted within the window
     logits = model.logits(hidden[src_b, src_w]) if len(src_b) else None
-    at = 0
+    at, choices = 0, []
     for i, b in enumerate(part):
         r, where = active[b], masked[i]
         n, length = where.shape[0], wins[i][1] - wins[i][0]
-        lg = logits[at:at + n] if n else None
-        at += n
         spb = steps_per_block(r)
-        if r.params.threshold is not None:
-            if n:
+        thr = r.params.threshold
+        if n and together(r.params, r.logprobs):      # decided below with the other rows
+            count = n if thr is not None else transfer_count(n, timesteps[r.index][r.step], r.step >= spb - 1)
+            choices.append(Choice(b, i, at, at + n, length, starts[b], count, thr,
+                                  "probability" if thr is not None else CONFIDENCE["entropy"], r.params))
+        elif n:
+            lg = logits[at:at + n]
+            if thr is not None:
                 pick, tokens = threshold_step(r.params, r.generator, lg, where, length)
-                x[b, starts[b] + pick] = tokens
-                record_row_logprobs(r, where, pick, r.block * r.plan.block_length + pick, tokens, lg)
-        else:
-            if n:
+            else:
                 pick, tokens = decide(r.params, r.generator, lg, where, length, timesteps[r.index][r.step],
                                       r.step >= spb - 1, "entropy")
-                x[b, starts[b] + pick] = tokens
-                record_row_logprobs(r, where, pick, r.block * r.plan.block_length + pick, tokens, lg)
+            x[b, starts[b] + pick] = tokens
+            record_row_logprobs(r, where, pick, r.block * r.plan.block_length + pick, tokens, lg)
+        at += n
+        if thr is None:
             r.step += 1
         r.nfe += 1
-        if r.params.threshold is None and r.step == spb:
+        if thr is None and r.step == spb:
             r.step = -1        # the schedule is over: the block ends below, masks or not
+    if choices:
+        decide_together(choices, logits, src_b, where_all, x)
 
 
 def _finish_block(r: Row) -> bool:

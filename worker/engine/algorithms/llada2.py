@@ -98,36 +98,70 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
                             for b, r in enumerate(active)], device=dev)
         logits = model.logits(hidden[torch.arange(len(active), device=dev)[:, None], idx]).float()
         x = batch.x
-        cur, picked, counts, flags = [], [], [], {}
+        B = len(active)
+        cur, picked, masked, counts = [None] * B, [None] * B, [None] * B, []
+        groups: dict[tuple, list[int]] = {}        # greedy rows without logprobs: sampled and written together
         for b, r in enumerate(active):
             s, bl, p = state[r.index], r.params.block_length, r.params
-            cur.append(x[b, s.block * bl:(s.block + 1) * bl])
-            if p.algorithm == "llada21":
-                picked.append(sample21(logits[b, :bl], p, r.generator))
-                counts.append(p.extra["num_to_transfer"])
-            else:
-                picked.append(sample(logits[b, :bl], p, r.generator))
-                counts.append(transfer_schedule(bl, p.extra["denoising_steps"])[s.step])
+            counts.append(p.extra["num_to_transfer"] if p.algorithm == "llada21"
+                          else transfer_schedule(bl, p.extra["denoising_steps"])[s.step])
+            if p.temperature == 0 and r.logprobs is None:
+                groups.setdefault((p.algorithm, bl), []).append(b)
+                continue
+            cur[b] = x[b, s.block * bl:(s.block + 1) * bl]
+            picked[b] = (sample21 if p.algorithm == "llada21" else sample)(logits[b, :bl], p, r.generator)
+            masked[b] = cur[b] == mask_id
+        together = []
+        for (alg, bl), members in groups.items():
+            idx = torch.tensor(members, device=dev)
+            cols = torch.tensor([state[active[b].index].block * bl for b in members], device=dev)[:, None] + \
+                torch.arange(bl, device=dev)
+            cur_g = x[idx[:, None], cols]
+            lg = logits[idx, :bl]
+            token, prob = (sample21 if alg == "llada21" else sample)(lg.reshape(-1, lg.shape[-1]),
+                                                                   active[members[0]].params, None)
+            token, prob = token.view(len(members), bl), prob.view(len(members), bl)
+            masked_g = cur_g == mask_id
+            for j, b in enumerate(members):
+                cur[b], picked[b], masked[b] = cur_g[j], (token[j], prob[j]), masked_g[j]
+            together.append((alg, members, idx, cols, cur_g, token, prob, masked_g))
         # every row's unmasking by threshold (at least its count, at most the masks left) in one pass: no read of
         # the device per row (a block without masks unmasks nothing)
-        masked = [c == mask_id for c in cur]
         write = choose_rows(masked, [q[1] for q in picked], counts, [r.params.threshold for r in active],
                             ["threshold"] * len(active), True)
+        flag_rows, flag_values = [], []          # LLaDA2.1's end rule: whether each block had masks, and was edited
+        grouped = {b for g in together for b in g[1]}
         for b, r in enumerate(active):
+            if b in grouped:
+                continue
             s, bl, p = state[r.index], r.params.block_length, r.params
             start = s.block * bl
             token, prob = picked[b]
             if p.algorithm == "llada21":
                 edit = edits21(cur[b], token, prob, p, r, start, mask_id)
-                flags[b] = torch.stack([masked[b].any(), edit.any()])
+                flag_rows.append([b])
+                flag_values.append(torch.stack([masked[b].any(), edit.any()])[None])
                 new = torch.where(write[b] | edit, token, cur[b])
             else:
                 new = torch.where(write[b], token, cur[b])
             if r.logprobs is not None:
                 record_block_logprobs(r, cur[b], new, start, logits[b, :bl])
             x[b, start:start + bl] = new
-        if flags:                  # LLaDA2.1's end rule: whether each block had masks, whether a step edited (one read)
-            for b, (had_masks, edited) in zip(flags, torch.stack(list(flags.values())).cpu().tolist()):
+        for alg, members, idx, cols, cur_g, token, prob, masked_g in together:
+            write_g = torch.stack([write[b] for b in members])
+            if alg == "llada21":         # edits21 for every row of the group
+                rows = [active[b] for b in members]
+                prompt = torch.tensor([r.plan.prompt_length for r in rows], device=dev)[:, None]
+                edit_thr = torch.tensor([r.params.extra["editing_threshold"] for r in rows], dtype=prob.dtype,
+                                        device=dev)[:, None]
+                edit = (cur_g != mask_id) & (cols >= prompt) & (prob > edit_thr) & (token != cur_g)
+                flag_rows.append(members)
+                flag_values.append(torch.stack([masked_g.any(1), edit.any(1)], 1))
+                write_g = write_g | edit
+            x[idx[:, None], cols] = torch.where(write_g, token, cur_g)
+        if flag_rows:              # one read for every row's flags
+            read = torch.cat(flag_values).cpu().tolist()
+            for b, (had_masks, edited) in zip((b for rows in flag_rows for b in rows), read):
                 s = state[active[b].index]
                 s.post += not had_masks
                 s.idle = not had_masks and not edited
