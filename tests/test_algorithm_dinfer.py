@@ -106,3 +106,27 @@ def test_rows_chosen_together_match_each_row_alone():
                 alone = rules[b].select(conf[b, :w], x0[b, :w], masked[b, :w], None, None, mask_id)
                 assert torch.equal(got[b, :w], alone), (trial, rules[0], b)
                 assert not got[b, w:].any()
+
+
+def test_credit_fused_together_matches_each_row_alone():
+    """Credit.transform_rows (the credit fusion of a batch's rows at once) gives each row's fused logits and leaves
+    each row's credit matrix as Credit.transform row by row does, over several steps (decay, a new block, equal and
+    unequal widths)."""
+    from worker.engine.algorithms.dinfer import Credit
+    g = torch.Generator().manual_seed(11)
+    extra = {"decay_beta": 0.7, "boost_gamma": 0.5, "credit_alpha": 0.3}
+    R, K, V = 3, 5, 7
+    for widths in ([5, 5, 5], [5, 3, 4]):
+        alone = [Credit(0.9, extra=dict(extra)) for _ in range(R)]
+        together = [Credit(0.9, extra=dict(extra)) for _ in range(R)]
+        for step in range(4):
+            if step == 2:
+                alone[1].start_block()
+                together[1].start_block()
+            logits = torch.randn(R, K, V, generator=g)
+            masked = torch.rand(R, K, generator=g) < 0.6
+            got = Credit.transform_rows(together, logits, masked, widths)
+            for b, w in enumerate(widths):
+                want = alone[b].transform(logits[b, :w], masked[b, :w])
+                assert torch.equal(got[b, :w], want), (widths, step, b)
+                assert torch.equal(together[b].credit, alone[b].credit)

@@ -169,6 +169,11 @@ class Rule:
     def transform(self, logits: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
         return logits
 
+    # A rule that transforms logits may also do it for many rows at once: ``transform_rows(rules, logits, masked,
+    # widths)`` on [R, K, V] / [R, K] returns [R, K, V], row r's first ``widths[r]`` rows what ``rules[r].transform``
+    # returns for it alone (the rest unused); rows whose rules have the same type and ``batch_key()`` go together.
+    transform_rows = None
+
     def select(self, conf: torch.Tensor, x0: torch.Tensor, masked: torch.Tensor, layout: Layout | None, row,
                mask_id: int) -> torch.Tensor:
         """Bool over the row's candidates (``conf``, ``x0``, ``masked`` are its ``w`` candidates)."""
@@ -251,8 +256,24 @@ def denoise(logits: torch.Tensor, tokens: torch.Tensor, widths: list[int], rows,
             conf[b] = c
     fused = [b for b, r in enumerate(rows) if r.rule.transforms_logits]
     if fused:       # the decision is made on each rule's own logits: proposed and rated together, as the plain rows
-        lg = [rows[b].rule.transform(logits[b, :widths[b]], masked[b, :widths[b]]) for b in fused]
-        lg = torch.stack([F.pad(t, (0, 0, 0, K - t.shape[0])) for t in lg])
+        batches: dict[tuple, list[int]] = {}
+        for i, b in enumerate(fused):
+            rule = rows[b].rule
+            key = (type(rule), rule.batch_key()) if rule.transform_rows is not None else (None, i)
+            batches.setdefault(key, []).append(i)
+        parts: list[torch.Tensor | None] = [None] * len(fused)
+        for (kind, _), members in batches.items():
+            bs = [fused[i] for i in members]
+            if kind is None:
+                b = bs[0]
+                t = rows[b].rule.transform(logits[b, :widths[b]], masked[b, :widths[b]])
+                parts[members[0]] = F.pad(t, (0, 0, 0, K - t.shape[0]))[None]
+                continue
+            idx = torch.tensor(bs, device=logits.device)
+            out = kind.transform_rows([rows[b].rule for b in bs], logits[idx], masked[idx], [widths[b] for b in bs])
+            for j, i in enumerate(members):
+                parts[i] = out[j:j + 1]
+        lg = parts[0] if len(parts) == 1 else torch.cat(parts)
         fr, fw = [rows[b] for b in fused], [widths[b] for b in fused]
         fx = propose(lg, fr, fw)
         for i, b in enumerate(fused):

@@ -164,13 +164,13 @@ class BlockBatch:
         return self.engine.model(self.x.gather(1, cols), cols, mask[:, None], cache=self.cache,
                                  window=(bi, wi, cols[bi, wi], keys))
 
-    def report(self, fin: Finisher, b: int, xc: torch.Tensor, final: int, schedule_done: bool) -> None:
-        """Hand active row ``b``'s generated part (from ``xc``, the host copy of ``x``) to the finisher: positions
-        before ``final`` as they are, the rest as masks (the block being denoised may still change) until the
-        schedule is done."""
+    def report(self, fin: Finisher, b: int, xc: list[list[int]], final: int, schedule_done: bool) -> None:
+        """Hand active row ``b``'s generated part (from ``xc``, the host copy of ``x`` as lists) to the finisher:
+        positions before ``final`` as they are, the rest as masks (the block being denoised may still change) until
+        the schedule is done."""
         r = self.active[b]
         P, total = r.plan.prompt_length, extent(r)
-        view = xc[b, P:total].tolist()
+        view = xc[b][P:total]
         gen = view if schedule_done else view[:max(0, final - P)] + [self.engine.mask_id] * (total - max(final, P))
         fin.update(r, gen, schedule_done)
 

@@ -92,6 +92,31 @@ def fuse_credit(logits: torch.Tensor, masked: torch.Tensor, row) -> torch.Tensor
     return logits + e["credit_alpha"] * torch.log(row.credit + 1)
 
 
+def fuse_credit_rows(logits: torch.Tensor, masked: torch.Tensor, rules, widths: list[int]) -> torch.Tensor:
+    """:func:`fuse_credit` for rows [R, K, V] whose rules share their parameters: the softmax, its top-1 and the
+    gains computed for all rows at once; each row's credit matrix (its own state, [w, V]) decayed and fed by its own
+    ``scatter_add_``; the fused logits ``logits + alpha * log(credit + 1)`` for all rows at once where every row's
+    width is the batch's (else row by row). The same operations on the same values as row by row."""
+    e = rules[0].extra
+    R, K, V = logits.shape
+    top_p, top_i = F.softmax(logits.to(torch.float32), dim=-1).max(-1)
+    gain = top_p.pow(e["boost_gamma"]).to(torch.float32) * masked.to(torch.float32)
+    kept = [r.credit for r, w in zip(rules, widths) if r.credit is not None and r.credit.shape == (w, V)]
+    if kept:
+        torch._foreach_mul_(kept, e["decay_beta"])
+    for j, (r, w) in enumerate(zip(rules, widths)):
+        if r.credit is None or r.credit.shape != (w, V):
+            r.credit = torch.zeros((w, V), dtype=torch.float32, device=logits.device)
+        r.credit.scatter_add_(1, top_i[j, :w, None], gain[j, :w, None])
+    if all(w == K for w in widths):
+        credit = torch.stack([r.credit for r in rules])
+        return logits + e["credit_alpha"] * torch.log(credit + 1)
+    out = torch.zeros(logits.shape, dtype=torch.promote_types(logits.dtype, torch.float32), device=logits.device)
+    for j, (r, w) in enumerate(zip(rules, widths)):
+        out[j, :w] = logits[j, :w] + e["credit_alpha"] * torch.log(r.credit + 1)
+    return out
+
+
 @dataclass
 class DInferThreshold(Rule):
     """dInfer's threshold decoder (float32 confidences)."""
@@ -137,6 +162,13 @@ class Credit(DInferThreshold):
 
     def transform(self, logits, masked):
         return fuse_credit(logits, masked, self)
+
+    def batch_key(self):
+        return self.extra["decay_beta"], self.extra["boost_gamma"], self.extra["credit_alpha"]
+
+    @staticmethod
+    def transform_rows(rules, logits, masked, widths):
+        return fuse_credit_rows(logits, masked, rules, widths)
 
 
 RULES = {"dinfer_blockwise": lambda p: DInferThreshold(p.threshold),

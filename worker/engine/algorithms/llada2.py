@@ -165,7 +165,7 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
                 s = state[active[b].index]
                 s.post += not had_masks
                 s.idle = not had_masks and not edited
-        xc = x.cpu()
+        xc = x.cpu().tolist()          # the host copy, read once
         for b, r in enumerate(active):
             s, bl = state[r.index], r.params.block_length
             r.nfe += 1
@@ -176,7 +176,7 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
             s.step += 1
             start = s.block * bl
             schedule_done = False
-            masks_left = mask_id in xc[b, start:start + bl].tolist()      # the host copy: no device read
+            masks_left = mask_id in xc[b][start:start + bl]      # the host copy: no device read
             if r.params.algorithm == "llada21":
                 # the reference's loop ends when a step after the masks neither unmasks nor edits, or before the
                 # forward that would exceed max_post_steps

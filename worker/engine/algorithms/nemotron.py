@@ -129,11 +129,11 @@ class _Batch:
         """Every forward counts in nfe. A stored block moves the row to its next one (or ends it); a block with no
         mask left, or its steps used, is stored by the row's next forward."""
         mask_id, P = self.engine.mask_id, self.P
-        xc = self.x.cpu()
+        xc = self.x.cpu().tolist()
         for i, r in enumerate(active):
             b = self.slot[r.index]
             r.nfe += 1
-            gen = xc[b, P:P + r.plan.canvas_length].tolist()
+            gen = xc[b][P:P + r.plan.canvas_length]
             s, e = r.block_range()
             if self.commit[r.index]:                            # the block's keys/values are now in the cache
                 if self.shift[b]:

@@ -43,6 +43,23 @@ def transfer_schedule(block_length: int, steps: int) -> list[int]:
 
 def sample(logits: torch.Tensor, p: GenerationParams, g: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens, their probabilities) at every position, as the reference's ``sample_with_temperature_topk_topp``."""
+    return draw(filtered_probs(logits, p), g)
+
+
+def draw(probs: torch.Tensor, g: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One multinomial draw per position of ``probs`` [N, V] from ``g`` (also at temperature 0, as the reference
+    draws: ties at the top survive its top-1 filter), and the drawn tokens' probabilities."""
+    token = torch.multinomial(probs, num_samples=1, generator=g)
+    return token[:, 0], torch.gather(probs, -1, token)[:, 0]
+
+
+def sampling_key(p: GenerationParams) -> tuple:
+    """Rows with equal keys have their probabilities computed together (:func:`filtered_probs` is row-wise)."""
+    return (p.temperature, p.extra["top_k"], p.extra["top_p"]) if p.temperature else (0.0, 1, p.extra["top_p"])
+
+
+def filtered_probs(logits: torch.Tensor, p: GenerationParams) -> torch.Tensor:
+    """The reference's temperature, top-k and top-p filtering and softmax, for logits [N, V] (row-wise)."""
     temperature, top_k = (1.0, 1) if p.temperature == 0 else (p.temperature, p.extra["top_k"])
     top_p = p.extra["top_p"]
     if temperature != 1.0:
@@ -57,9 +74,7 @@ def sample(logits: torch.Tensor, p: GenerationParams, g: torch.Generator | None)
         over[..., 0] = False
         drop = torch.scatter(torch.full_like(logits, False, dtype=torch.bool), -1, order, over)
         logits = logits.masked_fill(drop, float("-inf"))
-    probs = F.softmax(logits, dim=-1)
-    token = torch.multinomial(probs, num_samples=1, generator=g)
-    return token[:, 0], torch.gather(probs, -1, token)[:, 0]
+    return F.softmax(logits, dim=-1)
 
 
 class _State:
@@ -107,30 +122,48 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
                                 for b in den], device=dev)
             logits = model.logits(hidden[torch.tensor(den, device=dev)[:, None], idx])
         x, xc = batch.x, None
-        cur, picked = [], []
+        cur, picked, masked = [None] * len(den), [None] * len(den), [None] * len(den)
+        groups: dict[tuple, list[int]] = {}       # rows (indices into den) sampled and written together
         for i, b in enumerate(den):
-            r = active[b]
-            s, bl = state[r.index], r.params.block_length
-            cur.append(x[b, s.block * bl:(s.block + 1) * bl])
-            picked.append(sample(logits[i, :bl], r.params, r.generator))
+            p = active[b].params
+            groups.setdefault((p.block_length, sampling_key(p), active[b].logprobs is None), []).append(i)
+        together = []
+        for (bl, _, plain), members in groups.items():
+            rows = [active[den[i]] for i in members]
+            mi = torch.tensor(members, device=dev)
+            bi = torch.tensor([den[i] for i in members], device=dev)
+            cols = torch.tensor([state[r.index].block * bl for r in rows], device=dev)[:, None] + \
+                torch.arange(bl, device=dev)
+            cur_g = x[bi[:, None], cols]
+            lg = logits[mi, :bl]
+            probs = filtered_probs(lg.reshape(-1, lg.shape[-1]), rows[0].params).view(lg.shape)
+            masked_g = cur_g == mask_id
+            for j, (i, r) in enumerate(zip(members, rows)):     # each row's own draw, from its own generator
+                cur[i], masked[i] = cur_g[j], masked_g[j]
+                picked[i] = draw(probs[j], r.generator)
+            if plain:
+                together.append((members, bi, cols, cur_g))
         if den:                    # the rows choose together (no per-row read of the device)
             ps = [active[b].params for b in den]
-            write = choose_rows([c == mask_id for c in cur], [q[1] for q in picked],
+            write = choose_rows(masked, [q[1] for q in picked],
                                 [transfer_schedule(p.block_length, p.extra["denoising_steps"])[
                                     state[active[b].index].step] for b, p in zip(den, ps)],
                                 [p.threshold if p.extra["remasking_strategy"] == "low_confidence_dynamic" else None
                                  for p in ps], [p.extra["remasking_strategy"] for p in ps], False)
+        for members, bi, cols, cur_g in together:       # rows without logprobs: written per group
+            token = torch.stack([picked[i][0] for i in members])
+            x[bi[:, None], cols] = torch.where(torch.stack([write[i] for i in members]), token, cur_g)
         for i, b in enumerate(den):
             r = active[b]
             s, bl = state[r.index], r.params.block_length
-            start = s.block * bl
-            new = torch.where(write[i], picked[i][0], cur[i])
             if r.logprobs is not None:
+                start = s.block * bl
+                new = torch.where(write[i], picked[i][0], cur[i])
                 record_block_logprobs(r, cur[i], new, start, logits[i, :bl])
-            x[b, start:start + bl] = new
+                x[b, start:start + bl] = new
             s.step += 1
         if den:
-            xc = x.cpu()
+            xc = x.cpu().tolist()          # the host copy, read once
         for b, r in enumerate(active):
             s, bl = state[r.index], r.params.block_length
             r.nfe += 1
@@ -146,7 +179,7 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
                     s.block, s.step, s.phase = s.block + 1, 0, "denoise"
             else:
                 start = s.block * bl
-                left = mask_id in xc[b, start:start + bl].tolist()      # the host copy: no device read
+                left = mask_id in xc[b][start:start + bl]      # the host copy: no device read
                 # the reference has no step left for a block still masked (it would fail): store it as it is
                 if not left or s.step >= r.params.extra["denoising_steps"]:
                     s.phase, s.final = "store", start + bl
@@ -155,7 +188,9 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
                             schedule_done = True
                         else:
                             s.block, s.step, s.phase = s.block + 1, 0, "denoise"
-            batch.report(fin, b, x if xc is None else xc, s.final, schedule_done)
+            if xc is None:
+                xc = x.cpu().tolist()
+            batch.report(fin, b, xc, s.final, schedule_done)
         batch.retire()
         yield      # a step is done: the engine may run other groups' steps (continuous batching)
 
