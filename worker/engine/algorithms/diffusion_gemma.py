@@ -60,7 +60,7 @@ class _State:
         self.encode: list[int] = list(row.prompt)          # tokens the encoder must append before the next canvas
         self.canvas = None                 # [L] on the device
         self.sc = None                     # [L, V] previous step's scaled logits (embedding dtype)
-        self.hist = None                   # [S, L] argmax history
+        self.hist = None                   # [S, L] the last S argmaxes (a ring: step i at i % S)
         self.out: list[int] = []           # finished canvases (argmax)
         self.gen = gen
         self.reused = -1                   # prompt tokens from the prefix cache, once its prompt is encoding
@@ -194,19 +194,24 @@ def run(engine, rows: list[Row], fin: Finisher):
         noise = torch.stack([torch.randint(0, V, (1, L), generator=s.gen, device=dev)[0] for s in sts])
         nxt = torch.where(accept, accepted, noise)
         # adaptive stopping: stable (argmax unchanged for S steps) and confident (mean entropy below the threshold)
-        stable = []
+        # (the history is a ring of the last S argmaxes, -1 before there are S: "all equal to this one" does not
+        # depend on their order; rows with the same S are compared in one operation)
+        stable_t = torch.ones(len(sts), dtype=torch.bool, device=dev)
+        by_s: dict[int, list[int]] = {}
         for b, s in enumerate(sts):
-            if s.S == 0:
-                stable.append(None)
-                continue
-            if s.hist is None:
-                s.hist = torch.full((s.S, L), -1, dtype=torch.long, device=dev)
-            stable.append((s.hist == argmax[b][None]).all())
-            s.hist = torch.roll(s.hist, shifts=-1, dims=0)
-            s.hist[-1] = argmax[b]
+            if s.S:
+                by_s.setdefault(s.S, []).append(b)
+                if s.hist is None:
+                    s.hist = torch.full((s.S, L), -1, dtype=torch.long, device=dev)
+        for S, members in by_s.items():
+            idx = torch.tensor(members, device=dev)
+            hist = torch.stack([sts[b].hist for b in members])
+            stable_t[idx] = (hist == argmax[idx][:, None]).flatten(1).all(-1)
+            for b in members:
+                s = sts[b]
+                s.hist[(s.N - s.left) % S] = argmax[b]
         mean_ent = ent.mean(dim=-1)
         confident = mean_ent < limits[:, 1]
-        stable_t = torch.stack([torch.ones((), dtype=torch.bool, device=dev) if v is None else v for v in stable])
         # with the stopping test, in the same transfer: multinomial's check of the probabilities (finite entropies
         # exactly when the softmax is finite and sums to 1: no nan, no +inf, not every logit -inf)
         stop, ok = torch.stack([stable_t & confident, torch.isfinite(ent).all(dim=-1)]).tolist()
