@@ -8,6 +8,7 @@
 # of importance, each under its own time limit so that one slow part leaves the rest: the host's share of a step for
 # every algorithm on the GPU, the same-run comparison with the reference code (5.4M parameters: the host-bound end;
 # the reference eager, as its torch.compile of attention recompiles for minutes per shape on a fresh GPU machine),
+# the same with both sides on the same attention kernels (are the bfloat16 tokens then identical?),
 # one forward at the LLaDA-8B shape (eager against a CUDA graph), our engine there (random weights), and the
 # reference comparison at 0.8B parameters.
 set -u
@@ -33,6 +34,11 @@ $refpy -c "import torch, transformers; print('reference: torch', torch.__version
 part host_overhead "${HOST_LIMIT:-150}" $py bench/host_overhead_bench.py --device cuda --batch 32 --reps 2
 part reference_5m "${REF_LIMIT:-200}" $py bench/reference_bench.py --llada "$llada" --fast-dllm "$fast" \
     --reference-python "$refpy" --device cuda --rounds 3 --reference-eager
+# the bfloat16 tokens differed on the GPU with each side's own attention kernels: the same with the same kernels
+part reference_5m_sdpa_math "${SDPA_LIMIT:-90}" $py bench/reference_bench.py --llada "$llada" --fast-dllm "$fast" \
+    --reference-python "$refpy" --device cuda --rounds 1 --reference-eager --sdpa math
+part reference_5m_sdpa_ref "${SDPA_LIMIT:-90}" $py bench/reference_bench.py --llada "$llada" --fast-dllm "$fast" \
+    --reference-python "$refpy" --device cuda --rounds 1 --reference-eager --sdpa reference
 part forward_8b "${FWD_LIMIT:-60}" $py bench/forward_bench.py --shape llada-8b --device cuda
 part engine_8b_basic "${E8_LIMIT:-75}" $py bench/engine_bench.py --shape llada-8b --device cuda --prompt-len 32 \
     --gen-length 256 --block-length 32 --steps 256 --batch-sizes 1 --warmup 1

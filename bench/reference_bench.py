@@ -58,6 +58,9 @@ def load(name, path):
 fast = load("fast_generate", fast_dir + "/llada/generate.py")
 ml = load("llada_generate", llada_dir + "/generate.py")
 model = LLaDAModelLM.from_pretrained(ckpt, torch_dtype=dtype).to(dev).eval()
+SDPA = {"math": dict(flash=False, mem_efficient=False, cudnn=False)}.get(sys.argv[8], {})
+for name, on in SDPA.items():            # after the model's own init, which sets flash on, mem-efficient off
+    getattr(torch.backends.cuda, f"enable_{name}_sdp")(on)
 mask = job["mask_id"]
 def run(s, prompts):
     name, fn, gen, block, steps, thr, batch = s
@@ -97,6 +100,10 @@ torch.set_num_threads(threads)
 sys.path.insert(0, root)
 from worker.engine import Engine, GenerationParams, Request
 engine = Engine.from_pretrained(ckpt, device=dev, dtype=dtype)
+SDPA = {"math": dict(flash=False, mem_efficient=False, cudnn=False),
+        "reference": dict(flash=True, mem_efficient=False)}.get(sys.argv[7], {})
+for name, on in SDPA.items():
+    getattr(torch.backends.cuda, f"enable_{name}_sdp")(on)
 ALG = {"basic": "basic", "dual_cache": "dual_cache", "prefix_cache": "prefix_cache"}
 def run(s, prompts):
     name, fn, gen, block, steps, thr, batch = s
@@ -162,6 +169,10 @@ def main() -> None:
                     help="run the reference with TORCHDYNAMO_DISABLE=1: Fast-dLLM's model wraps its attention in "
                          "torch.compile, which on a GPU compiles (and recompiles for new shapes) for minutes inside "
                          "the timed runs; eager is the same arithmetic without that")
+    ap.add_argument("--sdpa", default="default", choices=("default", "reference", "math"),
+                    help="CUDA attention kernels: default (each side as it runs: Fast-dLLM's model turns flash on and "
+                         "the memory-efficient kernel off for its process), reference (ours as the reference's "
+                         "process), math (both sides the math kernel only)")
     ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
                     help="default: float32 on the CPU, bfloat16 on cuda")
     args = ap.parse_args()
@@ -182,8 +193,9 @@ def main() -> None:
         prompts = [[rng.randrange(5, 280) for _ in range(args.prompt_length)] for _ in range(8)]
         job = json.dumps({"settings": settings, "prompts": prompts, "mask_id": cfg["mask_token_id"]})
         ref_cmd = [args.reference_python, "-c", REFERENCE, str(ckpt), job, str(Path(args.llada).resolve()),
-                   str(Path(args.fast_dllm).resolve()), str(args.threads), args.device, dtype]
-        ours_cmd = [sys.executable, "-c", OURS, str(ckpt), job, str(args.threads), str(ROOT), args.device, dtype]
+                   str(Path(args.fast_dllm).resolve()), str(args.threads), args.device, dtype, args.sdpa]
+        ours_cmd = [sys.executable, "-c", OURS, str(ckpt), job, str(args.threads), str(ROOT), args.device, dtype,
+                    args.sdpa]
         ref_env = dict(os.environ, TORCHDYNAMO_DISABLE="1") if args.reference_eager else None
         times = {"ref": [[] for _ in settings], "ours": [[] for _ in settings]}
         tokens = {"ref": [], "ours": []}
@@ -198,7 +210,8 @@ def main() -> None:
                 for i in range(len(settings))]
         print(f"checkpoint {ckpt if args.checkpoint else f'random LLaDA-layout, {nparams / 1e6:.1f}M parameters'}; "
               f"prompts of {args.prompt_length} tokens; {dtype}, {args.device}, {args.threads} thread(s); medians of "
-              f"{args.rounds} interleaved rounds" + ("; reference eager (TORCHDYNAMO_DISABLE=1)" if args.reference_eager else ""))
+              f"{args.rounds} interleaved rounds" + ("; reference eager (TORCHDYNAMO_DISABLE=1)" if args.reference_eager else "")
+              + (f"; CUDA attention: {args.sdpa}" if args.sdpa != "default" else ""))
         print(f"{'setting':<52} {'ref tok/s':>10} {'ours tok/s':>11} {'ours/ref':>9} {'tokens':>10}")
         for i, s in enumerate(settings):
             toks = s[2] * s[6]
