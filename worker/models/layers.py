@@ -92,12 +92,13 @@ class RMSNorm(nn.Module):
 
 
 def rope_tables(head_dim: int, max_positions: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(cos, sin) of shape [max_positions, head_dim], float32, rotate-half layout (each frequency twice)."""
+    """(cos, signed sin) of shape [max_positions, head_dim], float32, rotate-half layout (each frequency twice); the
+    sin table's first half is negated, the sign of ``rotate_half`` folded in (see :func:`apply_rope`)."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
     pos = torch.arange(max_positions, device=device, dtype=torch.float32)
     freqs = torch.outer(pos, inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
+    return emb.cos(), torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -106,16 +107,21 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fp32: bool = True) -> torch.Tensor:
-    """x: [B, H, L, D]; cos/sin: [B, L, D] (float32) gathered at each token's position.
+    """x: [B, H, L, D]; cos / signed sin (:func:`rope_tables`): [B, L, D] (float32) gathered at each token's position.
+
+    The references' ``x * cos + rotate_half(x) * sin`` with ``rotate_half([x1, x2]) = [-x2, x1]``, computed as
+    ``x * cos + [x2, x1] * [-sin1, sin2]`` (one ``roll`` instead of a negation and a concatenation): the same numbers,
+    as ``(-a) * b == a * (-b)`` exactly in floating point.
 
     ``fp32=True`` rotates in float32 (LLaDA's ``rope_full_precision``); otherwise the tables are cast to x's dtype
-    first, as Hugging Face's Qwen3 code does."""
+    first, as Hugging Face's Qwen3 code does (a cast commutes with the sign)."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    half = x.shape[-1] // 2
     if fp32:
         xf = x.float()
-        return (xf * cos + rotate_half(xf) * sin).to(x.dtype)
+        return (xf * cos + xf.roll(half, -1) * sin).to(x.dtype)
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    return x * cos + rotate_half(x) * sin
+    return x * cos + x.roll(half, -1) * sin
 
 
 def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int) -> torch.Tensor:
