@@ -9,8 +9,9 @@
 # every algorithm on the GPU, the same-run comparison with the reference code (5.4M parameters: the host-bound end;
 # the reference eager, as its torch.compile of attention recompiles for minutes per shape on a fresh GPU machine),
 # the same with both sides on the same attention kernels (are the bfloat16 tokens then identical?),
-# one forward at the LLaDA-8B shape (eager against a CUDA graph), our engine there (random weights), and the
-# reference comparison at 0.8B parameters.
+# one forward at the LLaDA-8B shape (eager against a CUDA graph), our engine there (random weights), DiffusionGemma
+# against its reference, and the reference comparison at 0.8B parameters. Expect 8-10 minutes in all on an H200
+# (estimated from the parts timed on 2026-11-26); ONLY=name,name runs just those parts (the logs' file names).
 set -u
 llada=$1 fast=$2 refpy=$3 logs=${4:-/tmp/dllm-gpu-run}
 py=${PYTHON:-python3}
@@ -18,9 +19,10 @@ mkdir -p "$logs"
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
 
-part() {            # part NAME SECONDS COMMAND...: run it, log it, say how it ended
+part() {            # part NAME SECONDS COMMAND...: run it, log it, say how it ended (ONLY=a,b: just those parts)
     local name=$1 limit=$2
     shift 2
+    if [ -n "${ONLY:-}" ] && [[ ",$ONLY," != *",$name,"* ]]; then return; fi
     echo "== $name ($limit s at most): $*"
     timeout "$limit" "$@" > "$logs/$name.log" 2>&1
     local rc=$?
@@ -44,5 +46,8 @@ part engine_8b_basic "${E8_LIMIT:-75}" $py bench/engine_bench.py --shape llada-8
     --gen-length 256 --block-length 32 --steps 256 --batch-sizes 1 --warmup 1
 part engine_8b_dual "${E8_LIMIT:-75}" $py bench/engine_bench.py --shape llada-8b --device cuda --prompt-len 32 \
     --gen-length 256 --block-length 32 --steps 256 --algorithm dual_cache --threshold 0.9 --batch-sizes 1,16 --warmup 1
+# issue 28: DiffusionGemma against transformers' own generate on the GPU (its 15M random checkpoint; the reference
+# is this interpreter's transformers)
+part diffusion_gemma "${DG_LIMIT:-150}" $py bench/diffusion_gemma_bench.py --device cuda
 part reference_1b "${REF1B_LIMIT:-120}" $py bench/reference_bench.py --llada "$llada" --fast-dllm "$fast" \
     --reference-python "$refpy" --device cuda --rounds 1 --shape 1b --only 1,4,5 --reference-eager

@@ -117,3 +117,18 @@ async def test_logprobs_follow_the_text_at_a_stop_string_and_in_a_stream(aiohttp
               if line.startswith(b"data: {")]
     streamed = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
     assert len(streamed) == 1 and streamed[0] == full["logprobs"]         # all of them, with the last chunk
+
+
+@pytest.mark.parametrize("path, alg, extra", SETTINGS, ids=lambda v: getattr(v, "name", v))
+def test_a_row_with_logprobs_batches_with_rows_without(engines, path, alg, extra):
+    """A row asking for logprobs is decided row by row where the others are decided together (dream, the Dream
+    caches, LLaDA2.x, SDAR): in one batch every row still gets the tokens it gets alone."""
+    from dataclasses import replace
+    engine = engines(path)
+    reqs = _requests(engine, alg, extra)
+    mixed = [Request(r.prompt_ids, replace(r.params, logprobs=3 if i == 1 else None)) for i, r in enumerate(reqs)]
+    alone = [engine.generate([r])[0] for r in mixed]
+    got = engine.generate(mixed)
+    assert [g.token_ids for g in got] == [a.token_ids for a in alone]
+    assert [g.nfe for g in got] == [a.nfe for a in alone]
+    assert got[1].logprobs and not got[0].logprobs and not got[2].logprobs

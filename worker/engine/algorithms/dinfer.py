@@ -24,15 +24,14 @@ def select_dinfer_threshold(conf: torch.Tensor, x0: torch.Tensor, masked: torch.
     """dInfer's ``get_transfer_index_threshold`` for one row (float32 confidences): positions whose proposal is the
     mask token are left out; every other masked one with confidence >= (best - 1e-5) clamped to [-1000, threshold]
     is committed, so a step commits at least its most confident token. Bool over the candidates."""
-    eligible = masked & (x0 != mask_id)
-    c = torch.where(eligible, conf, torch.full_like(conf, NEG_INF))
-    return (c >= (c.max() - 1e-5).clamp(-1000, threshold)) & masked
+    thr = torch.full((1, 1), threshold, dtype=conf.dtype, device=conf.device)
+    return select_dinfer_threshold_rows(conf[None], x0[None], masked[None], thr, mask_id)[0]
 
 
 def select_dinfer_threshold_rows(conf: torch.Tensor, x0: torch.Tensor, masked: torch.Tensor,
                                  threshold: torch.Tensor, mask_id: int) -> torch.Tensor:
-    """:func:`select_dinfer_threshold` for rows [R, K] at once (``threshold`` [R, 1] in the confidences' dtype):
-    the same comparisons, the best taken per row."""
+    """:func:`select_dinfer_threshold` for rows [R, K] at once (``threshold`` [R, 1] in the confidences' dtype, as
+    the reference compares): the best taken per row."""
     c = torch.where(masked & (x0 != mask_id), conf, torch.full_like(conf, NEG_INF))
     return (c >= torch.minimum((c.amax(1, keepdim=True) - 1e-5).clamp(min=-1000), threshold)) & masked
 
@@ -42,19 +41,7 @@ def select_hierarchy(conf: torch.Tensor, masked: torch.Tensor, threshold: float 
     """dInfer's ``HierarchyDecoder`` for one row: non-masked positions get the dtype's lowest value; in each
     contiguous run of masked candidates every position equal to the run's best, if > ``low``; plus every position
     > ``threshold``; plus the first most confident position; then only masked ones. Bool over the candidates."""
-    lowest = torch.finfo(conf.dtype).min
-    c = torch.where(masked, conf, torch.full_like(conf, lowest))
-    prev = torch.cat([masked.new_zeros(1), masked[:-1]])
-    seg = torch.cumsum((masked & ~prev).long(), 0) - 1
-    seg = torch.where(masked, seg, torch.zeros_like(seg))
-    seg_max = torch.full_like(c, lowest).scatter_reduce(0, seg, c, reduce="amax", include_self=True)
-    pick = c == seg_max.gather(0, seg)
-    if low is not None:
-        pick &= torch.gt(c, low)
-    if threshold is not None:
-        pick |= torch.gt(c, threshold)
-    pick[torch.argmax(c)] = True
-    return pick & masked
+    return select_hierarchy_rows(conf[None], masked[None], threshold, low)[0]
 
 
 def select_hierarchy_rows(conf: torch.Tensor, masked: torch.Tensor, threshold: float | None,
