@@ -72,7 +72,7 @@ def main() -> None:
                 sync()
             ev = prof.key_averages()
             if cuda:
-                dev_us = [getattr(k, "self_device_time_total", 0) for k in ev]
+                dev_us = [getattr(k, "self_device_time_total", getattr(k, "self_cuda_time_total", 0)) for k in ev]
                 busy = sum(dev_us) / 1e3
                 kernels = sum(k.count for k, us in zip(ev, dev_us) if us > 0)
                 stream = torch.cuda.Stream()
