@@ -4,6 +4,8 @@ Rows are right-aligned in the batch tensor (left padding), each with its own abs
 key-padding mask, so a row's logits do not depend on which rows share its batch."""
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -278,7 +280,14 @@ class Canvas:
 
 def window_index(spans: list[tuple[int, int]], device) -> tuple[torch.Tensor, torch.Tensor]:
     """For window forwards: ``cols`` [B, W] the canvas columns of each row's window [start, end) (padded with its last
-    column) and ``valid`` [B, W] which of them are real (W = the widest window)."""
+    column) and ``valid`` [B, W] which of them are real (W = the widest window). Both are read-only: they are kept
+    for the spans and device (inside a block the windows are the same step after step, so a step reuses them
+    instead of building and copying them again)."""
+    return _window_index(tuple((int(s), int(e)) for s, e in spans), torch.device(device))
+
+
+@functools.lru_cache(maxsize=32)
+def _window_index(spans: tuple[tuple[int, int], ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     W = max(e - s for s, e in spans)
     bounds = torch.tensor(spans)
     s, e = bounds[:, 0], bounds[:, 1]
