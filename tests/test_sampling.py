@@ -70,7 +70,8 @@ def test_factor_rule():
 
 def test_rows_ranked_together_choose_what_each_row_alone_chooses():
     """sampling._select_grouped (one topk per group of rows) against select_fixed / select_threshold per row, on
-    vectors full of exact ties (1.0, -inf), rows of different widths and offsets in their reference vectors."""
+    vectors full of exact ties (1.0, -inf), rows of different widths and offsets in their reference vectors, and
+    windows whose vector is the candidates themselves."""
     import random
 
     from worker.engine.sampling import NEG_INF, _select_grouped
@@ -78,11 +79,15 @@ def test_rows_ranked_together_choose_what_each_row_alone_chooses():
     for trial in range(300):
         length, k, B = rng.choice([12, 40, 160]), rng.randrange(1, 6), rng.randrange(1, 9)
         widths = [rng.randrange(k, 9) for _ in range(B)]
+        window = trial % 3 == 0           # a cached window: the vector is the candidates themselves
+        if window:
+            length = rng.randrange(k, 9)
+            widths = [length] * B
         K = max(widths)
         conf = [torch.tensor([rng.choice([1.0, 0.5, NEG_INF, rng.random()]) for _ in range(w)],
                              dtype=rng.choice([torch.float32, torch.float64])) for w in widths]
         conf = [c.to(conf[0].dtype) for c in conf]
-        ats = [rng.randrange(0, length - w + 1) for w in widths]
+        ats = [0] * B if window else [rng.randrange(0, length - w + 1) for w in widths]
         threshold = rng.choice([None, 0.9])
         chosen = torch.zeros(B, K, dtype=torch.bool)
         if threshold is None:

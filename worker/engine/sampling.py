@@ -316,21 +316,29 @@ def _select_grouped(groups: dict, conf: list[torch.Tensor], widths: list[int], c
     K = chosen.shape[1]
     for (length, k, threshold), members in groups.items():
         idx_rows = [b for b, _ in members]
-        at = torch.tensor([a for _, a in members], device=device)
-        w = torch.tensor([widths[b] for b in idx_rows], device=device)
         c = torch.nn.utils.rnn.pad_sequence([conf[b] for b in idx_rows], batch_first=True, padding_value=NEG_INF)
-        if c.shape[1] < K:
-            c = F.pad(c, (0, K - c.shape[1]), value=NEG_INF)
-        j = torch.arange(length, device=device)[None, :] - at[:, None]          # vector element -> candidate
-        inside = (j >= 0) & (j < w[:, None])
-        vec = torch.where(inside, c.gather(1, j.clamp(0, K - 1)), torch.full((), NEG_INF, dtype=c.dtype,
-                                                                             device=device))
-        values, top = torch.topk(vec, k, dim=-1)
-        cand = top - at[:, None]
-        keep = (cand >= 0) & (cand < w[:, None])
+        if all(a == 0 for _, a in members) and all(widths[b] == length for b in idx_rows):
+            # the reference vector is the candidates themselves (a cached window): rank them as they are
+            values, cand = torch.topk(c, k, dim=-1)
+            keep = None
+        else:
+            at = torch.tensor([a for _, a in members], device=device)
+            w = torch.tensor([widths[b] for b in idx_rows], device=device)
+            if c.shape[1] < K:
+                c = F.pad(c, (0, K - c.shape[1]), value=NEG_INF)
+            j = torch.arange(length, device=device)[None, :] - at[:, None]          # vector element -> candidate
+            inside = (j >= 0) & (j < w[:, None])
+            vec = torch.where(inside, c.gather(1, j.clamp(0, K - 1)), torch.full((), NEG_INF, dtype=c.dtype,
+                                                                                 device=device))
+            values, top = torch.topk(vec, k, dim=-1)
+            cand = top - at[:, None]
+            keep = (cand >= 0) & (cand < w[:, None])
         if threshold is not None:               # Fast-dLLM: the first always, each other one unless < threshold
             ok = ~(values < threshold)
             ok[:, :1] = True
-            keep &= ok
-        rows_t = torch.tensor(idx_rows, device=device)[:, None].expand_as(cand)
-        chosen[rows_t[keep], cand[keep]] = True
+            keep = ok if keep is None else keep & ok
+        # written by a scatter, not by boolean indexing (which would wait for the device to count the picks)
+        hits = torch.zeros((len(idx_rows), K), dtype=torch.int32, device=device)
+        hits.scatter_add_(1, cand.clamp(0, K - 1), torch.ones_like(cand, dtype=torch.int32) if keep is None
+                          else keep.to(torch.int32))
+        chosen[torch.tensor(idx_rows, device=device)] = hits > 0
