@@ -3,7 +3,8 @@
 What a step costs besides the model: the wall time of ``Engine.generate`` minus the time spent inside the model's
 forward and logits calls (timed around them), per step, at batch 1 and at batch ``--batch``; on a GPU this is what
 stands between one forward and the next. Also counted, per step: the calls that wait for the device on CUDA
-(``Tensor.item``, ``tolist``, ``cpu``, ``numpy``, ``__bool__``/``__int__``/``__float__``, ``nonzero``). Each
+(``Tensor.item``, ``tolist``, ``cpu``, ``numpy``, ``__bool__``/``__int__``/``__float__``, ``nonzero``, and
+indexing by a bool tensor, which counts the mask's True values on the device before it can index). Each
 algorithm runs on its family's tiny fixture (tests/fixtures), float32 on CPU, the whole canvas (early exit off).
 
   python bench/host_overhead_bench.py --batch 32
@@ -59,12 +60,25 @@ def counting_syncs(counter: list, sites: collections.Counter | None = None):
                 counted_at(name)
             return out
         return counted
+    def masked(index) -> bool:       # indexing by a bool tensor counts its True values on the device first
+        parts = index if isinstance(index, tuple) else (index,)
+        return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool and i.dim() > 0 for i in parts)
+
+    def wrap_index(name, fn):
+        def counted(self, index, *a):
+            if masked(index):
+                counted_at(f"{name} by a bool mask")
+            return fn(self, index, *a)
+        return counted
+    indexing = {name: getattr(torch.Tensor, name) for name in ("__getitem__", "__setitem__")}
     try:
         for name, fn in real.items():
             setattr(torch.Tensor, name, wrap(name, fn))
+        for name, fn in indexing.items():
+            setattr(torch.Tensor, name, wrap_index(name, fn))
         yield
     finally:
-        for name, fn in real.items():
+        for name, fn in {**real, **indexing}.items():
             setattr(torch.Tensor, name, fn)
 
 
