@@ -134,7 +134,8 @@ class Choice:
     """One row's decision this step, made together with other rows' by :func:`decide_together`: its masked
     positions are the step's logits rows ``lo:hi``, in a reference vector of ``length`` positions whose position 0 is
     column ``base`` of canvas row ``b``; ``slot`` is its row in the step's ``rowid`` numbering. ``n``: how many the
-    schedule commits, or with ``threshold`` the rule of :func:`threshold_pick` over all its ``n`` masked positions."""
+    schedule commits, or with ``threshold`` the Dream caches' threshold rule (``dream_cache.threshold_step``) over all
+    its ``n`` masked positions."""
     b: int
     slot: int
     lo: int
