@@ -225,6 +225,10 @@ def throughput_bench(args) -> None:
     else:
         engine = random_engine(args.shape, device, dtype)
         label = f"{args.shape} (random weights)"
+    if args.cuda_graphs:
+        from worker.engine.graphs import install
+        engine.graphs = install(engine.model)
+        label += ", CUDA graphs" if engine.graphs is not None else ", CUDA graphs not applicable (eager)"
     vocab = engine.model.cfg.vocab_size
     special = set(engine.stop_ids) | {engine.mask_id}
     gen = torch.Generator().manual_seed(0)
@@ -268,6 +272,8 @@ def throughput_bench(args) -> None:
         rows.append({"batch": bs, "wall_s": wall, "tokens_per_s": toks / wall, "forwards_per_s": steps / wall,
                      "nfe_per_row": nfe})
         print(f"{bs:>5} {wall:>8.2f} {toks / wall:>10.1f} {steps / wall:>8.2f} {nfe:>8.1f}", flush=True)
+    if engine.graphs is not None:
+        print(f"graphs: {engine.graphs.report()}")
     if args.json:
         print(json.dumps(rows))
 
@@ -287,6 +293,8 @@ def main() -> None:
     ap.add_argument("--threshold", type=float, default=None)
     ap.add_argument("--params", help="extra GenerationParams fields as JSON")
     ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--cuda-graphs", action="store_true", help="replay the forward from CUDA graphs "
+                                                               "(worker/engine/graphs.py)")
     ap.add_argument("--memory", action="store_true", help="measure peak host RSS while loading a bf16 checkpoint")
     ap.add_argument("--tmpdir", default=None, help="where --memory writes its temporary checkpoint")
     ap.add_argument("--json", action="store_true")

@@ -33,6 +33,16 @@ part() {            # part NAME SECONDS COMMAND...: run it, log it, say how it e
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
 $py -c "import torch, transformers; print('ours: torch', torch.__version__, 'transformers', transformers.__version__)"
 $refpy -c "import torch, transformers; print('reference: torch', torch.__version__, 'transformers', transformers.__version__)"
+# CUDA graphs (worker/engine/graphs.py): the same tokens as eager for every dense family and algorithm, and the time
+part graphs_fixtures "${GRAPHS_LIMIT:-90}" $py bench/graphs_bench.py --device cuda
+part diffusion_gemma "${DG_LIMIT:-150}" $py bench/diffusion_gemma_bench.py --device cuda
+part reference_5m_graphs "${REF_LIMIT:-150}" $py bench/reference_bench.py --llada "$llada" --fast-dllm "$fast" \
+    --reference-python "$refpy" --device cuda --rounds 2 --reference-eager --cuda-graphs
+part graphs_8b "${GRAPHS_LIMIT:-90}" $py bench/graphs_bench.py --device cuda --shape llada-8b \
+    --algorithms basic,dual_cache --batch 1 --gen-length 64 --block-length 32
+part engine_8b_dual_graphs "${E8_LIMIT:-75}" $py bench/engine_bench.py --shape llada-8b --device cuda --prompt-len 32 \
+    --gen-length 256 --block-length 32 --steps 256 --algorithm dual_cache --threshold 0.9 --batch-sizes 1,16 \
+    --warmup 1 --cuda-graphs
 part host_overhead "${HOST_LIMIT:-150}" $py bench/host_overhead_bench.py --device cuda --batch 32 --reps 2
 part reference_5m "${REF_LIMIT:-200}" $py bench/reference_bench.py --llada "$llada" --fast-dllm "$fast" \
     --reference-python "$refpy" --device cuda --rounds 3 --reference-eager
@@ -46,8 +56,5 @@ part engine_8b_basic "${E8_LIMIT:-75}" $py bench/engine_bench.py --shape llada-8
     --gen-length 256 --block-length 32 --steps 256 --batch-sizes 1 --warmup 1
 part engine_8b_dual "${E8_LIMIT:-75}" $py bench/engine_bench.py --shape llada-8b --device cuda --prompt-len 32 \
     --gen-length 256 --block-length 32 --steps 256 --algorithm dual_cache --threshold 0.9 --batch-sizes 1,16 --warmup 1
-# issue 28: DiffusionGemma against transformers' own generate on the GPU (its 15M random checkpoint; the reference
-# is this interpreter's transformers)
-part diffusion_gemma "${DG_LIMIT:-150}" $py bench/diffusion_gemma_bench.py --device cuda
 part reference_1b "${REF1B_LIMIT:-120}" $py bench/reference_bench.py --llada "$llada" --fast-dllm "$fast" \
     --reference-python "$refpy" --device cuda --rounds 1 --shape 1b --only 1,4,5 --reference-eager

@@ -99,7 +99,7 @@ ckpt, job, threads, root, dev, dtype = sys.argv[1], json.loads(sys.argv[2]), int
 torch.set_num_threads(threads)
 sys.path.insert(0, root)
 from worker.engine import Engine, GenerationParams, Request
-engine = Engine.from_pretrained(ckpt, device=dev, dtype=dtype)
+engine = Engine.from_pretrained(ckpt, device=dev, dtype=dtype, cuda_graphs=sys.argv[8] == "1")
 SDPA = {"math": dict(flash=False, mem_efficient=False, cudnn=False),
         "reference": dict(flash=True, mem_efficient=False)}.get(sys.argv[7], {})
 for name, on in SDPA.items():
@@ -173,6 +173,8 @@ def main() -> None:
                     help="CUDA attention kernels: default (each side as it runs: Fast-dLLM's model turns flash on and "
                          "the memory-efficient kernel off for its process), reference (ours as the reference's "
                          "process), math (both sides the math kernel only)")
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="ours replays its forward from CUDA graphs (worker/engine/graphs.py; cuda only)")
     ap.add_argument("--dtype", default=None, choices=("float32", "bfloat16"),
                     help="default: float32 on the CPU, bfloat16 on cuda")
     args = ap.parse_args()
@@ -195,7 +197,7 @@ def main() -> None:
         ref_cmd = [args.reference_python, "-c", REFERENCE, str(ckpt), job, str(Path(args.llada).resolve()),
                    str(Path(args.fast_dllm).resolve()), str(args.threads), args.device, dtype, args.sdpa]
         ours_cmd = [sys.executable, "-c", OURS, str(ckpt), job, str(args.threads), str(ROOT), args.device, dtype,
-                    args.sdpa]
+                    args.sdpa, "1" if args.cuda_graphs else "0"]
         ref_env = dict(os.environ, TORCHDYNAMO_DISABLE="1") if args.reference_eager else None
         times = {"ref": [[] for _ in settings], "ours": [[] for _ in settings]}
         tokens = {"ref": [], "ours": []}
@@ -211,7 +213,8 @@ def main() -> None:
         print(f"checkpoint {ckpt if args.checkpoint else f'random LLaDA-layout, {nparams / 1e6:.1f}M parameters'}; "
               f"prompts of {args.prompt_length} tokens; {dtype}, {args.device}, {args.threads} thread(s); medians of "
               f"{args.rounds} interleaved rounds" + ("; reference eager (TORCHDYNAMO_DISABLE=1)" if args.reference_eager else "")
-              + (f"; CUDA attention: {args.sdpa}" if args.sdpa != "default" else ""))
+              + (f"; CUDA attention: {args.sdpa}" if args.sdpa != "default" else "")
+              + ("; ours with CUDA graphs" if args.cuda_graphs else ""))
         print(f"{'setting':<52} {'ref tok/s':>10} {'ours tok/s':>11} {'ours/ref':>9} {'tokens':>10}")
         for i, s in enumerate(settings):
             toks = s[2] * s[6]

@@ -79,7 +79,8 @@ def main() -> None:
 @click.option("--dtype", type=click.Choice(DTYPES), default="auto",
               show_default=True, help="auto: bfloat16 on CUDA, float32 on CPU.")
 @options(WorkerConfig, only=("compile",), prefix="with_")
-@options(WorkerConfig, only=("tensor_parallel_size", "rank_timeout", "prefix_cache_gb"))
+@options(WorkerConfig, only=("tensor_parallel_size", "rank_timeout", "prefix_cache_gb", "cuda_graphs",
+                             "cuda_graph_max", "cuda_graph_max_tokens"))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--requests", "requests_file", type=click.File("rb"), default=None,
               help="Generate for every line of this JSON-lines file (- for stdin) in one batch, one JSON line out per "
@@ -88,7 +89,8 @@ def main() -> None:
                    "temperature, cfg_scale, threshold, factor, seed, shift_logits, algorithm_params).")
 def generate(model_path, prompt, chat, prompt_ids, gen_length, block_length, steps, algorithm, remasking,
              temperature, cfg_scale, threshold, factor, seed, shift_logits, algorithm_params, no_early_exit, device,
-             dtype, with_compile, tensor_parallel_size, rank_timeout, prefix_cache_gb, as_json, requests_file):
+             dtype, with_compile, tensor_parallel_size, rank_timeout, prefix_cache_gb, cuda_graphs, cuda_graph_max,
+             cuda_graph_max_tokens, as_json, requests_file):
     """Generate offline for one prompt (or a batch of them, --requests) and print the result."""
     from worker.engine import Engine
     from worker.models import CheckpointError
@@ -119,7 +121,8 @@ def generate(model_path, prompt, chat, prompt_ids, gen_length, block_length, ste
     try:
         engine = Engine.from_pretrained(model_path, device=device, dtype=dtype, compile=with_compile,
                                         tensor_parallel=tensor_parallel_size, rank_timeout=rank_timeout,
-                                        prefix_cache_gb=prefix_cache_gb)
+                                        prefix_cache_gb=prefix_cache_gb, cuda_graphs=cuda_graphs,
+                                        cuda_graph_max=cuda_graph_max, cuda_graph_max_tokens=cuda_graph_max_tokens)
     except (CheckpointError, ValueError, OSError) as e:
         raise click.ClickException(str(e))
     try:
@@ -296,7 +299,8 @@ def _gpu_ids(gpus: int | None, gpu_ids: str | None, workers: int | None = None) 
 SERVE_WORKER = ("default_algorithm", "default_max_tokens", "dtype", "score_mc_num", "score_batch_size",
                 "score_cfg_scale", "score_window", "served_model_name", "compile", "continuous_batching",
                 "max_batch_tokens", "switch_wait", "max_request_cost", "long_row_cost", "long_row_share",
-                "tensor_parallel_size", "rank_timeout", "prefix_cache_gb", "threads")
+                "tensor_parallel_size", "rank_timeout", "prefix_cache_gb", "threads", "cuda_graphs", "cuda_graph_max",
+                "cuda_graph_max_tokens")
 
 
 @main.command()

@@ -323,6 +323,7 @@ async def health(request: web.Request) -> web.Response:
         "cpu_threads": state.cpu_threads,
         **({"ranks": e.ranks.describe()} if getattr(e, "ranks", None) is not None else {}),
         "prefix_cache": e.prefix_cache.stats() if getattr(e, "prefix_cache", None) is not None else None,
+        "cuda_graphs": e.graphs.report() if getattr(e, "graphs", None) is not None else None,
         "tokens_generated": state.tokens_generated,
         "gpu": gpu_stats(e.device) if e is not None else None,
         "uptime_seconds": round(time.time() - state.started, 1),
@@ -443,7 +444,9 @@ async def _load(app: web.Application) -> None:
                 None, lambda: Engine.from_pretrained(c.model_path, device=c.device, dtype=c.dtype,
                                                       compile=c.compile, tensor_parallel=c.tensor_parallel_size,
                                                       rank_timeout=c.rank_timeout,
-                                                      prefix_cache_gb=c.prefix_cache_gb))
+                                                      prefix_cache_gb=c.prefix_cache_gb,
+                                                      cuda_graphs=c.cuda_graphs, cuda_graph_max=c.cuda_graph_max,
+                                                      cuda_graph_max_tokens=c.cuda_graph_max_tokens))
         engine.long_row_cost = c.long_row_cost          # fair share in the step loop (worker.engine.engine._Batch)
         from worker.models import DEFAULT_ALGORITHM
         from worker.models.checkpoint import default_max_new_tokens

@@ -61,11 +61,13 @@ class Engine:
         self.path: Path | None = None       # the checkpoint the weights came from (from_pretrained, reload_weights)
         self.version: dict | None = None    # its model_version: {"path", "hash"} (worker/models/checkpoint.py)
         self._prefix_cache_gb = 0.0
+        self.graphs = None          # worker/engine/graphs.py GraphedForward, when the forward replays CUDA graphs
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, device=None, dtype=None, compile: bool = False,
                         tensor_parallel: int = 1, rank_timeout: float = 300.0, layout=None,
-                        prefix_cache_gb: float = 0.0, ranks=None) -> "Engine":
+                        prefix_cache_gb: float = 0.0, ranks=None, cuda_graphs: bool = False,
+                        cuda_graph_max: int = 32, cuda_graph_max_tokens: int = 2048) -> "Engine":
         """``compile``: run the dense half of every block (output projection, RMSNorm, SwiGLU MLP) through
         ``torch.compile``, falling back to eager if compiling fails (see models.layers.Compiled).
 
@@ -73,7 +75,9 @@ class Engine:
         ``rank_timeout``: seconds any collective may wait for a rank). ``layout``: a follower rank's place (ranks.py
         passes it). ``prefix_cache_gb``: the prefix cache's budget (:meth:`use_prefix_cache`). ``ranks``: the
         follower ranks of an engine that handed them over (:meth:`hand_over_ranks`), which load this checkpoint
-        instead of new processes starting."""
+        instead of new processes starting. ``cuda_graphs``: replay the forward from CUDA graphs, at most
+        ``cuda_graph_max`` of them kept, for forwards of at most ``cuda_graph_max_tokens`` tokens
+        (worker/engine/graphs.py: CUDA, dense families, not with tensor parallelism or ``compile``)."""
         path = Path(path)
         family = detect_family(path)
         config = read_config(path)
@@ -99,6 +103,10 @@ class Engine:
             raise
         if compile:
             model.compile_dense()
+        graphs = None
+        if cuda_graphs:
+            from .graphs import install
+            graphs = install(model, cuda_graph_max, max_tokens=cuda_graph_max_tokens)
         fam = FAMILIES[family]
         engine = cls(model, mask_id=mask_token_id(tokenizer, config) if fam.mask_token else -1,
                      stop_ids=stop_token_ids(path, tokenizer, config), pad_id=config.get("pad_token_id"),
@@ -106,6 +114,7 @@ class Engine:
         if fam.algorithm_defaults is not None:
             engine.algorithm_defaults = fam.algorithm_defaults(path)
         engine.use_prefix_cache(prefix_cache_gb)
+        engine.graphs = graphs
         engine.path = path
         engine.version = model_version(path) if layout is None or ranks is not None else None   # rank 0 reports it
         if group is not None:
@@ -172,6 +181,8 @@ class Engine:
                                    f"({e2})") from e2
             raise
         self.use_prefix_cache(self._prefix_cache_gb)
+        if self.graphs is not None:
+            self.graphs.clear()
         self.path, self.version = path, version
         return version
 

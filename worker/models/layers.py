@@ -293,6 +293,7 @@ class DecoderLM(nn.Module):
 
     decoder_name = "model"
     head_name: str | None = "lm_head"
+    cuda_graphs = True      # no host synchronisation in the forward (worker/engine/graphs.py); False for MoE
 
     def __init__(self, cfg, decoder: Decoder, head: nn.Linear | None):
         super().__init__()

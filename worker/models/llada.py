@@ -117,6 +117,7 @@ class LLaDABlock(nn.Module):
 
 class LLaDAModel(nn.Module):
     family = "llada"
+    cuda_graphs = True      # no host synchronisation in the forward (worker/engine/graphs.py)
 
     def __init__(self, cfg: LLaDAConfig):
         super().__init__()

@@ -226,6 +226,7 @@ class LLaDA2Model(DecoderLM):
     """The :class:`~worker.models.family.DiffusionLM` interface; the caller's ``mask`` carries the block-causal
     attention."""
     family = "llada2"
+    cuda_graphs = False     # the experts' token counts are read on the host (worker/engine/graphs.py)
 
     def __init__(self, cfg: LLaDA2Config):
         super().__init__(cfg, Backbone(cfg),

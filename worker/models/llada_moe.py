@@ -195,6 +195,7 @@ class LLaDAMoEModel(DecoderLM):
     """The :class:`~worker.models.family.DiffusionLM` interface over the MoE decoder (names ``model.*``,
     ``lm_head``)."""
     family = "llada_moe"
+    cuda_graphs = False     # the experts' token counts are read on the host (worker/engine/graphs.py)
 
     def __init__(self, cfg: LLaDAMoEConfig):
         layers = [Layer(cfg, moe) for moe in cfg.moe_layers]
