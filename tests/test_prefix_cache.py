@@ -104,6 +104,46 @@ def test_families_whose_prompts_see_the_answer_get_no_cache():
         assert Engine.from_pretrained(path, device="cpu", prefix_cache_gb=1).prefix_cache is None
 
 
+@pytest.mark.parametrize("family", ["llada2", "sdar", "diffusion_gemma"])
+async def test_distinct_requests_taken_together_compute_a_shared_prefix_once(family):
+    """Six requests with one 24-token prefix and their own suffixes, all queued at once (a few-shot evaluation): the
+    scheduler takes the first, the other five wait one round and reuse its stored blocks instead of computing them in
+    the same forward. Answers equal the cache-off run."""
+    import asyncio
+
+    from tests.conftest import TINY_LLADA2, TINY_SDAR, fixture_path
+    from worker.scheduler import Job, RowScheduler
+    path = {"llada2": TINY_LLADA2, "sdar": TINY_SDAR, "diffusion_gemma": fixture_path("tiny-diffusion-gemma")}[family]
+    off = Engine.from_pretrained(path, device="cpu", dtype="float32", prefix_cache_gb=0)
+    on = Engine.from_pretrained(path, device="cpu", dtype="float32", prefix_cache_gb=0.01)
+    if family == "diffusion_gemma":
+        on.prefix_cache.block = 4
+    head = list(range(10, 34))
+    prompts = [head + [40 + i, 50 + i, 60 + i] for i in range(6)] + [list(range(100, 127))]
+    extra = {"sdar": dict(block_length=4, extra={"remasking_strategy": "low_confidence_static",
+                                                 "denoising_steps": 4}),
+             "llada2": dict(block_length=4, threshold=0.9), "diffusion_gemma": dict(block_length=8)}[family]
+    params = [GenerationParams(gen_length=8, algorithm=family, seed=i, **extra) for i in range(len(prompts))]
+    want = outcome(off.generate([Request(p, q) for p, q in zip(prompts, params)]))
+    b = RowScheduler(on, batch_size=8, max_wait_time=0.0)
+    b.start()
+    got = {}
+    jobs = [Job(list(p), q, sink=lambda i, kind, payload: got.__setitem__(i, payload) if kind == "done" else 0,
+                index=i) for i, (p, q) in enumerate(zip(prompts, params))]
+    for j in jobs:
+        b.submit(j, wait=False)
+    for _ in range(1000):
+        if len(got) == len(jobs):
+            break
+        await asyncio.sleep(0.01)
+    await b.close()
+    assert outcome([got[i] for i in range(len(jobs))]) == want
+    st = on.prefix_cache.stats()
+    unit, reused = {"llada2": (4, 6), "sdar": (4, 5), "diffusion_gemma": (4, 6)}[family]
+    assert st["cached_tokens"] >= 5 * reused * unit        # the five waiting rows took the shared blocks
+    assert b.histogram[8] == 0 and sum(b.histogram.values()) == 1        # one batch, rows joining it
+
+
 async def test_the_n_choices_of_a_request_share_its_prompt():
     """Four choices of one 26-token prompt through the worker's scheduler (continuous batching, prefix cache on): the
     first computes the prompt's six blocks, the other three start a round later and take them from the cache; every
@@ -123,8 +163,6 @@ async def test_the_n_choices_of_a_request_share_its_prompt():
     got = {}
     jobs = [Job(list(prompt), p, sink=lambda i, kind, payload: got.__setitem__(i, payload) if kind == "done" else 0,
                 index=i) for i, p in enumerate(params)]
-    for j in jobs[1:]:
-        j.follows = jobs[0]
     for j in jobs:
         b.submit(j, wait=False)
     for _ in range(500):

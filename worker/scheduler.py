@@ -66,8 +66,8 @@ class Job:
                                       # ScoreResult
     cost: int = 0                     # nominal token-forwards (Serving._check_cost); above long_row_cost: "long"
     plan: Plan | None = None          # the engine's plan of ``params`` when the caller made it (else the engine does)
-    follows: "Job | None" = None      # an earlier row of the same request with the same prompt (the n choices): with
-                                      # a prefix cache it starts a round after that row, reusing its prompt's blocks
+    prefix_key: object = ...          # its first reusable prompt block's key in the engine's prefix cache (None:
+                                      # none; ...: not looked at yet): worker/engine/prefix_cache.py Admission
 
 
 def canvas_tokens(job: Job) -> int:
@@ -248,14 +248,20 @@ class RowScheduler:
         A new batch (``first``) takes scoring rows too (they run first, apart: ``_run``); joining rows pass them
         for ``switch_wait`` seconds, then the batch takes no more and drains."""
         taken, now = [], time.monotonic()
-        share = self.continuous and getattr(self.engine, "prefix_cache", None) is not None
+        share = None
+        if self.continuous and getattr(self.engine, "prefix_cache", None) is not None:
+            from worker.engine.prefix_cache import Admission
+            share = Admission(self.engine)
         for j in self.pending:
             if rows + len(taken) >= self.batch_size:
                 break
             if j.cancelled:
                 continue
-            if share and j.follows is not None and any(t is j.follows for t in taken):
-                continue       # the row it follows computes the prompt now: it joins next round, from the cache
+            if share is not None and j.score is None:
+                if j.prefix_key is ...:
+                    j.prefix_key = self._prefix_key(share, j)
+                if share.waits(j.prefix_key):
+                    continue   # a row of this round computes its first prompt block: it joins next round, from the cache
             if j.score is not None and not first:
                 if now - j.enqueued_at > self.switch_wait:
                     break
@@ -270,10 +276,21 @@ class RowScheduler:
                     break
                 tokens += need
             taken.append(j)
+            if share is not None and j.score is None:
+                share.take(j.prefix_key)
         if taken:
             ids = {id(j) for j in taken}
             self.pending = collections.deque(j for j in self.pending if id(j) not in ids)
         return taken
+
+    def _prefix_key(self, share, job: Job):
+        plan = job.plan
+        if plan is None:
+            try:
+                plan = self.engine.plan(job.prompt_ids, job.params)
+            except Exception:       # noqa: BLE001  (an invalid row: the engine reports it when it runs)
+                return None
+        return share.key(job.prompt_ids, plan)
 
     def _drop_cancelled(self) -> None:
         """Drop rows cancelled while waiting; each still gets its terminal event (never computed, nfe 0)."""

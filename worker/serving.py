@@ -327,11 +327,6 @@ class Serving:
                         score=prep.scores[i] if prep.scores else None, cost=prep.costs[i] if prep.costs else 0,
                         plan=prep.plans[i] if prep.plans else None)
                     for i, (ids, p) in enumerate(zip(prep.prompts, prep.params))]
-        first: dict[tuple, Job] = {}
-        for j in run.jobs:          # rows with the prompt of an earlier row (the n choices) follow it
-            if j.score is None:
-                f = first.setdefault(tuple(j.prompt_ids), j)
-                j.follows = f if f is not j else None
         if self.batcher.queue_depth + len(run.jobs) > self.batcher.max_queue:
             raise APIError(429, f"the worker queue is full ({self.batcher.max_queue} rows waiting)",
                            headers={"Retry-After": "1"})

@@ -124,9 +124,45 @@ class PrefixCache:
             if e.parent is not None and e.parent in self.entries:
                 self.entries[e.parent].children -= 1
 
+    def has(self, key: bytes) -> bool:
+        return key in self.entries
+
     def stats(self) -> dict:
         return {"budget_bytes": self.budget, "bytes": self.bytes, "blocks": len(self.entries),
                 "lookups": self.lookups, "prompt_tokens_looked_up": self.tokens_looked_up,
                 "cached_tokens": self.tokens_hit,
                 "hit_rate": round(self.tokens_hit / self.tokens_looked_up, 4) if self.tokens_looked_up else 0.0,
                 "blocks_stored": self.blocks_stored, "blocks_evicted": self.blocks_evicted}
+
+
+class Admission:
+    """One round of rows joining a batch (the worker's scheduler takes them; a bench's feed may too). A row whose
+    first reusable prompt block is not cached yet, and is the first block of a row taken earlier in the same round,
+    waits one round: by then that row's first forward has stored its prompt blocks, and the waiting row reuses them
+    instead of computing them in the same forward (a forward is as wide as its widest row, so computing them
+    alongside would save nothing). So requests sharing a prefix (few-shot prompts, the ``n`` choices of a request,
+    rollouts of one prompt) compute it once. A row waits at most one round: next round no row taken before it in
+    that round holds the block, cached or not."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.keys: set[bytes] = set()
+
+    def key(self, prompt_ids: list[int], plan) -> bytes | None:
+        """The cache key of the first block a row of ``plan`` would reuse; None where it would reuse none."""
+        from . import algorithms
+        pc = self.engine.prefix_cache
+        alg = algorithms.REGISTRY.get(plan.params.algorithm)
+        if pc is None or alg is None or alg.prefix_blocks is None:
+            return None
+        unit, blocks = alg.prefix_blocks(plan, pc)
+        return PrefixCache.keys(prompt_ids, unit, 1)[0] if blocks >= 1 else None
+
+    def waits(self, key: bytes | None) -> bool:
+        """Whether the row of ``key`` (:meth:`key`) waits a round."""
+        return key is not None and key in self.keys and not self.engine.prefix_cache.has(key)
+
+    def take(self, key: bytes | None) -> None:
+        """A row of ``key`` is taken this round."""
+        if key is not None:
+            self.keys.add(key)

@@ -73,6 +73,9 @@ class Algorithm:
     check_model: Callable | None = None                                  # (plan, model): rules the checkpoint sets
     cost: Callable | None = None                                         # (plan) -> nominal token-forwards, if not
                                                                          # worker.engine.params.row_cost's rule
+    # (plan, prefix cache) -> (tokens per cache entry, the prompt's leading entries a row reuses when cached), for
+    # the algorithms that use the prefix cache (worker/engine/prefix_cache.py); None: they do not
+    prefix_blocks: Callable | None = None
     forward: str | None = None      # algorithms naming the same forward step in one group, one forward a round: its
                                     # ``run`` decodes the rows of every one of them (each row by its own algorithm)
 

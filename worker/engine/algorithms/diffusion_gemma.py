@@ -122,7 +122,7 @@ def run(engine, rows: list[Row], fin: Finisher):
         for b in range(first, len(active)):      # the prefix cache: the prompt's cached blocks, not re-encoded
             r, s = active[b], state[active[b].index]
             s.reused = 0
-            limit = (len(r.prompt) - 1) // G if pc is not None else 0     # at least one token left to encode
+            limit = prefix_blocks(r.plan, pc)[1] if pc is not None else 0
             found = pc.lookup(r.prompt, G, limit) if limit > 0 else []
             if found:
                 n = len(model.stack.layers)
@@ -301,6 +301,11 @@ def cost(pl: Plan) -> int:
     return canvases * pl.params.extra["max_denoising_steps"] * (pl.prompt_length + canvases * L)
 
 
+def prefix_blocks(plan, cache) -> tuple[int, int]:
+    """Entries of ``cache.block`` prompt tokens, all but the last token's (at least one token is left to encode)."""
+    return cache.block, (plan.prompt_length - 1) // cache.block
+
+
 register(Algorithm(
     name="diffusion_gemma",
     description="DiffusionGemma's multi-canvas decoding (DiffusionGemmaGenerationMixin.generate): the prompt encoded "
@@ -308,7 +313,7 @@ register(Algorithm(
                 "schedule, entropy-bound acceptance, renoising and adaptive stopping, its argmax appended to the "
                 "cache",
     exact=True, run=run, cfg=False, check=check, check_model=check_model,
-    stochastic=lambda p: True, cost=cost,
+    stochastic=lambda p: True, cost=cost, prefix_blocks=prefix_blocks,
     params=(
         ParamInfo("block_length", None, "the checkpoint's canvas_length (fixed)"),
         ParamInfo("seed", None, "per-request seed for the canvases, sampling and renoising"),

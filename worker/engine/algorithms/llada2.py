@@ -81,8 +81,7 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
         s = state[r.index]
         s.stored, s.reused = n, n // r.params.block_length
     batch = BlockBatch(engine, rows, lambda r: state.__setitem__(r.index, _State(r, r.params.block_length)),
-                       reusable=lambda r: r.plan.prompt_length // r.params.block_length
-                       if r.params.extra["kv_cache"] else 0, reused=reused)
+                       reusable=lambda r: prefix_blocks(r.plan, None)[1], reused=reused)
 
     while batch.between_steps(fin):
         active = batch.active
@@ -219,12 +218,19 @@ SAMPLING_AND_CACHE = (
               "tokens at a higher cost; for comparison)"),
 )
 
+def prefix_blocks(plan, cache) -> tuple[int, int]:
+    """Every whole prompt block (the first forward covers the uncached ones and the first block to denoise); none
+    without the KV cache."""
+    bl = plan.params.block_length
+    return bl, plan.prompt_length // bl if plan.params.extra["kv_cache"] else 0
+
+
 register(Algorithm(
     name="llada2",
     description="LLaDA2 block diffusion (LLaDA2MoeModelLM.generate): block-causal attention with an exact KV cache, "
                 "threshold decoding within each block",
     exact=True, run=run, forward="llada2", cfg=False, check=check, check_plan=check_plan,
-    stochastic=lambda p: p.temperature > 0,
+    stochastic=lambda p: p.temperature > 0, prefix_blocks=prefix_blocks,
     params=(
         BLOCK,
         ParamInfo("threshold", 0.95, "commit every masked position of the block whose probability exceeds it (at "
@@ -253,7 +259,7 @@ register(Algorithm(
     description="LLaDA2.1 block diffusion with token editing (its generate): each block unmasked by threshold, then "
                 "generated tokens re-predicted and edited until a step changes nothing; exact KV cache",
     exact=True, run=run, forward="llada2", cfg=False, check=check21, check_plan=check_plan,
-    stochastic=lambda p: p.temperature > 0,
+    stochastic=lambda p: p.temperature > 0, prefix_blocks=prefix_blocks,
     params=(
         BLOCK,
         ParamInfo("threshold", 0.95, "unmask every masked position of the block whose probability exceeds it (at "

@@ -99,8 +99,7 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
         state[r.index].reused = n // r.params.block_length
     # the prefill forward keeps at least the prompt's last whole block, so the row's forwards (nfe) are the same
     batch = BlockBatch(engine, rows, lambda r: state.__setitem__(r.index, _State(r, r.params.block_length)),
-                       reusable=lambda r: r.plan.prompt_length // r.params.block_length - 1
-                       if r.params.extra["kv_cache"] else 0, reused=reused)
+                       reusable=lambda r: prefix_blocks(r.plan, None)[1], reused=reused)
 
     while batch.between_steps(fin):       # a joining row starts with its prefill
         active = batch.active
@@ -215,12 +214,19 @@ def check_plan(pl: Plan, max_positions: int) -> None:
                          f"length {max_positions}")
 
 
+def prefix_blocks(plan, cache) -> tuple[int, int]:
+    """The prompt's whole blocks but its last (the prefill keeps at least one block, so a row takes the same forwards,
+    nfe, as without the cache); none without the KV cache."""
+    bl = plan.params.block_length
+    return bl, plan.prompt_length // bl - 1 if plan.params.extra["kv_cache"] else 0
+
+
 register(Algorithm(
     name="sdar",
     description="SDAR block diffusion (block_diffusion_generate): block-causal attention with an exact KV cache, "
                 "prompt blocks prefilled once, each block denoised by remasking_strategy then stored",
     exact=True, run=run, cfg=False, check=check, check_plan=check_plan,
-    stochastic=lambda p: True,
+    stochastic=lambda p: True, prefix_blocks=prefix_blocks,
     params=(
         ParamInfo("block_length", None, "block size (default: the checkpoint's block_size, else the server's)"),
         ParamInfo("threshold", 0.85, "low_confidence_dynamic: commit every masked position above it"),
