@@ -5,6 +5,7 @@ on the same random weights, same prompts and seeds, in separate processes. Not a
   python bench/diffusion_gemma_bench.py --device cuda --dtype bfloat16 --shape dg-1b --batch 32
   python bench/diffusion_gemma_bench.py --reference-python /tmp/dg-ref/bin/python   # the reference in another venv
   python bench/diffusion_gemma_bench.py --memory --shape dg-1b --dtype bfloat16   # loading's host RSS only
+  python bench/diffusion_gemma_bench.py --device cuda --cuda-graphs    # also ours with the decoder pass in graphs
 
 The random checkpoint is made once (``--checkpoint``, default under the system temp folder) with transformers' own
 classes and ``save_pretrained`` (vision tower included), by ``--reference-python`` (default: this interpreter; it
@@ -147,7 +148,20 @@ for prompt, seed in job["rows"]:
     (r,), s = timed([req(prompt, seed)])
     alone.append({**row(r), "seconds": s})
 res, s = timed([req(p, sd) for p, sd in job["rows"]])
-print(json.dumps({"alone": alone, "batch": [row(r) for r in res], "batch_seconds": s}))
+out = {"alone": alone, "batch": [row(r) for r in res], "batch_seconds": s}
+if job["graphs"]:     # the same again with the decoder pass replayed from CUDA graphs (worker/engine/graphs.py)
+    from worker.engine.graphs import install
+    g = install(engine.model, unchecked=True)
+    timed([req(*job["rows"][0])])
+    timed([req(p, sd) for p, sd in job["rows"]])          # captures the batch's signatures too
+    galone = []
+    for prompt, seed in job["rows"]:
+        (r,), s = timed([req(prompt, seed)])
+        galone.append({**row(r), "seconds": s})
+    res, s = timed([req(p, sd) for p, sd in job["rows"]])
+    out["graphs"] = {"alone": galone, "batch": [row(r) for r in res], "batch_seconds": s,
+                     "report": g.report() if g is not None else None}
+print(json.dumps(out))
 """
 
 LOAD = r"""
@@ -190,6 +204,9 @@ def main() -> None:
     ap.add_argument("--prompt-length", type=int, default=64)
     ap.add_argument("--gen", type=int, default=64, help="max_new_tokens (whole canvases)")
     ap.add_argument("--memory", action="store_true", help="only the loading figure")
+    ap.add_argument("--cuda-graphs", action="store_true",
+                    help="ours also with the decoder pass replayed from CUDA graphs (not yet on by default for this "
+                         "family): its tokens against ours eager, and its speed")
     args = ap.parse_args()
 
     shape = SHAPES[args.shape]
@@ -209,7 +226,7 @@ def main() -> None:
     V = shape["vocab_size"]
     rows = [([rng.randrange(7, V) for _ in range(args.prompt_length)], rng.randrange(1 << 30))
             for _ in range(args.batch)]
-    job = {"rows": rows, "gen": args.gen, "device": args.device, "dtype": args.dtype}
+    job = {"rows": rows, "gen": args.gen, "device": args.device, "dtype": args.dtype, "graphs": args.cuda_graphs}
     print(f"shape {args.shape} ({shape}), {args.batch} prompts of {args.prompt_length} tokens, max_new_tokens "
           f"{args.gen}, {args.device} {args.dtype}, {args.threads} thread(s)", flush=True)
     ref = run_json([args.reference_python, "-c", REFERENCE, str(ckpt), json.dumps(job), str(args.threads)], env)
@@ -238,6 +255,17 @@ def main() -> None:
     print(f"tokens per decoder forward: {sum(tokens(r) for r in ref) / fw:.3f} (reference), "
           f"{sum(a['tokens'] for a in ours['alone']) / sum(a['forwards'] for a in ours['alone']):.3f} (ours); "
           f"decoder forwards per row {fw / len(ref):.1f}")
+    if "graphs" in ours:
+        g = ours["graphs"]
+        g1 = sum(a["tokens"] for a in g["alone"]) / sum(a["seconds"] for a in g["alone"])
+        gb = sum(b["tokens"] for b in g["batch"]) / g["batch_seconds"]
+        strip = [{k: v for k, v in a.items() if k != "seconds"} for a in ours["alone"]]
+        gstrip = [{k: v for k, v in a.items() if k != "seconds"} for a in g["alone"]]
+        print(f"{'ours + CUDA graphs, batch 1':28} {g1:10.1f} {g1 / ref_tps:12.2f}")
+        print(f"{'ours + CUDA graphs, batch ' + str(args.batch):28} {gb:10.1f} {gb / ref_tps:12.2f}")
+        print(f"with graphs, every row as ours eager (tokens, forwards): alone "
+              f"{sum(a == b for a, b in zip(strip, gstrip))}/{len(strip)}, batched "
+              f"{sum(a == b for a, b in zip(ours['batch'], g['batch']))}/{len(strip)}; graphs {g['report']}")
     print(load_line(load))
     if args.device == "cpu":
         print(f"rows with the reference's tokens and forwards: {same['alone']}/{len(ref)} alone, "

@@ -12,31 +12,42 @@ import torch
 from tests.conftest import TINY_DREAM, TINY_LLADA, TINY_LLADA2, TINY_NEMOTRON, TINY_SDAR
 from tests.test_continuous import check_against_alone, mixed_llada, run_staggered
 from worker.engine import Engine, GenerationParams, Request
-from worker.engine.graphs import GraphedForward, install
+from worker.engine.graphs import GraphedForward, cache_tensors, install
 
 
 class SimulatedGraphs:
+    """Also holds a replay to what a CUDA graph assumes: the cache it is given has the captured tensors' addresses
+    and layout (a real graph would read and write the captured addresses whatever the call passes)."""
+
     def __init__(self, fail: bool = False):
         self.fail = fail
         self.replays = 0
+        self.graphs = None          # the Graphs this backend serves (set by ``graphed``)
+
+    def _layout(self):
+        cache = self.graphs.slot.__dict__["_target"] if self.graphs is not None else None
+        return None if cache is None else [(t.data_ptr(), t.shape, t.stride()) for t in cache_tensors(cache)]
 
     def capture(self, fn):
         if self.fail:
             raise RuntimeError("operation not permitted when stream is capturing")
         out = fn()                                   # the warm-up call on the capture stream: this call's result
         static = torch.full_like(out, float("nan"))     # captured, not run: the graph's output buffer is garbage
-        return out, (fn, static), static
+        return out, (fn, static, self._layout()), static
 
     def replay(self, graph):
-        fn, static = graph
+        fn, static, layout = graph
+        assert self._layout() == layout, "a graph replayed on a cache that is not where it was captured"
         self.replays += 1
         static.copy_(fn())
 
 
 def graphed(path, max_graphs=32, backend=None):
     engine = Engine.from_pretrained(path, device="cpu", dtype="float32")
-    engine.graphs = install(engine.model, max_graphs, backend or SimulatedGraphs())
-    assert engine.model.forward is engine.graphs
+    backend = backend or SimulatedGraphs()
+    engine.graphs = install(engine.model, max_graphs, backend, unchecked=True)
+    assert engine.graphs is not None
+    backend.graphs = engine.graphs
     return engine
 
 
@@ -109,6 +120,37 @@ def test_dense_families_goldens_with_rows_joining(dream_golden, sdar_golden, nem
         for i, (_, want) in enumerate(pairs):
             assert feed.results[i].canvas == want, (path.name, i)
         assert engine.graphs.stats["replays"] > 0, path.name
+
+
+def test_diffusion_gemma_decoder_pass_goldens_batched_and_joining():
+    """DiffusionGemma's decoder pass (canvas over the rows' cached contexts, whose slots and widths change canvas by
+    canvas) from graphs: every golden in one batch, and rows joining, give the reference's tokens and forwards."""
+    from tests.test_continuous import ScriptedFeed
+    from tests.test_diffusion_gemma import TINY_DG, max_tokens, params, same
+    import json
+    from tests.conftest import fixture_path
+    golden = json.loads(fixture_path("tiny-diffusion-gemma-golden.json").read_text())
+    engine = graphed(TINY_DG)
+    assert engine.model.decoder_hidden is engine.graphs
+    cases = golden["cases"]
+    res = engine.generate([Request(c["prompt"], params(c)) for c in cases])
+    assert [i for i, (r, c) in enumerate(zip(res, cases)) if not same(r, c, max_tokens(c))] == []
+    reqs = [Request(c["prompt"], params(c)) for c in cases[:8]]
+    feed = ScriptedFeed([(k, r) for k, r in zip((1, 2, 5, 20, 40), reqs[3:])], 3)
+    first = engine.generate(reqs[:3], feed=feed)
+    got = dict(enumerate(first)) | feed.results
+    assert [i for i, c in enumerate(cases[:8]) if not same(got[i], c, max_tokens(c))] == []
+    st = engine.graphs.report()
+    assert st["replays"] > st["captures"] > 0 and st["failed"] is None
+
+
+def test_diffusion_gemma_graphs_wait_for_a_gpu_check(caplog):
+    """Its graphs have not been compared with eager on a GPU: the server keeps the eager pass (the bench opts in)."""
+    from tests.test_diffusion_gemma import TINY_DG
+    engine = Engine.from_pretrained(TINY_DG, device="cpu", dtype="float32")
+    with caplog.at_level(logging.INFO):
+        assert install(engine.model, backend=SimulatedGraphs()) is None
+    assert "have not been compared" in caplog.text
 
 
 def test_each_call_reads_its_own_inputs_and_gets_its_own_output():

@@ -6,7 +6,8 @@ takes the place of a model's ``forward`` (``model.forward = GraphedForward(model
 as before) and keeps one captured graph per *signature* of a call: the shapes and dtypes of its tensors (ids,
 positions, attention mask, cache slots, the window's index tensors), the window's key extent, and the cache it reads
 and writes (the addresses and layout of its key/value tensors). A block's steps repeat their signature step after
-step, so few graphs serve a whole decode.
+step, so few graphs serve a whole decode. DiffusionGemma's decoder pass (``DiffusionGemmaModel.decoder_hidden``,
+its canvas over the rows' cached contexts) is served the same way by :class:`GraphedDecoder`.
 
 - The first call of a signature runs eagerly; the second runs eagerly on the capture stream (its result is the
   call's result) and captures the graph; later calls copy their inputs into the graph's input buffers, replay it and
@@ -14,13 +15,13 @@ step, so few graphs serve a whole decode.
 - Exact: a graph replays the kernels the eager forward launched, on the same shapes, so the numbers are the same
   (tests/test_graphs.py checks the plumbing with a simulated graph on the CPU; `bench/gpu_run.sh` compares tokens
   with graphs on and off on a GPU).
-- Only forwards of at most ``max_tokens`` tokens (rows x positions) are captured: a larger one keeps the device
-  busy for longer than its launches take, and each graph holds its output (and the pool the largest intermediates)
-  for as long as it lives. At most ``max_graphs`` graphs are kept (least recently replayed first out). A cache that grows or drops rows
-  (continuous batching) has new tensors, hence new signatures; the old graphs age out.
+- Only calls of at most ``max_tokens`` tokens (rows x positions) are captured: a larger one keeps the device busy
+  for longer than its launches take, and each graph holds its output (and the pool the largest intermediates) for as
+  long as it lives. At most ``max_graphs`` graphs are kept (least recently replayed first out). A cache that grows
+  or drops rows (continuous batching) has new tensors, hence new signatures; the old graphs age out.
 - Only for models without host synchronisation in their forward (``cuda_graphs = True`` on the model class: the
-  dense families; a mixture-of-experts forward sizes its expert batches on the host). A capture that fails
-  turns graphs off for the model, logged once, and the forward runs eagerly from then on.
+  dense families; a mixture-of-experts forward that sizes its expert batches on the host cannot be captured). A
+  capture that fails turns graphs off for the model, logged once, and it runs eagerly from then on.
 """
 from __future__ import annotations
 
@@ -69,65 +70,63 @@ class CudaBackend:
 
 
 class _CacheSlot:
-    """The cache argument as a graph sees it: the key/value tensors of whichever cache the current call passes
-    (its signature guarantees they have the captured addresses and layout). A graph records addresses, not Python
-    objects: a cache object that later drops rows has new tensors, and a call whose cache has the captured
-    addresses may come from another object. Holding no cache between calls, it keeps none alive."""
+    """The cache argument as a graph sees it: whichever cache the current call passes (its signature guarantees that
+    its key/value tensors have the captured addresses and layout). A graph records addresses, not Python objects: a
+    cache object that later drops rows has new tensors, and a call whose cache has the captured addresses may come
+    from another object. Holding no cache between calls, it keeps none alive."""
 
     def __init__(self):
-        self.cache = None
+        self.__dict__["_target"] = None
 
-    @property
-    def k(self):
-        return self.cache.k
-
-    @property
-    def v(self):
-        return self.cache.v
+    def __getattr__(self, name):
+        return getattr(self.__dict__["_target"], name)
 
 
-class GraphedForward:
-    """``model.forward`` from CUDA graphs, one per call signature (module docstring). ``stats``: calls served by
-    replays, captures and eager runs, graphs evicted."""
+def cache_tensors(cache) -> list[torch.Tensor]:
+    """The key/value tensors a cache holds: ``k``/``v`` tensors (KVCache) or lists of them (one per layer)."""
+    out = []
+    for t in (cache.k, cache.v):
+        out.extend(t if isinstance(t, (list, tuple)) else [t])
+    return out
 
-    def __init__(self, model, max_graphs: int = 32, backend=None, max_tokens: int = 2048):
-        self.model = model
-        self.max_tokens = int(max_tokens)
-        self.eager = type(model).forward.__get__(model)        # the class's forward, not this wrapper
-        self.backend = backend if backend is not None else CudaBackend(model.device)
+
+class Graphs:
+    """Graphs of one function of tensors, keyed by signature (module docstring). ``stats``: calls served by replays,
+    captures and eager runs, graphs evicted."""
+
+    def __init__(self, name: str, device, max_graphs: int = 32, backend=None, max_tokens: int = 2048):
+        self.name = name
+        self.backend = backend if backend is not None else CudaBackend(device)
         self.max_graphs = max(1, int(max_graphs))
+        self.max_tokens = int(max_tokens)
         self.graphs: OrderedDict = OrderedDict()   # signature -> (graph, input buffers, output)
         self.seen: OrderedDict = OrderedDict()     # signatures met once (bounded)
         self.stats = {"replays": 0, "captures": 0, "eager": 0, "evicted": 0}
         self.failed: str | None = None
         self.slot = _CacheSlot()
 
-    @staticmethod
-    def _cache_key(cache):
-        if cache is None:
-            return None
-        return tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype) for t in (cache.k, cache.v))
-
-    def __call__(self, ids, pos, mask=None, cache=None, slots=None, window=None):
-        if self.failed is not None or torch.is_grad_enabled() or ids.numel() > self.max_tokens:
+    def __call__(self, fn, tensors: tuple, extra: tuple, cache, tokens: int):
+        """``fn(*tensors, cache)``, replayed from a graph where one fits: ``tensors`` its tensor arguments (or None),
+        ``extra`` every other value its kernels depend on (hashable), ``cache`` the cache it reads and writes (or
+        None), ``tokens`` the call's rows x positions."""
+        if self.failed is not None or torch.is_grad_enabled() or tokens > self.max_tokens:
             self.stats["eager"] += 1
-            return self.eager(ids, pos, mask, cache, slots, window)
-        tail = () if window is None else tuple(window[3:])
-        inputs = (ids, pos, mask, slots) + ((None, None, None) if window is None else tuple(window[:3]))
-        key = (tuple(None if t is None else (tuple(t.shape), t.dtype) for t in inputs),
-               None if window is None else len(window), tail, self._cache_key(cache))
+            return fn(*tensors, cache)
+        key = (tuple(None if t is None else (tuple(t.shape), t.dtype) for t in tensors), extra,
+               None if cache is None else tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+                                                for t in cache_tensors(cache)))
         hit = self.graphs.get(key)
         if hit is not None:
             self.graphs.move_to_end(key)
             graph, buffers, out = hit
-            for b, t in zip(buffers, inputs):
+            for b, t in zip(buffers, tensors):
                 if b is not None:
                     b.copy_(t)
-            self.slot.cache = cache
+            self.slot.__dict__["_target"] = cache
             try:
                 self.backend.replay(graph)
             finally:
-                self.slot.cache = None
+                self.slot.__dict__["_target"] = None
             self.stats["replays"] += 1
             return out.clone()
         if key not in self.seen:
@@ -135,30 +134,23 @@ class GraphedForward:
             if len(self.seen) > 4 * self.max_graphs:
                 self.seen.popitem(last=False)
             self.stats["eager"] += 1
-            return self.eager(ids, pos, mask, cache, slots, window)
+            return fn(*tensors, cache)
         del self.seen[key]
-        buffers = tuple(None if t is None else t.clone(memory_format=torch.contiguous_format) for t in inputs)
-        b_ids, b_pos, b_mask, b_slots, *b_win = buffers
-        b_window = None if window is None else (*b_win, *tail)
-
+        buffers = tuple(None if t is None else t.clone(memory_format=torch.contiguous_format) for t in tensors)
         slot = None if cache is None else self.slot
-
-        def run():
-            return self.eager(b_ids, b_pos, b_mask, slot, b_slots, b_window)
-        self.slot.cache = cache
+        self.slot.__dict__["_target"] = cache
         try:
-            result, graph, out = self.backend.capture(run)
+            result, graph, out = self.backend.capture(lambda: fn(*buffers, slot))
         except torch.OutOfMemoryError:
             raise
         except Exception as e:     # noqa: BLE001  (an op the capture refuses: eager from now on, once, loudly)
             self.failed = f"{type(e).__name__}: {str(e)[:300]}"
-            log.warning("CUDA graph capture failed for %s, running eagerly from now on: %s",
-                        type(self.model).__name__, self.failed)
+            log.warning("CUDA graph capture failed for %s, running eagerly from now on: %s", self.name, self.failed)
             self.graphs.clear()
             self.stats["eager"] += 1
-            return self.eager(ids, pos, mask, cache, slots, window)
+            return fn(*tensors, cache)
         finally:
-            self.slot.cache = None
+            self.slot.__dict__["_target"] = None
         self.graphs[key] = (graph, buffers, out)
         self.stats["captures"] += 1
         while len(self.graphs) > self.max_graphs:
@@ -176,15 +168,57 @@ class GraphedForward:
                 **self.stats, "failed": self.failed}
 
 
-def install(model, max_graphs: int = 32, backend=None, max_tokens: int = 2048) -> GraphedForward | None:
-    """Replace ``model.forward`` with a :class:`GraphedForward` (``max_graphs``, ``max_tokens``: see it) where that is
-    sound: the model's class says its
-    forward has no host synchronisation (``cuda_graphs``), it runs on CUDA (unless a ``backend`` is given: tests) and
-    unsharded, and it is not already going through ``torch.compile``. Returns the wrapper, or None (logged) when
-    graphs do not apply."""
+class GraphedForward(Graphs):
+    """``model.forward(ids, pos, mask, cache, slots, window)`` (the LLaDA and Qwen-style families) from graphs."""
+
+    def __init__(self, model, max_graphs: int = 32, backend=None, max_tokens: int = 2048):
+        super().__init__(type(model).__name__, model.device, max_graphs, backend, max_tokens)
+        self.model = model
+        self.eager = type(model).forward.__get__(model)        # the class's forward, not this wrapper
+
+    def _run(self, ids, pos, mask, slots, bi, wi, cols, cache, tail=()):
+        window = None if bi is None else (bi, wi, cols, *tail)
+        return self.eager(ids, pos, mask, cache, slots, window)
+
+    def __call__(self, ids, pos, mask=None, cache=None, slots=None, window=None):
+        tail = () if window is None else tuple(window[3:])
+        win = (None, None, None) if window is None else tuple(window[:3])
+        return super().__call__(lambda *a: self._run(*a, tail=tail), (ids, pos, mask, slots, *win),
+                                (None if window is None else len(window), tail), cache, ids.numel())
+
+
+class GraphedDecoder(Graphs):
+    """DiffusionGemma's decoder pass (``model.decoder_hidden``) from graphs; the cache is its ContextCache (every
+    layer's key/value tensors in the signature) and the slice widths of the cached context are part of it."""
+
+    def __init__(self, model, max_graphs: int = 32, backend=None, max_tokens: int = 2048):
+        super().__init__(type(model).__name__, model.device, max_graphs, backend, max_tokens)
+        self.model = model
+        self.eager = type(model).decoder_hidden.__get__(model)
+
+    def __call__(self, canvas, soft, st, slot_idx, full_mask, slide_mask, n_full: int, n_slide: int, cache):
+        def run(canvas, soft, st, slot_idx, full_mask, slide_mask, cache):
+            return self.eager(canvas, soft, st, slot_idx, full_mask, slide_mask, n_full, n_slide, cache)
+        return super().__call__(run, (canvas, soft, st, slot_idx, full_mask, slide_mask), (n_full, n_slide), cache,
+                                canvas.numel())
+
+
+def install(model, max_graphs: int = 32, backend=None, max_tokens: int = 2048,
+            unchecked: bool = False) -> Graphs | None:
+    """Replay ``model``'s forward (or DiffusionGemma's decoder pass) from graphs (``max_graphs``, ``max_tokens``: see
+    :class:`Graphs`) where that is sound: the model's class says its forward has no host synchronisation
+    (``cuda_graphs``: True, or "unchecked" where that has not yet been run on a GPU, which only ``unchecked=True``
+    takes: a bench that compares it with eager), it runs on CUDA (unless a ``backend`` is given: tests) and unsharded,
+    and it is not already going through ``torch.compile``. Returns the wrapper, or None (logged) when graphs do not
+    apply."""
     name = type(model).__name__
-    if not getattr(type(model), "cuda_graphs", False):
+    kind = getattr(type(model), "cuda_graphs", False)
+    if not kind:
         log.info("CUDA graphs: %s's forward synchronises with the host (mixture of experts); it runs eagerly", name)
+        return None
+    if kind == "unchecked" and not unchecked:
+        log.info("CUDA graphs for %s have not been compared with its eager run on a GPU yet; it runs eagerly "
+                 "(bench/diffusion_gemma_bench.py --cuda-graphs compares them)", name)
         return None
     if backend is None and model.device.type != "cuda":
         log.info("CUDA graphs apply on a CUDA device only (%s is on %s)", name, model.device)
@@ -197,6 +231,10 @@ def install(model, max_graphs: int = 32, backend=None, max_tokens: int = 2048) -
     if any(isinstance(getattr(m, "dense", None), Compiled) for m in model.modules()):
         log.info("CUDA graphs are not used together with --compile")
         return None
-    g = GraphedForward(model, max_graphs, backend, max_tokens)
-    model.forward = g
+    if hasattr(type(model), "decoder_hidden"):
+        g = GraphedDecoder(model, max_graphs, backend, max_tokens)
+        model.decoder_hidden = g
+    else:
+        g = GraphedForward(model, max_graphs, backend, max_tokens)
+        model.forward = g
     return g

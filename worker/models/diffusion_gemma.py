@@ -441,6 +441,7 @@ class DiffusionGemmaModel(nn.Module):
     """:meth:`encode` appends tokens to rows' contexts; :meth:`denoise` gives a canvas's float32 soft-capped logits
     (worker/engine/algorithms/diffusion_gemma.py drives them)."""
     family = "diffusion_gemma"
+    cuda_graphs = "unchecked"   # decoder_hidden has no host sync; not yet compared with eager on a GPU (graphs.py)
 
     def __init__(self, cfg: DiffusionGemmaConfig):
         super().__init__()
@@ -448,6 +449,7 @@ class DiffusionGemmaModel(nn.Module):
         self.tp = parallel.current()
         self.model = Inner(cfg)
         self.inv_freq: dict[bool, torch.Tensor] = {}      # per layer kind (sliding or not)
+        self._scale = None                                  # embed_scale's ((dtype, device), tensor)
 
     @property
     def stack(self) -> Stack:
@@ -484,11 +486,16 @@ class DiffusionGemmaModel(nn.Module):
 
     @property
     def embed_scale(self) -> torch.Tensor:
-        """sqrt(H) as the reference's float32 buffer, cast to the weights' dtype (53.066 -> 53.0 in bfloat16)."""
-        return torch.tensor(self.cfg.hidden_size ** 0.5, dtype=torch.float32).to(self.dtype)
+        """sqrt(H) as the reference's float32 buffer, cast to the weights' dtype (53.066 -> 53.0 in bfloat16), on
+        the weights' device; made once per dtype and device (no host-to-device copy in a step)."""
+        key = (self.dtype, self.device)
+        if self._scale is None or self._scale[0] != key:
+            self._scale = (key, torch.tensor(self.cfg.hidden_size ** 0.5, dtype=torch.float32).to(self.dtype)
+                           .to(self.device))
+        return self._scale[1]
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.stack.embed_tokens(ids) * self.embed_scale.to(ids.device)
+        return self.stack.embed_tokens(ids) * self.embed_scale
 
     def _cos_sin(self, pos: torch.Tensor) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:
         return {k: rope(f, pos, self.dtype) for k, f in self.inv_freq.items()}
@@ -581,8 +588,6 @@ class DiffusionGemmaModel(nn.Module):
         cfg = self.cfg
         start = [cache.length[s] for s in slots]
         st = torch.tensor(start, device=dev)
-        pos = st[:, None] + torch.arange(L, device=dev)[None, :]
-        rope = self._cos_sin(pos)
         slot_idx = torch.tensor(slots, device=dev)
         n_full = max(start)
         m = [min(s, cache.window) for s in start]
@@ -595,9 +600,8 @@ class DiffusionGemmaModel(nn.Module):
             mt = torch.tensor(m, device=dev)
             ok = torch.arange(n_slide, device=dev)[None, :] >= (n_slide - mt)[:, None]
             slide_mask = torch.cat([ok, ok.new_ones(B, L)], dim=1)[:, None, None, :]
-        e = self.embed(canvas)
         W = self.stack.embed_tokens.weight
-        soft = torch.zeros_like(e)
+        soft = torch.zeros((B, L, cfg.hidden_size), dtype=self.dtype, device=dev)     # embed(canvas)'s shape
         if sc_rows:
             p = sc_logits.softmax(dim=-1, dtype=torch.float32).to(W.dtype)
             if W.shape[0] != cfg.vocab_size:       # a vocabulary shard: this rank's rows, summed over the ranks
@@ -608,7 +612,25 @@ class DiffusionGemmaModel(nn.Module):
                 soft = s
             else:
                 soft[torch.tensor(sc_rows, device=dev)] = s
-        x = self.stack.self_conditioning(e, soft)
+        h = self.decoder_hidden(canvas, soft, st, slot_idx, full_mask, slide_mask, n_full, n_slide, cache)
+        logits = parallel.vocab_logits(self.tp, h, W, cfg.vocab_size).to(torch.float32)
+        if cfg.softcap:
+            logits = logits.div_(cfg.softcap).tanh_().mul_(cfg.softcap)     # tanh(l / c) * c, in place
+        return logits
+
+
+    def decoder_hidden(self, canvas: torch.Tensor, soft: torch.Tensor, st: torch.Tensor, slot_idx: torch.Tensor,
+                       full_mask: torch.Tensor | None, slide_mask: torch.Tensor | None, n_full: int, n_slide: int,
+                       cache: ContextCache) -> torch.Tensor:
+        """:meth:`denoise`'s decoder pass: hidden states [B, L, H] after the final norm, of canvases [B, L] with
+        self-conditioning input ``soft`` [B, L, H], over the contexts of cache slots ``slot_idx`` (``st``: their
+        lengths; the last ``n_slide`` / first ``n_full`` cached columns, with key masks where rows differ). A function
+        of these tensors and ints only, with no host synchronisation: what a CUDA graph replays
+        (worker/engine/graphs.py GraphedDecoder)."""
+        cfg = self.cfg
+        pos = st[:, None] + torch.arange(canvas.shape[1], device=canvas.device)[None, :]
+        rope = self._cos_sin(pos)
+        x = self.stack.self_conditioning(self.embed(canvas), soft)
         for i, layer in enumerate(self.stack.layers):
             sl = cfg.sliding[i]
             cos, sin = rope[sl]
@@ -617,11 +639,7 @@ class DiffusionGemmaModel(nn.Module):
             kk, vv = cache.with_new(i, slot_idx, k, v, n_slide if sl else n_full)
             a = attn.attend(q, kk, vv, slide_mask if sl else full_mask)
             x = layer.feed_forward(x + layer.post_attention_layernorm(a), layer.layer_scalar)
-        h = self.stack.norm(x)
-        logits = parallel.vocab_logits(self.tp, h, W, cfg.vocab_size).to(torch.float32)
-        if cfg.softcap:
-            logits = logits.div_(cfg.softcap).tanh_().mul_(cfg.softcap)     # tanh(l / c) * c, in place
-        return logits
+        return self.stack.norm(x)
 
 
 def algorithm_defaults(path: str | Path) -> dict[str, dict]:
