@@ -37,6 +37,7 @@ class QueueFeed:
         self.size, self.base = size, base
         self.results = {}
         self.keys: dict[int, bytes | None] = {}
+        self.waited: set[int] = set()
 
     def take(self, room: int) -> list:
         """Up to ``room`` waiting requests, by the rule: [(position in the workload, Request)]."""
@@ -50,7 +51,8 @@ class QueueFeed:
                 if pos not in self.keys:       # as the worker's scheduler does: once per request
                     self.keys[pos] = share.key(req.prompt_ids, self.engine.plan(req.prompt_ids, req.params))
                 key = self.keys[pos]
-            if share is not None and share.waits(key):
+            if share is not None and share.waits(key, pos in self.waited):
+                self.waited.add(pos)
                 i += 1
                 continue
             out.append(self.waiting.pop(i))

@@ -41,6 +41,9 @@ class SimulatedGraphs:
         self.replays += 1
         static.copy_(fn())
 
+    def reset(self):
+        self.resets = getattr(self, "resets", 0) + 1
+
 
 def graphed(path, max_graphs=32, backend=None):
     engine = Engine.from_pretrained(path, device="cpu", dtype="float32")
@@ -214,3 +217,36 @@ def test_forwards_over_max_tokens_run_eagerly():
                                g.eager(ids, torch.arange(L).expand(2, L)))
     assert g.report() | {"failed": None} == {"graphs": 1, "max_graphs": 32, "max_tokens": 20, "replays": 1,
                                              "captures": 1, "eager": 4, "evicted": 0, "failed": None}
+
+
+def test_scoring_after_generation_of_the_same_shape_and_graphs_after_a_clear():
+    """A graph captured in generation (inference mode: its input buffers are inference tensors) is not replayed for
+    likelihood scoring (no_grad: it could not write them): the mode is part of the signature. After ``clear`` (new
+    weights) the backend gets a new pool and graphs are captured again."""
+    from worker.engine.likelihood import ScoreRequest
+    engine = graphed(TINY_LLADA)
+    eager = Engine.from_pretrained(TINY_LLADA, device="cpu", dtype="float32")
+    req = Request(list(range(3, 11)), GenerationParams(gen_length=16, block_length=16, steps=16, algorithm="basic"))
+    assert engine.generate([req])[0].canvas == eager.generate([req])[0].canvas
+    sr = ScoreRequest(ids=list(range(3, 27)), splits=[8], mc_num=1, batch_size=1, check_greedy=False)  # [1, 24]
+    for _ in range(3):                              # eager, capture, replay of the scoring signature
+        assert engine.score([sr]) == eager.score([sr])
+    engine.graphs.clear()
+    assert engine.graphs.backend.resets == 1 and engine.graphs.report()["graphs"] == 0
+    assert engine.generate([req])[0].canvas == eager.generate([req])[0].canvas
+    assert engine.graphs.report()["graphs"] == 1 and engine.graphs.failed is None
+
+
+def test_a_row_waits_for_a_shared_prefix_once_at_most():
+    """Of the rows whose first prompt block a row of the same round computes, each waits one round; a block that
+    never lands in the cache (here a cache with no room) does not hold them back again."""
+    from types import SimpleNamespace
+
+    from worker.engine.prefix_cache import Admission, PrefixCache
+    share = Admission(SimpleNamespace(prefix_cache=PrefixCache(0)))
+    key = PrefixCache.keys([5, 6, 7, 8], 4, 1)[0]
+    share.take(key)                                  # the first row of the round
+    assert share.waits(key) and not share.waits(None)
+    assert not share.waits(key, waited=True)         # it waited once: taken now, with or without the block
+    again = Admission(SimpleNamespace(prefix_cache=PrefixCache(1 << 20)))
+    assert not again.waits(key)                      # a new round: nobody took that block yet

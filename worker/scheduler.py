@@ -68,6 +68,7 @@ class Job:
     plan: Plan | None = None          # the engine's plan of ``params`` when the caller made it (else the engine does)
     prefix_key: object = ...          # its first reusable prompt block's key in the engine's prefix cache (None:
                                       # none; ...: not looked at yet): worker/engine/prefix_cache.py Admission
+    prefix_waited: bool = False       # it waited a round for a row computing that block (once at most)
 
 
 def canvas_tokens(job: Job) -> int:
@@ -260,7 +261,8 @@ class RowScheduler:
             if share is not None and j.score is None:
                 if j.prefix_key is ...:
                     j.prefix_key = self._prefix_key(share, j)
-                if share.waits(j.prefix_key):
+                if share.waits(j.prefix_key, j.prefix_waited):
+                    j.prefix_waited = True
                     continue   # a row of this round computes its first prompt block: it joins next round, from the cache
             if j.score is not None and not first:
                 if now - j.enqueued_at > self.switch_wait:
@@ -284,13 +286,12 @@ class RowScheduler:
         return taken
 
     def _prefix_key(self, share, job: Job):
-        plan = job.plan
-        if plan is None:
+        if job.plan is None:
             try:
-                plan = self.engine.plan(job.prompt_ids, job.params)
+                job.plan = self.engine.plan(job.prompt_ids, job.params)     # the engine's own, kept for its run
             except Exception:       # noqa: BLE001  (an invalid row: the engine reports it when it runs)
                 return None
-        return share.key(job.prompt_ids, plan)
+        return share.key(job.prompt_ids, job.plan)
 
     def _drop_cancelled(self) -> None:
         """Drop rows cancelled while waiting; each still gets its terminal event (never computed, nfe 0)."""

@@ -48,9 +48,11 @@ class CudaBackend:
         (result, graph, the graph's output tensor)."""
         main = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(main)
-        with torch.cuda.stream(self.stream):         # on the graph's stream first: lazy initialisations (cuBLAS
-            out = fn()                               # workspaces) happen outside the capture
-        main.wait_stream(self.stream)
+        try:
+            with torch.cuda.stream(self.stream):     # on the graph's stream first: lazy initialisations (cuBLAS
+                out = fn()                           # workspaces) happen outside the capture
+        finally:
+            main.wait_stream(self.stream)            # also when it failed: the main stream frees what it queued
         out.record_stream(main)
         g = torch.cuda.CUDAGraph()
         # capture_begin/end rather than torch.cuda.graph(), which also synchronises the device, runs the garbage
@@ -60,13 +62,24 @@ class CudaBackend:
             g.capture_begin(pool=self.pool, capture_error_mode="thread_local")
             try:
                 static_out = fn()
-            finally:
-                g.capture_end()
+            except BaseException:
+                try:
+                    g.capture_end()          # ends the capture; its own error must not hide the first one
+                except Exception:            # noqa: BLE001
+                    pass
+                raise
+            g.capture_end()
         return out, g, static_out
 
     @staticmethod
     def replay(graph) -> None:
         graph.replay()
+
+    def reset(self) -> None:
+        """A new memory pool, for graphs captured after every earlier one was dropped (a pool whose graphs are all
+        gone cannot take new captures)."""
+        with torch.cuda.device(self.device):
+            self.pool = torch.cuda.graph_pool_handle()
 
 
 class _CacheSlot:
@@ -112,7 +125,10 @@ class Graphs:
         if self.failed is not None or torch.is_grad_enabled() or tokens > self.max_tokens:
             self.stats["eager"] += 1
             return fn(*tensors, cache)
+        # inference mode is in the key: a graph's input buffers made under it (generation) cannot be written outside it
+        # (likelihood scoring runs under no_grad)
         key = (tuple(None if t is None else (tuple(t.shape), t.dtype) for t in tensors), extra,
+               torch.is_inference_mode_enabled(),
                None if cache is None else tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
                                                 for t in cache_tensors(cache)))
         hit = self.graphs.get(key)
@@ -162,6 +178,9 @@ class Graphs:
         """Drop every graph (the weights were replaced)."""
         self.graphs.clear()
         self.seen.clear()
+        reset = getattr(self.backend, "reset", None)
+        if reset is not None:
+            reset()
 
     def report(self) -> dict:
         return {"graphs": len(self.graphs), "max_graphs": self.max_graphs, "max_tokens": self.max_tokens,

@@ -141,8 +141,9 @@ class Admission:
     waits one round: by then that row's first forward has stored its prompt blocks, and the waiting row reuses them
     instead of computing them in the same forward (a forward is as wide as its widest row, so computing them
     alongside would save nothing). So requests sharing a prefix (few-shot prompts, the ``n`` choices of a request,
-    rollouts of one prompt) compute it once. A row waits at most one round: next round no row taken before it in
-    that round holds the block, cached or not."""
+    rollouts of one prompt) compute it once. A row waits once at most (``waited``: the caller's record of that), so a
+    block that never lands in the cache (over the budget, its row cancelled) costs the others one round, not one
+    round each."""
 
     def __init__(self, engine):
         self.engine = engine
@@ -158,9 +159,10 @@ class Admission:
         unit, blocks = alg.prefix_blocks(plan, pc)
         return PrefixCache.keys(prompt_ids, unit, 1)[0] if blocks >= 1 else None
 
-    def waits(self, key: bytes | None) -> bool:
-        """Whether the row of ``key`` (:meth:`key`) waits a round."""
-        return key is not None and key in self.keys and not self.engine.prefix_cache.has(key)
+    def waits(self, key: bytes | None, waited: bool = False) -> bool:
+        """Whether the row of ``key`` (:meth:`key`) waits a round; ``waited``: it waited once already (it does not
+        again)."""
+        return not waited and key is not None and key in self.keys and not self.engine.prefix_cache.has(key)
 
     def take(self, key: bytes | None) -> None:
         """A row of ``key`` is taken this round."""
