@@ -5,13 +5,16 @@
 #
 # LLADA_DIR and FAST_DLLM_DIR are checkouts of ML-GSAI/LLaDA and NVlabs/Fast-dLLM (fetched by you, never vendored);
 # REFERENCE_PYTHON runs them (torch with CUDA and transformers 4.46, which Fast-dLLM's model code needs). In order
-# of importance, each under its own time limit so that one slow part leaves the rest: the host's share of a step for
-# every algorithm on the GPU, the same-run comparison with the reference code (5.4M parameters: the host-bound end;
-# the reference eager, as its torch.compile of attention recompiles for minutes per shape on a fresh GPU machine),
-# the same with both sides on the same attention kernels (are the bfloat16 tokens then identical?),
-# one forward at the LLaDA-8B shape (eager against a CUDA graph), our engine there (random weights), DiffusionGemma
-# against its reference, and the reference comparison at 0.8B parameters. Expect 8-10 minutes in all on an H200
-# (estimated from the parts timed on 2026-11-26); ONLY=name,name runs just those parts (the logs' file names).
+# of importance, each under its own time limit so that one slow part leaves the rest: CUDA graphs against the eager
+# forward for every dense fixture and algorithm (same tokens?), a worker serving over HTTP with graphs against one
+# without, DiffusionGemma against its reference (and its decoder pass in graphs against eager), the same-run
+# comparison with the reference code with graphs (5.4M parameters, the reference eager: its torch.compile of
+# attention recompiles for minutes per shape on a fresh GPU machine), graphs at the LLaDA-8B shape, the host's
+# share of a step for every algorithm, the reference comparison with our eager forward and with both sides on the
+# math attention kernel (are the bfloat16 tokens then identical? they were not on 2026-11-26), one forward at the
+# 8B shape (eager against a CUDA graph), our eager engine there, and the comparison at 0.8B parameters. About 12
+# minutes in all on an H200 (the parts timed on 2026-11-26; the first four took about 4); ONLY=name,name runs just
+# those parts (the logs' file names).
 set -u
 llada=$1 fast=$2 refpy=$3 logs=${4:-/tmp/dllm-gpu-run}
 py=${PYTHON:-python3}
@@ -30,6 +33,13 @@ part() {            # part NAME SECONDS COMMAND...: run it, log it, say how it e
     echo "== $name: exit $rc"
 }
 
+# the server's own dependencies, where the GPU image lacks them (orjson, pydantic): wheels in .whl/serve, fetched
+# beforehand with `pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_17_x86_64
+# -d .whl/serve orjson pydantic pydantic_core annotated-types typing-inspection typing_extensions`
+if [ -d .whl/serve ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/serve-site \
+        .whl/serve/*.whl && export PYTHONPATH=/tmp/serve-site${PYTHONPATH:+:$PYTHONPATH}
+fi
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv,noheader
 $py -c "import torch, transformers; print('ours: torch', torch.__version__, 'transformers', transformers.__version__)"
 $refpy -c "import torch, transformers; print('reference: torch', torch.__version__, 'transformers', transformers.__version__)"
@@ -37,6 +47,8 @@ $refpy -c "import torch, transformers; print('reference: torch', torch.__version
 part graphs_fixtures "${GRAPHS_LIMIT:-90}" $py bench/graphs_bench.py --device cuda
 # issue 28: DiffusionGemma against transformers' own generate, and with its decoder pass in CUDA graphs (not yet on
 # by default for the family: are the tokens those of ours eager?)
+# a worker serving with its defaults (graphs on) against --no-cuda-graphs, through HTTP (needs the server's deps)
+part serve_check "${SERVE_LIMIT:-120}" $py bench/gpu_serve_check.py --log-dir "$logs"
 part diffusion_gemma "${DG_LIMIT:-200}" $py bench/diffusion_gemma_bench.py --device cuda --cuda-graphs
 part reference_5m_graphs "${REF_LIMIT:-150}" $py bench/reference_bench.py --llada "$llada" --fast-dllm "$fast" \
     --reference-python "$refpy" --device cuda --rounds 2 --reference-eager --cuda-graphs
