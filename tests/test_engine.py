@@ -158,3 +158,27 @@ def test_cli_generate_chat_and_errors():
     assert res.exit_code != 0 and "steps" in res.output
     res = runner.invoke(cli, ["generate", "--model-path", "/nonexistent", "--prompt", "x"])
     assert res.exit_code != 0 and "no such directory" in res.output
+
+
+def test_the_final_prefix_ends_at_the_first_mask_or_stop_token():
+    """Finisher.final_prefix (searched with list.index) against the rule read position by position, on random
+    windows with masks and stop tokens anywhere, a stop id equal to the mask id and none at all."""
+    import random
+    from types import SimpleNamespace
+
+    from worker.engine.rows import Finisher
+    row = SimpleNamespace(plan=SimpleNamespace(gen_length=12), params=SimpleNamespace(ignore_eos=False))
+    fin = Finisher(mask_id=9, stop_ids=[], early_exit=True, hooks=None)
+
+    def by_position(gen, stops):
+        window = gen[:12]
+        for i, t in enumerate(window):
+            if t == 9 or t in stops:
+                return window[:i], t != 9
+        return window, False
+    rng = random.Random(0)
+    for _ in range(3000):
+        gen = [rng.choice([0, 1, 2, 3, 9, 9, 5]) for _ in range(rng.randrange(0, 16))]
+        for stops in ([1, 2], [], [9], [1, 9, 3]):
+            fin.stop_ids = set(stops)
+            assert fin.final_prefix(row, gen) == by_position(gen, set(stops)), (gen, stops)

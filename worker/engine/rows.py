@@ -152,15 +152,20 @@ class Finisher:
         return set() if row.params.ignore_eos else self.stop_ids
 
     def final_prefix(self, row: Row, gen: list[int]) -> tuple[list[int], bool]:
-        """(the final visible prefix, whether it ends at a stop token)."""
+        """(the final visible prefix, whether it ends at a stop token): the window up to its first mask or first stop
+        token, whichever comes first (found by ``list.index``, a row and a step each)."""
         window = gen[: row.plan.gen_length]
-        stops = self.stops(row)
-        for i, t in enumerate(window):
-            if t == self.mask_id:
-                return window[:i], False
-            if t in stops:
-                return window[:i], True
-        return window, False
+        try:
+            end = window.index(self.mask_id)
+        except ValueError:
+            end = len(window)
+        cut = end
+        for s in self.stops(row):
+            try:
+                cut = window.index(s, 0, cut)
+            except ValueError:
+                pass
+        return window[:cut], cut < end
 
     def update(self, row: Row, gen: list[int], schedule_done: bool, settled: int | None = None) -> None:
         """``gen``: the row's generated canvas after this step. Marks the row done when it is finished.
