@@ -28,7 +28,7 @@ from ..params import GenerationParams, ParamError
 from ..rows import Finisher, Row, record_block_logprobs
 from . import Algorithm, ParamInfo, register
 from .block_causal import BlockBatch, check_common, choose_rows
-from .sdar import check_plan, sample as sample_filtered, transfer_schedule
+from .sdar import check_plan, draw_rows, filtered_probs, sample as sample_filtered, sampling_key, transfer_schedule
 
 
 def sample(logits: torch.Tensor, p: GenerationParams, g: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,27 +99,31 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
         x = batch.x
         B = len(active)
         cur, picked, masked, counts = [None] * B, [None] * B, [None] * B, []
-        groups: dict[tuple, list[int]] = {}        # greedy rows without logprobs: sampled and written together
+        groups: dict[tuple, list[int]] = {}        # rows without logprobs: sampled and written together
         for b, r in enumerate(active):
             s, bl, p = state[r.index], r.params.block_length, r.params
             counts.append(p.extra["num_to_transfer"] if p.algorithm == "llada21"
                           else transfer_schedule(bl, p.extra["denoising_steps"])[s.step])
-            if p.temperature == 0 and r.logprobs is None:
-                groups.setdefault((p.algorithm, bl), []).append(b)
+            if r.logprobs is None:
+                groups.setdefault((p.algorithm, bl, sampling_key(p) if p.temperature else None), []).append(b)
                 continue
             cur[b] = x[b, s.block * bl:(s.block + 1) * bl]
             picked[b] = (sample21 if p.algorithm == "llada21" else sample)(logits[b, :bl], p, r.generator)
             masked[b] = cur[b] == mask_id
         together = []
-        for (alg, bl), members in groups.items():
+        for (alg, bl, random), members in groups.items():
             idx = torch.tensor(members, device=dev)
             cols = torch.tensor([state[active[b].index].block * bl for b in members], device=dev)[:, None] + \
                 torch.arange(bl, device=dev)
             cur_g = x[idx[:, None], cols]
             lg = logits[idx, :bl]
-            token, prob = (sample21 if alg == "llada21" else sample)(lg.reshape(-1, lg.shape[-1]),
-                                                                   active[members[0]].params, None)
-            token, prob = token.view(len(members), bl), prob.view(len(members), bl)
+            if random is None:           # greedy: one sampler call for the group
+                token, prob = (sample21 if alg == "llada21" else sample)(lg.reshape(-1, lg.shape[-1]),
+                                                                       active[members[0]].params, None)
+                token, prob = token.view(len(members), bl), prob.view(len(members), bl)
+            else:                        # each row draws from its own generator, the draws made together
+                probs = filtered_probs(lg.reshape(-1, lg.shape[-1]), active[members[0]].params).view(lg.shape)
+                token, prob = draw_rows(probs, [active[b].generator for b in members])
             masked_g = cur_g == mask_id
             for j, b in enumerate(members):
                 cur[b], picked[b], masked[b] = cur_g[j], (token[j], prob[j]), masked_g[j]

@@ -53,6 +53,21 @@ def draw(probs: torch.Tensor, g: torch.Generator | None) -> tuple[torch.Tensor, 
     return token[:, 0], torch.gather(probs, -1, token)[:, 0]
 
 
+def draw_rows(probs: torch.Tensor, gens: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`draw` for rows ``probs[j]`` ([n, K, V]), each from its own generator ``gens[j]``, at once: the same
+    draws and results as ``torch.multinomial(probs[j], 1, generator=gens[j])`` row by row. Multinomial's one-sample
+    path divides the probabilities by Exp(1) numbers (``exponential_`` on a tensor like them, from the generator)
+    and takes the argmax; here the numbers fill one buffer row by row and the division, argmax and gather run once,
+    and multinomial's validity check (two host syncs per row and step) is made once for all the rows."""
+    if not bool(((probs >= 0) & (probs < float("inf"))).all()):
+        raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+    q = torch.empty_like(probs)
+    for j, g in enumerate(gens):
+        q[j].exponential_(generator=g)
+    token = torch.div(probs, q, out=q).argmax(dim=-1)
+    return token, torch.gather(probs, -1, token[..., None])[..., 0]
+
+
 def sampling_key(p: GenerationParams) -> tuple:
     """Rows with equal keys have their probabilities computed together (:func:`filtered_probs` is row-wise)."""
     return (p.temperature, p.extra["top_k"], p.extra["top_p"]) if p.temperature else (0.0, 1, p.extra["top_p"])
@@ -137,9 +152,10 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
             lg = logits[mi, :bl]
             probs = filtered_probs(lg.reshape(-1, lg.shape[-1]), rows[0].params).view(lg.shape)
             masked_g = cur_g == mask_id
-            for j, (i, r) in enumerate(zip(members, rows)):     # each row's own draw, from its own generator
+            tokens, chosen_p = draw_rows(probs, [r.generator for r in rows])     # each row from its own generator
+            for j, i in enumerate(members):
                 cur[i], masked[i] = cur_g[j], masked_g[j]
-                picked[i] = draw(probs[j], r.generator)
+                picked[i] = (tokens[j], chosen_p[j])
             if plain:
                 together.append((members, bi, cols, cur_g))
         if den:                    # the rows choose together (no per-row read of the device)
