@@ -240,9 +240,10 @@ def test_the_schedules_transfer_counts_computed_on_the_host_are_the_references()
 
 
 def test_rows_decided_together_match_each_row_alone():
-    """dream.decide_together (every deterministic row's step in a few whole-batch operations) writes what
-    decide / the Dream caches' threshold rule write row by row: schedule counts and thresholds, three confidence
-    kinds, top_k / top_p groups, rows of different vector lengths, and logits full of ties."""
+    """dream.decide_together (every row's step in a few whole-batch operations) writes what decide / the Dream
+    caches' threshold rule write row by row: schedule counts and thresholds, three confidence kinds, top_k / top_p
+    groups, rows of different vector lengths, logits full of ties, and rows drawing at a temperature, each from its
+    own generator (the same draws as its own multinomial)."""
     from worker.engine.algorithms.dream import Choice, decide, decide_together, transfer_count
     from worker.engine.algorithms.dream_cache import threshold_step
     g = torch.Generator().manual_seed(5)
@@ -258,27 +259,33 @@ def test_rows_decided_together_match_each_row_alone():
             alg = ["maskgit_plus", "topk_margin", "entropy"][trial % 3]
             extra = {"alg": alg, "alg_temp": 0.0, "top_p": [None, 0.7][b % 2], "top_k": [None, 3][trial % 2],
                      "eps": 1e-3}
-            p = GenerationParams(gen_length=8, algorithm="dream", extra=extra)
+            temperature = [0.0, 0.7, 1.0][(trial // 3) % 3]      # a trial's rows share it: groups of several
+            p = GenerationParams(gen_length=8, algorithm="dream", extra=extra, temperature=temperature)
             thr = [None, 0.3, 0.95][(trial + b) % 3]
+            seed = int(torch.randint(0, 1 << 30, (1,), generator=g))
             ratio, last = [0.25, 0.5, 0.125][b % 3], (trial + b) % 5 == 0
             conf = {"maskgit_plus": "probability", "topk_margin": "margin", "entropy": "neg_entropy"}[alg]
             n = m if thr is not None else transfer_count(m, ratio, last)
             base = int(torch.randint(0, 4, (1,), generator=g))
             choices.append(Choice(b, b, at, at + m, length, base, n, thr, "probability" if thr else conf,
-                                  GenerationParams(gen_length=8, algorithm="dream", extra=extra, threshold=thr)))
-            rows.append((p, lg, where, length, ratio, last, alg, thr, base))
+                                  GenerationParams(gen_length=8, algorithm="dream", extra=extra, threshold=thr,
+                                                   temperature=temperature),
+                                  torch.Generator().manual_seed(seed)))
+            rows.append((p, lg, where, length, ratio, last, alg, thr, base, seed))
             pieces.append(lg)
             rowid += [b] * m
             local += where.tolist()
             at += m
         x = torch.full((len(rows), 16), -7, dtype=torch.long)
         alone = x.clone()
-        for b, (p, lg, where, length, ratio, last, alg, thr, base) in enumerate(rows):
+        for b, (p, lg, where, length, ratio, last, alg, thr, base, seed) in enumerate(rows):
+            own = torch.Generator().manual_seed(seed)
             if thr is None:
-                pick, tok = decide(p, None, lg, where, length, ratio, last, alg)
+                pick, tok = decide(p, own, lg, where, length, ratio, last, alg)
             else:
                 pick, tok = threshold_step(GenerationParams(gen_length=8, algorithm="dream", extra=p.extra,
-                                                            threshold=thr), None, lg, where, length)
+                                                            threshold=thr, temperature=p.temperature), own, lg,
+                                           where, length)
             alone[b, pick + base] = tok
         decide_together(choices, torch.cat(pieces), torch.tensor(rowid), torch.tensor(local), x)
         assert torch.equal(x, alone), trial

@@ -50,10 +50,8 @@ def top_k_filter(logits: torch.Tensor, top_k: int) -> torch.Tensor:
     return logits.masked_fill(logits < kth, torch.finfo(logits.dtype).min)
 
 
-def sample_tokens(logits: torch.Tensor, p: GenerationParams, generator: torch.Generator | None,
-                  confidence: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(confidence, x0) for logits [N, V], as the reference's ``sample_tokens``; ``confidence``: "probability",
-    "margin" or "neg_entropy"."""
+def _probs(logits: torch.Tensor, p: GenerationParams) -> torch.Tensor:
+    """The reference's ``sample_tokens`` up to its softmax: temperature, top-p, top-k (row-wise)."""
     top_p, top_k = p.extra["top_p"], p.extra["top_k"]
     if p.temperature > 0:
         logits = logits / p.temperature
@@ -61,19 +59,50 @@ def sample_tokens(logits: torch.Tensor, p: GenerationParams, generator: torch.Ge
         logits = top_p_filter(logits, top_p)
     if top_k is not None:
         logits = top_k_filter(logits, top_k)
-    probs = torch.softmax(logits, dim=-1)
+    return torch.softmax(logits, dim=-1)
+
+
+def _confidence(probs: torch.Tensor, conf: torch.Tensor, confidence: str) -> torch.Tensor:
+    if confidence == "margin":
+        top2 = torch.sort(probs, dim=-1, descending=True)[0]
+        return top2[:, 0] - top2[:, 1]
+    if confidence == "neg_entropy":
+        return torch.sum(probs * torch.log(probs + 1e-10), dim=-1)
+    return conf
+
+
+def sample_tokens(logits: torch.Tensor, p: GenerationParams, generator: torch.Generator | None,
+                  confidence: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(confidence, x0) for logits [N, V], as the reference's ``sample_tokens``; ``confidence``: "probability",
+    "margin" or "neg_entropy"."""
+    probs = _probs(logits, p)
     if p.temperature > 0:
         # torch.distributions.Categorical(probs).sample(): the normalised probabilities through multinomial
         x0 = torch.multinomial(probs / probs.sum(-1, keepdim=True), 1, True, generator=generator)[:, 0]
         conf = torch.gather(probs, -1, x0[:, None])[:, 0]
     else:
         conf, x0 = probs.max(dim=-1)
-    if confidence == "margin":
-        top2 = torch.sort(probs, dim=-1, descending=True)[0]
-        conf = top2[:, 0] - top2[:, 1]
-    elif confidence == "neg_entropy":
-        conf = torch.sum(probs * torch.log(probs + 1e-10), dim=-1)
-    return conf, x0
+    return _confidence(probs, conf, confidence), x0
+
+
+def sample_tokens_rows(logits: torch.Tensor, p: GenerationParams, gens: list, sizes: list[int],
+                       confidence: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`sample_tokens` at a temperature for consecutive runs of ``sizes[j]`` rows of ``logits``, run j drawn
+    from ``gens[j]``: the same draws and results as one call per run. Multinomial's one-sample path (which the
+    reference's ``Categorical.sample`` takes) divides the probabilities by Exp(1) numbers that ``exponential_`` draws
+    from the generator on a tensor like them, and takes the argmax; here each run's numbers fill its rows of one
+    buffer, the division and argmax run once, and multinomial's validity check (two host syncs per call) once."""
+    probs = _probs(logits, p)
+    norm = probs / probs.sum(-1, keepdim=True)
+    if not bool(((norm >= 0) & (norm < float("inf"))).all()):
+        raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+    q = torch.empty_like(norm)
+    at = 0
+    for n, g in zip(sizes, gens):
+        q[at:at + n].exponential_(generator=g)
+        at += n
+    x0 = torch.div(norm, q, out=q).argmax(dim=-1)
+    return _confidence(probs, torch.gather(probs, -1, x0[:, None])[:, 0], confidence), x0
 
 
 CONFIDENCE = {"maskgit_plus": "probability", "topk_margin": "margin", "entropy": "neg_entropy"}
@@ -146,22 +175,25 @@ class Choice:
     threshold: float | None
     confidence: str
     p: GenerationParams
+    generator: object = None      # the row's, for its draws at a temperature
 
 
 def together(p: GenerationParams, logprobs) -> bool:
-    """Whether a row's step can be decided with other rows' (:func:`decide_together`): nothing random (temperature
-    0, no ``alg_temp``, not ``origin``) and no logprobs to record."""
-    return (p.temperature == 0 and not p.extra.get("alg_temp") and p.extra.get("alg") != "origin"
-            and logprobs is None)
+    """Whether a row's step can be decided with other rows' (:func:`decide_together`): tokens drawn at any
+    temperature (each row from its own generator), but no random choice of positions (``alg_temp``, ``origin``:
+    row by row) and no logprobs to record."""
+    return not p.extra.get("alg_temp") and p.extra.get("alg") != "origin" and logprobs is None
 
 
 def decide_together(choices: list[Choice], logits: torch.Tensor, rowid: torch.Tensor, local: torch.Tensor,
                     x: torch.Tensor) -> None:
-    """Every choice's step at once, written into ``x``, with no read from the device: ``logits`` [N, V] the step's
-    candidates, ``rowid`` / ``local`` [N] each one's slot and position in its row's reference vector. The same
-    arithmetic as :func:`decide` / the threshold rule row by row: ``sample_tokens`` on the rows' candidates (one call
-    per group of equal sampling settings; row-wise operations), and one ``torch.topk`` per group of rows with equal
-    vector length and count, each row of a 2-D topk ranked as the vector alone (ties included; tests/test_dream.py)."""
+    """Every choice's step at once, written into ``x``, with no read from the device (but for one validity check of
+    the probabilities where rows draw at a temperature): ``logits`` [N, V] the step's candidates, ``rowid`` /
+    ``local`` [N] each one's slot and position in its row's reference vector. The same arithmetic and draws as
+    :func:`decide` / the threshold rule row by row: ``sample_tokens`` on the rows' candidates (one call per group of
+    equal sampling settings; row-wise operations; at a temperature :func:`sample_tokens_rows`, each row's draws from
+    its own generator), and one ``torch.topk`` per group of rows with equal vector length and count, each row of a
+    2-D topk ranked as the vector alone (ties included; tests/test_dream.py)."""
     if not choices:
         return
     dev = logits.device
@@ -169,14 +201,20 @@ def decide_together(choices: list[Choice], logits: torch.Tensor, rowid: torch.Te
     width = max(c.length for c in choices)
     by_sampling: dict[tuple, list[Choice]] = {}
     for c in choices:
-        by_sampling.setdefault((c.p.extra["top_p"], c.p.extra["top_k"], c.confidence), []).append(c)
+        by_sampling.setdefault((c.p.temperature, c.p.extra["top_p"], c.p.extra["top_k"], c.confidence),
+                               []).append(c)
     full = tok = None
     for group in by_sampling.values():
         if len(by_sampling) == 1 and sum(c.hi - c.lo for c in group) == logits.shape[0]:
             sel = None
         else:
             sel = torch.tensor([i for c in group for i in range(c.lo, c.hi)], device=dev)
-        conf, x0 = sample_tokens(logits if sel is None else logits[sel], group[0].p, None, group[0].confidence)
+        lg = logits if sel is None else logits[sel]
+        if group[0].p.temperature > 0:
+            conf, x0 = sample_tokens_rows(lg, group[0].p, [c.generator for c in group], [c.hi - c.lo for c in group],
+                                          group[0].confidence)
+        else:
+            conf, x0 = sample_tokens(lg, group[0].p, None, group[0].confidence)
         if full is None:
             full = torch.full((slots, width), float("-inf"), dtype=conf.dtype, device=dev)
             tok = torch.full((slots, width), -1, dtype=torch.long, device=dev)
@@ -233,7 +271,7 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
                 ratio, last = steps[r.index][r.step], r.step >= total_steps(r) - 1
                 if together(p, r.logprobs):
                     choices.append(Choice(b, b, start, start + n, W - o, o, transfer_count(n, ratio, last), None,
-                                          CONFIDENCE[p.extra["alg"]], p))
+                                          CONFIDENCE[p.extra["alg"]], p, r.generator))
                 else:
                     cols, tokens = decide(p, r.generator, logits[start:start + n], ci[start:start + n] - o, W - o,
                                           ratio, last, p.extra["alg"])

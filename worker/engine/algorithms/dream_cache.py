@@ -104,7 +104,8 @@ def _block_steps(model, canvas: Canvas, cache, part: list[int], starts: list[int
         if n and together(r.params, r.logprobs):      # decided below with the other rows
             count = n if thr is not None else transfer_count(n, timesteps[r.index][r.step], r.step >= spb - 1)
             choices.append(Choice(b, i, at, at + n, length, starts[b], count, thr,
-                                  "probability" if thr is not None else CONFIDENCE["entropy"], r.params))
+                                  "probability" if thr is not None else CONFIDENCE["entropy"], r.params,
+                                  r.generator))
         elif n:
             lg = logits[at:at + n]
             if thr is not None:
