@@ -111,13 +111,13 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
             picked[b] = (sample21 if p.algorithm == "llada21" else sample)(logits[b, :bl], p, r.generator)
             masked[b] = cur[b] == mask_id
         together = []
-        for (alg, bl, random), members in groups.items():
+        for (alg, bl, sampled), members in groups.items():
             idx = torch.tensor(members, device=dev)
             cols = torch.tensor([state[active[b].index].block * bl for b in members], device=dev)[:, None] + \
                 torch.arange(bl, device=dev)
             cur_g = x[idx[:, None], cols]
             lg = logits[idx, :bl]
-            if random is None:           # greedy: one sampler call for the group
+            if sampled is None:          # greedy: one sampler call for the group
                 token, prob = (sample21 if alg == "llada21" else sample)(lg.reshape(-1, lg.shape[-1]),
                                                                        active[members[0]].params, None)
                 token, prob = token.view(len(members), bl), prob.view(len(members), bl)
