@@ -60,6 +60,32 @@ class Layout:
     at: int
 
 
+def multinomial_rows(probs: torch.Tensor, gens: list, sizes: list[int] | None = None) -> torch.Tensor:
+    """``torch.multinomial(part, 1, generator=g)`` for consecutive parts of ``probs`` (each ``probs[j]``, or with
+    ``sizes`` runs of ``sizes[j]`` of its rows), part j from ``gens[j]``, at once: the same draws and results.
+    Multinomial's one-sample path divides the probabilities by Exp(1) numbers that ``exponential_`` draws from the
+    generator on a tensor like them and takes the argmax; here each part's numbers fill its place in one buffer and
+    the division and argmax run once. Multinomial's validity check (two host syncs per call) is the caller's to make,
+    once for all the parts (:func:`check_probabilities`) or folded into a read it makes anyway. Returns the drawn
+    indices, ``probs.shape[:-1]``."""
+    q = torch.empty_like(probs)
+    if sizes is None:
+        for j, g in enumerate(gens):
+            q[j].exponential_(generator=g)
+    else:
+        at = 0
+        for n, g in zip(sizes, gens):
+            q[at:at + n].exponential_(generator=g)
+            at += n
+    return torch.div(probs, q, out=q).argmax(dim=-1)
+
+
+def check_probabilities(probs: torch.Tensor) -> None:
+    """Multinomial's check (no inf, nan or negative value), once for a whole tensor: one host sync."""
+    if not bool(((probs >= 0) & (probs < float("inf"))).all()):
+        raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+
+
 def propose(logits: torch.Tensor, rows, widths: list[int]) -> torch.Tensor:
     """x0, the proposed token at every candidate ([B, K] long): the argmax of the logits (first index among equal
     maxima), or with ``temperature > 0`` the reference's float64 Gumbel-max ``argmax(exp(l) / (-log u) ** T)``.

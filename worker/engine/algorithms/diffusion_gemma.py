@@ -27,6 +27,7 @@ import torch
 
 from ..params import GenerationParams, ParamError, Plan
 from ..rows import Finisher, Row
+from ..sampling import multinomial_rows
 from . import Algorithm, ParamInfo, register
 
 # The reference's global defaults (DiffusionGemmaGenerationConfig._get_default_generation_params); a checkpoint's
@@ -87,18 +88,6 @@ def entropy(x: torch.Tensor) -> torch.Tensor:
     lg = x - x.logsumexp(dim=-1, keepdim=True)
     p = torch.softmax(lg, dim=-1)
     return -lg.clamp_(min=torch.finfo(lg.dtype).min).mul_(p).sum(-1)
-
-
-def sample(probs: torch.Tensor, gens: list[torch.Generator]) -> torch.Tensor:
-    """``torch.multinomial(probs[b], 1, generator=gens[b])`` for every row b at once, the same draws and the same
-    result: multinomial's one-sample path divides the probabilities by Exp(1) draws (``exponential_`` on a tensor
-    like them, from the row's generator) and takes the argmax. Here the draws fill one buffer row by row and the
-    division and argmax run once for the batch, without multinomial's per-row checks (each a host sync): the
-    caller checks the batch once (:func:`run`, the entropies' finiteness)."""
-    q = torch.empty_like(probs)
-    for b, g in enumerate(gens):
-        q[b].exponential_(generator=g)
-    return torch.div(probs, q, out=q).argmax(dim=-1)
 
 
 def run(engine, rows: list[Row], fin: Finisher):
@@ -183,7 +172,9 @@ def run(engine, rows: list[Row], fin: Finisher):
         limits = torch.stack([s.limits for s in sts])
         x = raw.div_(temps[:, None, None])          # raw is this step's own tensor: divided in place
         probs = torch.softmax(x, dim=-1, dtype=torch.float32)
-        drawn = sample(probs, [s.gen for s in sts])
+        # each row's multinomial, from its own generator, drawn together; multinomial's validity check is the
+        # entropies' finiteness, read with the step's one transfer
+        drawn = multinomial_rows(probs, [s.gen for s in sts])
         del probs
         argmax = torch.argmax(x, dim=-1)
         ent = entropy(x)

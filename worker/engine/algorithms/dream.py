@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 from ..params import GenerationParams, ParamError
 from ..rows import Canvas, Finisher, Row, between_steps, record_row_logprobs
+from ..sampling import check_probabilities, multinomial_rows
 from . import Algorithm, ParamInfo, register
 
 ALGS = ("origin", "maskgit_plus", "topk_margin", "entropy")
@@ -88,20 +89,13 @@ def sample_tokens(logits: torch.Tensor, p: GenerationParams, generator: torch.Ge
 def sample_tokens_rows(logits: torch.Tensor, p: GenerationParams, gens: list, sizes: list[int],
                        confidence: str) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`sample_tokens` at a temperature for consecutive runs of ``sizes[j]`` rows of ``logits``, run j drawn
-    from ``gens[j]``: the same draws and results as one call per run. Multinomial's one-sample path (which the
-    reference's ``Categorical.sample`` takes) divides the probabilities by Exp(1) numbers that ``exponential_`` draws
-    from the generator on a tensor like them, and takes the argmax; here each run's numbers fill its rows of one
-    buffer, the division and argmax run once, and multinomial's validity check (two host syncs per call) once."""
+    from ``gens[j]``: the same draws and results as one call per run (the reference's ``Categorical.sample`` is
+    multinomial's one-sample path: :func:`~worker.engine.sampling.multinomial_rows`), with one validity check for
+    all the runs."""
     probs = _probs(logits, p)
     norm = probs / probs.sum(-1, keepdim=True)
-    if not bool(((norm >= 0) & (norm < float("inf"))).all()):
-        raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
-    q = torch.empty_like(norm)
-    at = 0
-    for n, g in zip(sizes, gens):
-        q[at:at + n].exponential_(generator=g)
-        at += n
-    x0 = torch.div(norm, q, out=q).argmax(dim=-1)
+    check_probabilities(norm)
+    x0 = multinomial_rows(norm, gens, sizes)
     return _confidence(probs, torch.gather(probs, -1, x0[:, None])[:, 0], confidence), x0
 
 

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from ..params import GenerationParams, ParamError, Plan
 from ..rows import Finisher, Row, record_block_logprobs
+from ..sampling import check_probabilities, multinomial_rows
 from . import Algorithm, ParamInfo, register
 from .block_causal import BlockBatch, check_common, choose_rows
 
@@ -54,17 +55,11 @@ def draw(probs: torch.Tensor, g: torch.Generator | None) -> tuple[torch.Tensor, 
 
 
 def draw_rows(probs: torch.Tensor, gens: list) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`draw` for rows ``probs[j]`` ([n, K, V]), each from its own generator ``gens[j]``, at once: the same
-    draws and results as ``torch.multinomial(probs[j], 1, generator=gens[j])`` row by row. Multinomial's one-sample
-    path divides the probabilities by Exp(1) numbers (``exponential_`` on a tensor like them, from the generator)
-    and takes the argmax; here the numbers fill one buffer row by row and the division, argmax and gather run once,
-    and multinomial's validity check (two host syncs per row and step) is made once for all the rows."""
-    if not bool(((probs >= 0) & (probs < float("inf"))).all()):
-        raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
-    q = torch.empty_like(probs)
-    for j, g in enumerate(gens):
-        q[j].exponential_(generator=g)
-    token = torch.div(probs, q, out=q).argmax(dim=-1)
+    """:func:`draw` for rows ``probs[j]`` ([n, K, V]), each from its own generator ``gens[j]``, at once
+    (:func:`~worker.engine.sampling.multinomial_rows`: the same draws and results as row by row), with one validity
+    check for all the rows instead of multinomial's two host syncs per row and step."""
+    check_probabilities(probs)
+    token = multinomial_rows(probs, gens)
     return token, torch.gather(probs, -1, token[..., None])[..., 0]
 
 
