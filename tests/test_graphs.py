@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.conftest import TINY_DREAM, TINY_LLADA, TINY_LLADA2, TINY_NEMOTRON, TINY_SDAR
-from tests.test_continuous import check_against_alone, mixed_llada, run_staggered
+from tests.test_continuous import mixed_llada, run_staggered
 from worker.engine import Engine, GenerationParams, Request
 from worker.engine.graphs import GraphedForward, cache_tensors, install
 
