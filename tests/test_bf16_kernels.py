@@ -4,7 +4,8 @@ bfloat16 results on CPU depend on the arithmetic: ATen picks its vectorised kern
 AVX2, AVX512; read once, when torch is imported) and oneDNN runs bfloat16 matmuls with the CPU's own instructions. The
 `bf16` tests therefore run with oneDNN off (tests/conftest.py) and compare with the reference's result for the kernel
 set torch reports (the goldens hold one per set, tests/fixtures/README.md). Each set needs its own process: this test
-runs `pytest -m bf16` in a subprocess per set (in the fast tier only AVX2's fast ones; all in the suite),
+runs `pytest -m bf16` in a subprocess per set (in the fast tier only AVX2's fast ones; all in the suite, the
+sets' processes at once),
 with one thread as the goldens were made, checks that it passed and that the kernel set it ran is the one asked for
 whenever this CPU has it. Elsewhere the `bf16` tests are skipped. By hand:
 `DLLM_SERVE_BF16_KERNELS=1 ATEN_CPU_CAPABILITY=avx2 .venv/bin/python -m pytest -m bf16 tests/test_llada2.py`."""
@@ -39,25 +40,49 @@ def best_capability() -> str:
 
 
 # the fast tier runs the fast `bf16` tests under one kernel set (AVX2's); the whole suite runs every `bf16` test
-# under each (AVX2's slow ones apart; the other sets' in one process each: a process costs seconds to start)
-KERNEL_SETS = [pytest.param("avx2", "and not slow", id="avx2-fast"),
-               pytest.param("avx2", "and slow", id="avx2-slow", marks=pytest.mark.slow),
-               pytest.param("default", "", id="default-all", marks=pytest.mark.slow),
-               pytest.param("avx512", "", id="avx512-all", marks=pytest.mark.slow)]
+# under each (AVX2's slow ones apart; the other sets' in one process each: a process costs seconds to start). The
+# suite's three processes run at once: each has one thread, and they are independent.
+FAST = ("avx2", "and not slow")
+SLOW = [("avx2", "and slow"), ("default", ""), ("avx512", "")]
 
 
-@pytest.mark.parametrize("capability, tier", KERNEL_SETS)
-def test_bf16_tests_pass_under_each_cpu_kernel_set(capability, tier):
+def _start(capability: str, tier: str) -> subprocess.Popen:
     env = {**_env(capability), BF16_ENV: "1", "OMP_NUM_THREADS": "1"}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-m", f"bf16 {tier}".strip(), "-p", "no:cacheprovider", "-rs",
-                          *FILES], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    out = run.stdout + run.stderr
-    assert run.returncode == 0 and re.search(r"\b\d+ passed", out), out[-4000:]
+    return subprocess.Popen([sys.executable, "-m", "pytest", "-m", f"bf16 {tier}".strip(), "-p", "no:cacheprovider",
+                             "-rs", *FILES], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def _check(capability: str, proc: subprocess.Popen) -> None:
+    try:
+        out = proc.communicate(timeout=600)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0 and re.search(r"\b\d+ passed", out), f"[{capability}] " + out[-4000:]
     ran = re.search(r"^bf16 kernels: (\w+)", out, re.M)
-    assert ran, out[-4000:]
+    assert ran, f"[{capability}] " + out[-4000:]
     want, best = capability.upper(), best_capability()
     if best in ORDER and ORDER.index(want) <= ORDER.index(best):
         assert ran.group(1) == want, f"asked for {want} on a {best} CPU, torch ran {ran.group(1)}"
+
+
+def test_bf16_tests_pass_under_avx2():
+    _check(FAST[0], _start(*FAST))
+
+
+@pytest.mark.slow
+def test_bf16_tests_pass_under_each_cpu_kernel_set():
+    procs = [(capability, _start(capability, tier)) for capability, tier in SLOW]
+    try:
+        for capability, proc in procs:
+            _check(capability, proc)
+    finally:
+        for _, proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
 
 
 def test_every_bf16_test_is_driven():
