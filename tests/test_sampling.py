@@ -71,7 +71,8 @@ def test_factor_rule():
 def test_rows_ranked_together_choose_what_each_row_alone_chooses():
     """sampling._select_grouped (one topk per group of rows) against select_fixed / select_threshold per row, on
     vectors full of exact ties (1.0, -inf), rows of different widths and offsets in their reference vectors, and
-    windows whose vector is the candidates themselves."""
+    windows whose vector is the candidates themselves: the same picks among the candidates with a finite
+    confidence (the others are not masked, and denoise drops them)."""
     import random
 
     from worker.engine.sampling import NEG_INF, _select_grouped
@@ -83,28 +84,33 @@ def test_rows_ranked_together_choose_what_each_row_alone_chooses():
         if window:
             length = rng.randrange(k, 9)
             widths = [length] * B
-        K = max(widths)
-        conf = [torch.tensor([rng.choice([1.0, 0.5, NEG_INF, rng.random()]) for _ in range(w)],
-                             dtype=rng.choice([torch.float32, torch.float64])) for w in widths]
-        conf = [c.to(conf[0].dtype) for c in conf]
+        K = max(widths) + rng.randrange(0, 3)          # a batch's other groups may be wider
+        dtype = rng.choice([torch.float32, torch.float64])
+        conf = [torch.tensor([rng.choice([1.0, 0.5, NEG_INF, rng.random()]) for _ in range(w)], dtype=dtype)
+                for w in widths]
+        matrix = torch.full((B, K), NEG_INF, dtype=dtype)
+        for b, c in enumerate(conf):
+            matrix[b, :widths[b]] = c
         ats = [0] * B if window else [rng.randrange(0, length - w + 1) for w in widths]
         threshold = rng.choice([None, 0.9])
         chosen = torch.zeros(B, K, dtype=torch.bool)
         if threshold is None:
-            _select_grouped({(length, k, None): [(b, ats[b]) for b in range(B)]}, conf, widths, chosen)
+            chosen = _select_grouped(matrix, length, k, None, tuple(ats), tuple(widths))
             want = [select_fixed(conf[b], Layout(length, ats[b]), k) for b in range(B)]
         else:
             m = [int((c > NEG_INF).sum()) for c in conf]
             groups = {}
             for b in range(B):
-                groups.setdefault((length, m[b], threshold), []).append((b, ats[b]))
-            _select_grouped(groups, conf, widths, chosen)
+                groups.setdefault(m[b], []).append(b)
+            for n, bs in groups.items():
+                chosen[bs] = _select_grouped(matrix[bs], length, n, threshold, tuple(ats[b] for b in bs),
+                                             tuple(widths[b] for b in bs))
             want = [select_threshold(conf[b], Layout(length, ats[b]), m[b], threshold) for b in range(B)]
         for b in range(B):
             alone = torch.zeros(K, dtype=torch.bool)
             idx = want[b]
             alone[idx[(idx >= 0) & (idx < widths[b])]] = True
-            assert torch.equal(chosen[b], alone), (trial, b)
+            assert torch.equal(chosen[b], alone & (matrix[b] > NEG_INF)), (trial, b)
 
 
 def test_block_rows_choose_together_as_each_alone():
@@ -149,3 +155,26 @@ def test_block_rows_choose_together_as_each_alone():
                               [r[4] for r in rows], [r[0] for r in rows], only_masked)
             for r, o in zip(rows, got):
                 assert torch.equal(o, alone(*r, only_masked)), (r, o)
+
+
+def test_window_index_tensors():
+    """rows.window: a batch of windows' columns (padded with each row's last), which are real, each column's own
+    index or the last real one's, and the flat list of the real ones, built on the host in one copy."""
+    import random
+
+    from worker.engine.rows import window
+    rng = random.Random(0)
+    for _ in range(200):
+        spans = []
+        for _ in range(rng.randrange(1, 9)):
+            a = rng.randrange(0, 50)
+            spans.append((a, a + rng.randrange(1, 12)))
+        w = window(spans, "cpu")
+        W = max(e - s for s, e in spans)
+        assert w.cols.shape == w.valid.shape == w.last.shape == (len(spans), W) and w.valid.dtype == torch.bool
+        for b, (s, e) in enumerate(spans):
+            assert w.cols[b].tolist() == [min(s + j, e - 1) for j in range(W)]
+            assert w.valid[b].tolist() == [j < e - s for j in range(W)]
+            assert w.last[b].tolist() == [min(j, e - s - 1) for j in range(W)]
+        bi, wi = w.valid.nonzero(as_tuple=True)
+        assert torch.equal(w.flat[0], bi) and torch.equal(w.flat[1], wi) and torch.equal(w.flat[2], w.cols[bi, wi])

@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 
@@ -283,23 +283,45 @@ class Canvas:
         return x, self.pos[which], mask
 
 
+class Window(NamedTuple):
+    """The index tensors of a batch of windows (:func:`window`), all read-only."""
+    cols: torch.Tensor      # [B, W] the canvas columns of each row's window [start, end), padded with its last column
+    valid: torch.Tensor     # [B, W] which of them are real
+    last: torch.Tensor      # [B, W] each column's own index, a padded one's the row's last real column's
+    flat: tuple[torch.Tensor, torch.Tensor, torch.Tensor]   # (b, w, cols[b, w]) of the real columns, row by row
+
+
+def window(spans: list[tuple[int, int]], device) -> Window:
+    """The index tensors of windows [start, end) of canvas columns, one per row (W = the widest window). They are
+    built on the host and kept for the spans and device: inside a block the windows are the same step after step,
+    so a step reuses them instead of building and copying them again, and needs no device read to find the real
+    columns (``flat``)."""
+    return _window(tuple((int(s), int(e)) for s, e in spans), torch.device(device))
+
+
 def window_index(spans: list[tuple[int, int]], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """For window forwards: ``cols`` [B, W] the canvas columns of each row's window [start, end) (padded with its last
-    column) and ``valid`` [B, W] which of them are real (W = the widest window). Both are read-only: they are kept
-    for the spans and device (inside a block the windows are the same step after step, so a step reuses them
-    instead of building and copying them again)."""
-    return _window_index(tuple((int(s), int(e)) for s, e in spans), torch.device(device))
+    """``(cols, valid)`` of :func:`window`."""
+    w = window(spans, device)
+    return w.cols, w.valid
 
 
 @functools.lru_cache(maxsize=32)
-def _window_index(spans: tuple[tuple[int, int], ...], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    W = max(e - s for s, e in spans)
+def _window(spans: tuple[tuple[int, int], ...], device: torch.device) -> Window:
+    B, W = len(spans), max(e - s for s, e in spans)
     bounds = torch.tensor(spans)
     s, e = bounds[:, 0], bounds[:, 1]
+    n = e - s
     j = torch.arange(W)
     cols = torch.minimum(s[:, None] + j[None, :], (e - 1)[:, None])
-    valid = j[None, :] < (e - s)[:, None]
-    return cols.to(device), valid.to(device)
+    valid = j[None, :] < n[:, None]
+    last = torch.minimum(j[None, :], (n - 1)[:, None])
+    bi = torch.repeat_interleave(torch.arange(B), n)              # the real columns, row by row
+    wi = torch.arange(len(bi)) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
+    # one copy to the device for all of them
+    packed = torch.cat([cols.reshape(-1), valid.reshape(-1).long(), last.reshape(-1), bi, wi, s[bi] + wi]).to(device)
+    BW, F = B * W, len(bi)
+    part = packed.split([BW, BW, BW, F, F, F])
+    return Window(part[0].view(B, W), part[1].view(B, W).bool(), part[2].view(B, W), (part[3], part[4], part[5]))
 
 
 def between_steps(canvas: Canvas, fin: Finisher, cache=None) -> list[Row] | None:

@@ -19,6 +19,7 @@ position does not depend on which other positions are in the tensor (tests/test_
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -101,38 +102,70 @@ def propose(logits: torch.Tensor, rows, widths: list[int]) -> torch.Tensor:
     return x0
 
 
-def _softmax_rows(kind: Softmax, logits: torch.Tensor, x0: torch.Tensor, bi: torch.Tensor,
-                  ki: torch.Tensor) -> torch.Tensor:
-    """Confidences at the candidates (bi, ki) of one Softmax kind, in chunks that bound the float64 temporary."""
-    V = logits.shape[-1]
-    chunk = max(1, SOFTMAX_CHUNK_BYTES // (V * 8))
-    out = [kind.probability(logits[bi[i:i + chunk], ki[i:i + chunk]], x0[bi[i:i + chunk], ki[i:i + chunk]])
-           for i in range(0, len(bi), chunk)]
-    return torch.cat(out) if out else logits.new_empty(0, dtype=kind.dtype(logits.dtype))
+def _confidence_matrix(kind: Softmax, logits: torch.Tensor, x0: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
+    """Confidences [R, K] of one Softmax kind at every candidate (-inf where not ``masked``), in chunks of rows that
+    bound the float64 temporary. Every candidate is computed, masked or not: a softmax row does not depend on the
+    other rows in its tensor, and finding the masked ones first would wait for the device."""
+    R, K, V = logits.shape
+    chunk = max(1, SOFTMAX_CHUNK_BYTES // (K * V * 8))
+    parts = [kind.probability(logits[i:i + chunk].reshape(-1, V), x0[i:i + chunk].reshape(-1))
+             for i in range(0, R, chunk)]
+    c = (parts[0] if len(parts) == 1 else torch.cat(parts)).view(R, K)
+    return c.masked_fill_(~masked, NEG_INF)
+
+
+class Confidences:
+    """A step's confidences: row b's are ``row(b)`` (its ``K`` candidates, -inf where a candidate is not masked, in
+    its reference's dtype), kept as one matrix per group of rows computed together (:func:`confidences`)."""
+
+    def __init__(self, B: int):
+        self.at: list[tuple[torch.Tensor, int] | None] = [None] * B      # row -> (matrix, its row there)
+
+    def put(self, rows: list[int], matrix: torch.Tensor) -> None:
+        for i, b in enumerate(rows):
+            self.at[b] = (matrix, i)
+
+    def row(self, b: int) -> torch.Tensor:
+        m, i = self.at[b]
+        return m[i]
+
+    def dtype(self, b: int) -> torch.dtype:
+        return self.at[b][0].dtype
+
+    def rows(self, bs: list[int]) -> torch.Tensor:
+        """[len(bs), K]: the matrix itself when ``bs`` are its rows in order (no copy)."""
+        m = self.at[bs[0]][0]
+        if all(self.at[b][0] is m for b in bs):
+            idx = [self.at[b][1] for b in bs]
+            if idx == list(range(m.shape[0])):
+                return m
+            return m[torch.tensor(idx, device=m.device)]
+        return torch.stack([self.row(b) for b in bs])
 
 
 def confidences(logits: torch.Tensor, x0: torch.Tensor, masked: torch.Tensor, rows, widths: list[int],
-                kinds: list[Softmax]) -> list[torch.Tensor]:
-    """Per row, its candidates' confidences (1-D, ``widths[b]`` long, in the reference's dtype; -inf where the
-    position is not masked). ``remasking: random`` rows get uniform float32 noise, as the references draw it."""
-    out: list[torch.Tensor | None] = [None] * len(rows)
+                kinds: list[Softmax], out: Confidences, which: list[int]) -> None:
+    """The confidences of rows ``which`` (their logits, x0 and masks are ``logits``, ``x0``, ``masked`` [n, K...],
+    in that order) into ``out``: one matrix per Softmax kind; ``remasking: random`` rows get uniform float32 noise
+    over their own candidates, as the references draw it."""
+    n = len(which)
     for kind in dict.fromkeys(kinds):
-        members = [b for b, k in enumerate(kinds) if k is kind and rows[b].params.remasking != "random"]
+        members = [i for i, k in enumerate(kinds) if k is kind and rows[i].params.remasking != "random"]
         if not members:
             continue
-        sel = torch.zeros_like(masked)
-        sel[members] = masked[members]
-        bi, ki = sel.nonzero(as_tuple=True)
-        c = _softmax_rows(kind, logits, x0, bi, ki)
-        full = torch.full(masked.shape, NEG_INF, dtype=c.dtype, device=c.device)
-        full[bi, ki] = c
-        for b in members:
-            out[b] = full[b, : widths[b]]
-    for b, row in enumerate(rows):
+        if len(members) == n:
+            m = _confidence_matrix(kind, logits, x0, masked)
+        else:
+            idx = torch.tensor(members, device=logits.device)
+            m = _confidence_matrix(kind, logits[idx], x0[idx], masked[idx])
+        out.put([which[i] for i in members], m)
+    for i, row in enumerate(rows):
         if row.params.remasking == "random":
-            u = torch.rand(widths[b], device=logits.device, generator=row.generator)
-            out[b] = torch.where(masked[b, : widths[b]], u, torch.full_like(u, NEG_INF))
-    return out
+            w = widths[i]
+            u = torch.rand(w, device=logits.device, generator=row.generator)
+            c = torch.full((1, masked.shape[1]), NEG_INF, dtype=u.dtype, device=u.device)
+            c[0, :w] = torch.where(masked[i, :w], u, torch.full_like(u, NEG_INF))
+            out.put([which[i]], c)
 
 
 def ranked(conf: torch.Tensor, layout: Layout, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -265,21 +298,26 @@ def fast_dllm_rule(params, fixed: Softmax, parallel: Softmax) -> Rule:
 
 
 def denoise(logits: torch.Tensor, tokens: torch.Tensor, widths: list[int], rows, mask_id: int,
-            layouts: list[Layout | None]) -> tuple[torch.Tensor, torch.Tensor]:
+            layouts: list[Layout | None], valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One step's decision for a batch of rows: (x0 [B, K], transfer [B, K] bool). ``tokens``: the candidates'
-    current ids; ``layouts[b]``: row b's topk vector (rows with a topk rule). Each row decides by its ``row.rule``."""
+    current ids; ``layouts[b]``: row b's topk vector (rows with a topk rule); ``valid`` [B, K]: which candidates are
+    real (row b's first ``widths[b]``; built when not given). Each row decides by its ``row.rule``; rows whose rules
+    allow it decide together, and nothing here waits for the device."""
     B, K = tokens.shape
-    valid = torch.arange(K, device=tokens.device)[None, :] < torch.tensor(widths, device=tokens.device)[:, None]
+    dev = tokens.device
+    if valid is None:
+        valid = torch.arange(K, device=dev)[None, :] < torch.tensor(widths, device=dev)[:, None]
     masked = (tokens == mask_id) & valid
     x0 = propose(logits, rows, widths)
-    chosen = torch.zeros_like(masked)
+    conf = Confidences(B)
     plain = [b for b, r in enumerate(rows) if not r.rule.transforms_logits]
-    conf: list[torch.Tensor | None] = [None] * B
     if plain:
-        sub = confidences(logits[plain], x0[plain], masked[plain], [rows[b] for b in plain],
-                          [widths[b] for b in plain], [rows[b].rule.softmax for b in plain])
-        for b, c in zip(plain, sub):
-            conf[b] = c
+        if len(plain) == B:
+            confidences(logits, x0, masked, rows, widths, [r.rule.softmax for r in rows], conf, plain)
+        else:
+            idx = torch.tensor(plain, device=dev)
+            confidences(logits[idx], x0[idx], masked[idx], [rows[b] for b in plain], [widths[b] for b in plain],
+                        [rows[b].rule.softmax for b in plain], conf, plain)
     fused = [b for b, r in enumerate(rows) if r.rule.transforms_logits]
     if fused:       # the decision is made on each rule's own logits: proposed and rated together, as the plain rows
         batches: dict[tuple, list[int]] = {}
@@ -295,7 +333,7 @@ def denoise(logits: torch.Tensor, tokens: torch.Tensor, widths: list[int], rows,
                 t = rows[b].rule.transform(logits[b, :widths[b]], masked[b, :widths[b]])
                 parts[members[0]] = F.pad(t, (0, 0, 0, K - t.shape[0]))[None]
                 continue
-            idx = torch.tensor(bs, device=logits.device)
+            idx = torch.tensor(bs, device=dev)
             out = kind.transform_rows([rows[b].rule for b in bs], logits[idx], masked[idx], [widths[b] for b in bs])
             for j, i in enumerate(members):
                 parts[i] = out[j:j + 1]
@@ -304,67 +342,82 @@ def denoise(logits: torch.Tensor, tokens: torch.Tensor, widths: list[int], rows,
         fx = propose(lg, fr, fw)
         for i, b in enumerate(fused):
             x0[b, :fw[i]] = fx[i, :fw[i]]
-        for b, c in zip(fused, confidences(lg, fx, masked[fused], fr, fw, [r.rule.softmax for r in fr])):
-            conf[b] = c
-    grouped: dict[tuple, list[tuple[int, int]]] = {}     # (length, k) -> [(row, at)]: rows ranked together
+        fidx = torch.tensor(fused, device=dev)
+        confidences(lg, fx, masked[fidx], fr, fw, [r.rule.softmax for r in fr], conf, fused)
+    grouped: dict[tuple, list[tuple[int, int]]] = {}     # (length, k, threshold, dtype) -> [(row, at)]: ranked together
     together: dict[tuple, list[int]] = {}                 # (rule type, batch key) -> rows chosen together
+    alone: list[int] = []
     counts = None
     for b, r in enumerate(rows):
         kind = type(r.rule)
         if kind is FixedRule:
-            grouped.setdefault((layouts[b].length, r.scheduled_transfers(), None), []).append((b, layouts[b].at))
+            grouped.setdefault((layouts[b].length, r.scheduled_transfers(), None, conf.dtype(b)), []).append(
+                (b, layouts[b].at))
         elif kind is ThresholdRule:
             if counts is None:
                 counts = masked.sum(1).tolist()      # one transfer for the batch, not one per row
-            grouped.setdefault((layouts[b].length, int(counts[b]), r.rule.threshold), []).append((b, layouts[b].at))
+            grouped.setdefault((layouts[b].length, int(counts[b]), r.rule.threshold, conf.dtype(b)), []).append(
+                (b, layouts[b].at))
         elif r.rule.select_rows is not None:
             together.setdefault((kind, r.rule.batch_key()), []).append(b)
         else:
-            w = widths[b]
-            chosen[b, :w] = r.rule.select(conf[b], x0[b, :w], masked[b, :w], layouts[b], r, mask_id)
-    if grouped:
-        _select_grouped(grouped, conf, widths, chosen)
-    for (kind, _), members in together.items():
-        c = torch.nn.utils.rnn.pad_sequence([conf[b] for b in members], batch_first=True, padding_value=NEG_INF)
-        if c.shape[1] < K:
-            c = F.pad(c, (0, K - c.shape[1]), value=NEG_INF)
-        idx = torch.tensor(members, device=tokens.device)
-        chosen[idx] = kind.select_rows([rows[b].rule for b in members], c, x0[idx], masked[idx], mask_id)
+            alone.append(b)
+    picks: list[tuple[list[int], torch.Tensor]] = []      # (rows, their choices [len(rows), K])
+    for (length, k, threshold, _), members in grouped.items():
+        bs = [b for b, _ in members]
+        picks.append((bs, _select_grouped(conf.rows(bs), length, k, threshold, tuple(a for _, a in members),
+                                          tuple(widths[b] for b in bs))))
+    for (kind, _), bs in together.items():
+        picks.append((bs, kind.select_rows([rows[b].rule for b in bs], conf.rows(bs), x0[bs] if len(bs) < B else x0,
+                                           masked[bs] if len(bs) < B else masked, mask_id)))
+    for b in alone:
+        w = widths[b]
+        one = torch.zeros((1, K), dtype=torch.bool, device=dev)
+        one[0, :w] = rows[b].rule.select(conf.row(b)[:w], x0[b, :w], masked[b, :w], layouts[b], rows[b], mask_id)
+        picks.append(([b], one))
+    if len(picks) == 1 and picks[0][0] == list(range(B)):
+        chosen = picks[0][1]                # the usual step: one group of rows, in order
+    else:
+        chosen = torch.zeros_like(masked)
+        for bs, c in picks:
+            chosen[torch.tensor(bs, device=dev)] = c
     return x0, chosen & masked
 
 
-def _select_grouped(groups: dict, conf: list[torch.Tensor], widths: list[int], chosen: torch.Tensor) -> None:
-    """FixedRule / ThresholdRule rows, ranked with one ``torch.topk`` per group of rows whose reference vectors have
-    the same length and whose ``k`` is the same: each row of a 2-D topk is ranked exactly as the same vector alone
-    (ties included; tests/test_sampling.py checks it), so this is ``select_fixed`` / ``select_threshold`` per row,
-    without a dozen small tensor operations per row."""
-    device = chosen.device
-    K = chosen.shape[1]
-    for (length, k, threshold), members in groups.items():
-        idx_rows = [b for b, _ in members]
-        c = torch.nn.utils.rnn.pad_sequence([conf[b] for b in idx_rows], batch_first=True, padding_value=NEG_INF)
-        if all(a == 0 for _, a in members) and all(widths[b] == length for b in idx_rows):
-            # the reference vector is the candidates themselves (a cached window): rank them as they are
-            values, cand = torch.topk(c, k, dim=-1)
-            keep = None
-        else:
-            at = torch.tensor([a for _, a in members], device=device)
-            w = torch.tensor([widths[b] for b in idx_rows], device=device)
-            if c.shape[1] < K:
-                c = F.pad(c, (0, K - c.shape[1]), value=NEG_INF)
-            j = torch.arange(length, device=device)[None, :] - at[:, None]          # vector element -> candidate
-            inside = (j >= 0) & (j < w[:, None])
-            vec = torch.where(inside, c.gather(1, j.clamp(0, K - 1)), torch.full((), NEG_INF, dtype=c.dtype,
-                                                                                 device=device))
-            values, top = torch.topk(vec, k, dim=-1)
-            cand = top - at[:, None]
-            keep = (cand >= 0) & (cand < w[:, None])
-        if threshold is not None:               # Fast-dLLM: the first always, each other one unless < threshold
-            ok = ~(values < threshold)
-            ok[:, :1] = True
-            keep = ok if keep is None else keep & ok
-        # written by a scatter, not by boolean indexing (which would wait for the device to count the picks)
-        hits = torch.zeros((len(idx_rows), K), dtype=torch.int32, device=device)
-        hits.scatter_add_(1, cand.clamp(0, K - 1), torch.ones_like(cand, dtype=torch.int32) if keep is None
-                          else keep.to(torch.int32))
-        chosen[torch.tensor(idx_rows, device=device)] = hits > 0
+@functools.lru_cache(maxsize=64)
+def _grouped_index(length: int, ats: tuple[int, ...], widths: tuple[int, ...], K: int,
+                   device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For :func:`_select_grouped`: (the candidate column of each element of the rows' reference vectors, clamped;
+    which elements are outside the candidates; each row's ``at``), built on the host and kept: a block's layouts
+    repeat step after step."""
+    at = torch.tensor(ats)
+    j = torch.arange(length)[None, :] - at[:, None]          # vector element -> candidate
+    outside = (j < 0) | (j >= torch.tensor(widths)[:, None])
+    return j.clamp(0, K - 1).to(device), outside.to(device), at[:, None].to(device)
+
+
+def _select_grouped(conf: torch.Tensor, length: int, k: int, threshold: float | None, ats: tuple[int, ...],
+                    widths: tuple[int, ...]) -> torch.Tensor:
+    """FixedRule / ThresholdRule rows (``select_fixed`` / ``select_threshold``) ranked with one ``torch.topk``:
+    each row of a 2-D topk is ranked exactly as the same vector alone (ties included; tests/test_sampling.py checks
+    it). ``conf`` [R, K]: the rows' confidences (-inf where a candidate is not masked); ``length``, ``ats``: their
+    reference vectors' length and where each row's candidates sit in it (:class:`Layout`). Returns bool [R, K]:
+    the picks with a finite confidence (a pick of -inf is never masked: committing it would change nothing)."""
+    R, K = conf.shape
+    if all(a == 0 for a in ats) and all(w == length for w in widths):
+        # the reference vector is the candidates themselves (a cached window): rank them as they are
+        values, cand = torch.topk(conf[:, :length] if length < K else conf, k, dim=-1)
+    else:
+        jc, outside, at = _grouped_index(length, ats, widths, K, conf.device)
+        values, top = torch.topk(conf.gather(1, jc).masked_fill_(outside, NEG_INF), k, dim=-1)
+        cand = top - at
+    keep = values > NEG_INF
+    if threshold is not None:               # Fast-dLLM: the first always, each other one unless < threshold
+        ok = ~(values < threshold)
+        ok[:, :1] = True
+        keep &= ok
+    # written by a scatter, not by boolean indexing (which would wait for the device to count the picks): the picks
+    # not kept go to a spare column K
+    out = torch.zeros((R, K + 1), dtype=torch.bool, device=conf.device)
+    out.scatter_(1, torch.where(keep, cand, K), True)
+    return out[:, :K]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..rows import Canvas, Finisher, Row, between_steps, record_logprobs, wants_logprobs, window_index
+from ..rows import Canvas, Finisher, Row, Window, between_steps, record_logprobs, wants_logprobs, window
 from ..sampling import Layout, Softmax, denoise, fast_dllm_rule
 from . import Algorithm, register
 
@@ -54,16 +54,22 @@ def whole_sequence(row: Row, region: tuple[int, int]) -> Layout:
     return Layout(row.plan.prompt_length + row.plan.canvas_length, row.plan.prompt_length + region[0])
 
 
-def commit(canvas: Canvas, logits: torch.Tensor, gidx: torch.Tensor, widths: list[int], mask_id: int,
+def commit(canvas: Canvas, logits: torch.Tensor, win: Window, widths: list[int], mask_id: int,
            layouts: list[Layout | None]) -> None:
-    """Decide this step for every row (candidates at canvas columns ``gidx``) and write the chosen tokens."""
+    """Decide this step for every row (candidates at the canvas columns of ``win``) and write the chosen tokens."""
+    gidx = win.cols
     tokens = canvas.x.gather(1, gidx)
-    x0, chosen = denoise(logits, tokens, widths, canvas.rows, mask_id, layouts)
-    bi, ki = chosen.nonzero(as_tuple=True)
-    canvas.x[bi, gidx[bi, ki]] = x0[bi, ki]
+    x0, chosen = denoise(logits, tokens, widths, canvas.rows, mask_id, layouts, win.valid)
     if wants_logprobs(canvas.rows):
+        bi, ki = chosen.nonzero(as_tuple=True)
+        canvas.x[bi, gidx[bi, ki]] = x0[bi, ki]
         starts = torch.tensor([canvas.gen_start(b) for b in range(len(canvas.rows))], device=gidx.device)
         record_logprobs(canvas.rows, bi, gidx[bi, ki] - starts[bi], x0[bi, ki], logits[bi, ki])
+        return
+    # every candidate written back, the chosen ones changed; a padded column repeats its row's last real column, so
+    # it writes that column's own new value (no device read to find the chosen ones)
+    new = torch.where(chosen, x0, tokens)
+    canvas.x.scatter_(1, gidx, new.gather(1, win.last))
 
 
 def step_done(canvas: Canvas, fin: Finisher, mask_id: int) -> tuple[dict, tuple[list[int], int] | None]:
@@ -102,8 +108,9 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
         active = canvas.rows
         B = len(active)
         regions = [candidate_region(r, gens[r.index], mask_id) for r in active]
-        gidx, _ = window_index([(canvas.gen_start(b) + s, canvas.gen_start(b) + e)
-                                for b, (s, e) in enumerate(regions)], model.device)
+        win = window([(canvas.gen_start(b) + s, canvas.gen_start(b) + e) for b, (s, e) in enumerate(regions)],
+                     model.device)
+        gidx = win.cols
 
         cfg = [b for b, r in enumerate(active) if r.params.cfg_scale > 0]
         x, pos, mask = canvas.x, canvas.pos, canvas.mask
@@ -121,7 +128,7 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
             for i, b in enumerate(cfg):   # the reference's order, with its Python-float scale
                 logits[b] = lu[i] + (active[b].params.cfg_scale + 1) * (logits[b] - lu[i])
 
-        commit(canvas, logits, gidx, [e - s for s, e in regions], mask_id,
+        commit(canvas, logits, win, [e - s for s, e in regions], mask_id,
                [whole_sequence(r, reg) for r, reg in zip(active, regions)])
         gens, _ = step_done(canvas, fin, mask_id)
         yield      # a step is done: the engine may run other groups' steps (continuous batching)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from ..params import GenerationParams, ParamError
-from ..rows import Finisher, Row, window_index
+from ..rows import Finisher, Row, window
 
 
 def extent(r: Row) -> int:
@@ -153,16 +153,16 @@ class BlockBatch:
         cache slot), block-causal: a query sees the keys of its own block and the blocks before it, none past the
         farthest window's end. Returns hidden states [B, widest window, D]."""
         dev = self.dev
-        cols, valid = window_index(spans, dev)
+        win = window(spans, dev)
+        cols = win.cols
         bl = torch.tensor([r.params.block_length for r in self.active], device=dev)[:, None]
         tot = torch.tensor([extent(r) for r in self.active], device=dev)[:, None]
         keys = max(e for _, e in spans)
         kcol = torch.arange(keys, device=dev)
         mask = ((kcol[None, None, :] // bl[:, :, None]) <= (cols // bl)[:, :, None]) & (kcol[None, None, :] <
                                                                                       tot[:, :, None])
-        bi, wi = valid.nonzero(as_tuple=True)
         return self.engine.model(self.x.gather(1, cols), cols, mask[:, None], cache=self.cache,
-                                 window=(bi, wi, cols[bi, wi], keys))
+                                 window=(*win.flat, keys))
 
     def report(self, fin: Finisher, b: int, xc: list[list[int]], final: int, schedule_done: bool) -> None:
         """Hand active row ``b``'s generated part (from ``xc``, the host copy of ``x`` as lists) to the finisher:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..rows import Canvas, Finisher, Row, between_steps, window_index
+from ..rows import Canvas, Finisher, Row, between_steps, window, window_index
 from . import Algorithm, register
 from ..sampling import Layout, Softmax, fast_dllm_rule
 from .basic import candidate_region, commit, start_block, step_done, whole_sequence
@@ -74,14 +74,14 @@ def _window_forward(model, canvas: Canvas, cache, part: list[int], dual: bool, o
         at.append(s - ws)
         regions.append((s, e))
         layouts.append(Layout(e - s if dual else r.plan.canvas_length - s, 0))
-    cols, valid = window_index(wins, model.device)
+    win = window(wins, model.device)
+    cols = win.cols
     slots = None if len(part) == len(active) else torch.tensor(part, device=model.device)
     sel = slice(None) if slots is None else slots
     ids = canvas.x[sel].gather(1, cols)
     pos = canvas.pos[sel].gather(1, cols)
-    bi, wi = valid.nonzero(as_tuple=True)
     mask = None if canvas.mask is None else canvas.mask[sel]
-    hidden = model(ids, pos, mask, cache=cache, slots=slots, window=(bi, wi, cols[bi, wi]))
+    hidden = model(ids, pos, mask, cache=cache, slots=slots, window=win.flat)
     lg = _gather_logits(model, hidden, [(a, a + active[b].plan.block_length) for a, b in zip(at, part)])
     for i, b in enumerate(part):
         out[b] = (regions[i], layouts[i], lg[i, : active[b].plan.block_length])
@@ -96,8 +96,8 @@ def _commit_all(canvas: Canvas, decided: list, mask_id: int, device) -> None:
     logits = torch.stack([lg if lg.shape[0] == K else torch.cat([lg, lg[-1:].expand(K - lg.shape[0], -1)])
                           for _, _, lg in decided])
     g0 = [canvas.gen_start(b) for b in range(len(decided))]
-    gidx, _ = window_index([(g + s, g + e) for g, (s, e) in zip(g0, regions)], device)    # [B, K]
-    commit(canvas, logits, gidx, widths, mask_id, [d[1] for d in decided])
+    win = window([(g + s, g + e) for g, (s, e) in zip(g0, regions)], device)    # [B, K]
+    commit(canvas, logits, win, widths, mask_id, [d[1] for d in decided])
 
 
 def run_cached(engine, rows: list[Row], fin: Finisher, dual: bool, make_rule=fast_dllm, block_only: bool = False,

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from ..params import GenerationParams, ParamError
-from ..rows import Canvas, Finisher, Row, between_steps, record_row_logprobs, window_index
+from ..rows import Canvas, Finisher, Row, between_steps, record_row_logprobs, window
 from . import Algorithm, ParamInfo, register
 from .dream import (CONFIDENCE, DREAM_PARAMS, Choice, check_sampling, decide, decide_together, ratios,
                     sample_tokens, together, transfer_count)
@@ -78,14 +78,13 @@ def _block_steps(model, canvas: Canvas, cache, part: list[int], starts: list[int
     the entropy schedule: ``step`` -1 once its steps are used)."""
     active, x, dev, W = canvas.rows, canvas.x, model.device, canvas.x.shape[1]
     wins = [(starts[b], starts[b] + active[b].plan.block_length if dual else W) for b in part]
-    cols, valid = window_index(wins, dev)
+    win = window(wins, dev)
+    cols = win.cols
     slots = None if len(part) == len(active) else torch.tensor(part, device=dev)
     sel = slice(None) if slots is None else slots
     ids = x[sel].gather(1, cols)
-    bi, wi = valid.nonzero(as_tuple=True)
     mask = None if canvas.mask is None else canvas.mask[sel]
-    hidden = model(ids, canvas.pos[sel].gather(1, cols), mask, cache=cache, slots=slots,
-                   window=(bi, wi, cols[bi, wi]))
+    hidden = model(ids, canvas.pos[sel].gather(1, cols), mask, cache=cache, slots=slots, window=win.flat)
     bl = [active[b].plan.block_length for b in part]
     top = max(bl)          # each row's block: the first bl[i] positions of its window; one read for all rows
     in_block = ids[:, :top] == mask_id

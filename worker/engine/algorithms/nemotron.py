@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ..rows import Finisher, Row, record_logprobs, wants_logprobs, window_index
+from ..rows import Finisher, Row, record_logprobs, wants_logprobs, window
 from ..sampling import Layout, Softmax, denoise, fast_dllm_rule
 from . import Algorithm, ParamInfo, register
 
@@ -86,7 +86,8 @@ class _Batch:
         starts = [P + r.block * r.plan.block_length for r in active]
         ends = [s + r.plan.block_length for s, r in zip(starts, active)]
         E = max(ends)
-        cols, valid = window_index(list(zip(starts, ends)), dev)
+        win = window(list(zip(starts, ends)), dev)
+        cols = win.cols
         sl = torch.tensor(slots, device=dev)
         ids = self.x[sl].gather(1, cols)
         p = self.pos[sl].gather(1, cols)
@@ -96,13 +97,12 @@ class _Batch:
         else:
             end = torch.tensor(ends, device=dev)[:, None]
             mask = ((kcol >= self.off[sl][:, None]) & (kcol < end))[:, None, None, :]
-        bi, wi = valid.nonzero(as_tuple=True)
         hidden = self.model(ids, p, mask, cache=_CacheView(self.cache, E),
                             slots=None if len(slots) == self.B0 and slots == list(range(self.B0)) else sl,
-                            window=(bi, wi, cols[bi, wi]))
-        return starts, ends, cols, sl, ids, self.model.logits(hidden)        # logits [B, K, V]
+                            window=win.flat)
+        return starts, ends, win, sl, ids, self.model.logits(hidden)        # logits [B, K, V]
 
-    def denoise(self, active: list[Row], starts, ends, cols, sl, ids, logits) -> None:
+    def denoise(self, active: list[Row], starts, ends, win, sl, ids, logits) -> None:
         """The rows denoising their block commit tokens by their rule (with ``shift_logits``, position j decides
         from the logit of j-1, the block's first from ``ctx``)."""
         mask_id, P = self.engine.mask_id, self.P
@@ -118,12 +118,21 @@ class _Batch:
                 lg[j, 0] = self.ctx[r.index]
         widths = [ends[i] - starts[i] for i in den]
         drows = [active[i] for i in den]
-        x0, chosen = denoise(lg, ids[den], widths, drows, mask_id, [Layout(w, 0) for w in widths])
-        rb, kb = chosen.nonzero(as_tuple=True)
-        dt = torch.tensor(den, device=self.dev)
-        self.x[sl[dt][rb], cols[dt][rb, kb]] = x0[rb, kb]
+        every = len(den) == len(active)
+        dt = None if every else torch.tensor(den, device=self.dev)
+        cols, tokens = (win.cols, ids) if every else (win.cols[dt], ids[dt])
+        rows_at = sl if every else sl[dt]
+        x0, chosen = denoise(lg, tokens, widths, drows, mask_id, [Layout(w, 0) for w in widths],
+                             win.valid if every else win.valid[dt])
         if wants_logprobs(drows):     # generations start at column P
-            record_logprobs(drows, rb, cols[dt][rb, kb] - P, x0[rb, kb], lg[rb, kb])
+            rb, kb = chosen.nonzero(as_tuple=True)
+            self.x[rows_at[rb], cols[rb, kb]] = x0[rb, kb]
+            record_logprobs(drows, rb, cols[rb, kb] - P, x0[rb, kb], lg[rb, kb])
+            return
+        # every candidate written back, the chosen ones changed (a padded column writes its row's last real column's
+        # new value): no device read to find the chosen ones
+        new = torch.where(chosen, x0, tokens).gather(1, win.last if every else win.last[dt])
+        self.x.index_put_((rows_at[:, None].expand_as(cols), cols), new)
 
     def account(self, active: list[Row], fin: Finisher, starts, ends, logits) -> None:
         """Every forward counts in nfe. A stored block moves the row to its next one (or ends it); a block with no
@@ -165,8 +174,8 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
         if new:
             batch.place(new)
             active = active + new
-        starts, ends, cols, sl, ids, logits = batch.forward(active)
-        batch.denoise(active, starts, ends, cols, sl, ids, logits)
+        starts, ends, win, sl, ids, logits = batch.forward(active)
+        batch.denoise(active, starts, ends, win, sl, ids, logits)
         batch.account(active, fin, starts, ends, logits)
         active = [r for r in active if not r.done]
         yield      # a step is done: the engine may run other groups' steps (continuous batching)
