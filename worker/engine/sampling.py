@@ -308,9 +308,9 @@ def denoise(logits: torch.Tensor, tokens: torch.Tensor, widths: list[int], rows,
     if valid is None:
         valid = torch.arange(K, device=dev)[None, :] < torch.tensor(widths, device=dev)[:, None]
     masked = (tokens == mask_id) & valid
-    x0 = propose(logits, rows, widths)
-    conf = Confidences(B)
     plain = [b for b, r in enumerate(rows) if not r.rule.transforms_logits]
+    x0 = propose(logits, rows, widths) if plain else None
+    conf = Confidences(B)
     if plain:
         if len(plain) == B:
             confidences(logits, x0, masked, rows, widths, [r.rule.softmax for r in rows], conf, plain)
@@ -340,10 +340,13 @@ def denoise(logits: torch.Tensor, tokens: torch.Tensor, widths: list[int], rows,
         lg = parts[0] if len(parts) == 1 else torch.cat(parts)
         fr, fw = [rows[b] for b in fused], [widths[b] for b in fused]
         fx = propose(lg, fr, fw)
-        for i, b in enumerate(fused):
-            x0[b, :fw[i]] = fx[i, :fw[i]]
-        fidx = torch.tensor(fused, device=dev)
-        confidences(lg, fx, masked[fidx], fr, fw, [r.rule.softmax for r in fr], conf, fused)
+        if x0 is None:              # every row is fused (x0 past a row's width is never used)
+            x0 = fx
+            confidences(lg, fx, masked, fr, fw, [r.rule.softmax for r in fr], conf, fused)
+        else:
+            fidx = torch.tensor(fused, device=dev)
+            x0[fidx] = fx
+            confidences(lg, fx, masked[fidx], fr, fw, [r.rule.softmax for r in fr], conf, fused)
     grouped: dict[tuple, list[tuple[int, int]]] = {}     # (length, k, threshold, dtype) -> [(row, at)]: ranked together
     together: dict[tuple, list[int]] = {}                 # (rule type, batch key) -> rows chosen together
     alone: list[int] = []

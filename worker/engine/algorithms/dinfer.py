@@ -88,6 +88,21 @@ def fuse_credit_rows(logits: torch.Tensor, masked: torch.Tensor, rules, widths: 
     R, K, V = logits.shape
     top_p, top_i = F.softmax(logits.to(torch.float32), dim=-1).max(-1)
     gain = top_p.pow(e["boost_gamma"]).to(torch.float32) * masked.to(torch.float32)
+    if all(w == K for w in widths):     # the rows' credit matrices stacked: decayed and fed at once
+        fresh = [j for j, r in enumerate(rules) if r.credit is None or r.credit.shape != (K, V)]
+        if len(fresh) == R:
+            credit = torch.zeros((R, K, V), dtype=torch.float32, device=logits.device)
+        else:
+            zero = logits.new_zeros((), dtype=torch.float32).expand(K, V)
+            new = set(fresh)
+            credit = torch.stack([zero if j in new else r.credit for j, r in enumerate(rules)])
+            credit.mul_(e["decay_beta"])
+            if fresh:
+                credit[torch.tensor(fresh, device=logits.device)] = 0
+        credit.scatter_add_(2, top_i[..., None], gain[..., None])
+        for j, r in enumerate(rules):
+            r.credit = credit[j]            # each row's own matrix: its slice of this step's
+        return logits + e["credit_alpha"] * torch.log(credit + 1)
     kept = [r.credit for r, w in zip(rules, widths) if r.credit is not None and r.credit.shape == (w, V)]
     if kept:
         torch._foreach_mul_(kept, e["decay_beta"])
@@ -95,9 +110,6 @@ def fuse_credit_rows(logits: torch.Tensor, masked: torch.Tensor, rules, widths: 
         if r.credit is None or r.credit.shape != (w, V):
             r.credit = torch.zeros((w, V), dtype=torch.float32, device=logits.device)
         r.credit.scatter_add_(1, top_i[j, :w, None], gain[j, :w, None])
-    if all(w == K for w in widths):
-        credit = torch.stack([r.credit for r in rules])
-        return logits + e["credit_alpha"] * torch.log(credit + 1)
     out = torch.zeros(logits.shape, dtype=torch.promote_types(logits.dtype, torch.float32), device=logits.device)
     for j, (r, w) in enumerate(zip(rules, widths)):
         out[j, :w] = logits[j, :w] + e["credit_alpha"] * torch.log(r.credit + 1)
