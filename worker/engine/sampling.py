@@ -87,13 +87,15 @@ def check_probabilities(probs: torch.Tensor) -> None:
         raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
 
 
-def propose(logits: torch.Tensor, rows, widths: list[int]) -> torch.Tensor:
+def propose(logits: torch.Tensor, rows, widths: list[int], only: list[int] | None = None) -> torch.Tensor:
     """x0, the proposed token at every candidate ([B, K] long): the argmax of the logits (first index among equal
     maxima), or with ``temperature > 0`` the reference's float64 Gumbel-max ``argmax(exp(l) / (-log u) ** T)``.
     The noise comes from the row's own generator and only for its own candidates, so a seeded row draws the same
-    numbers in any batch (the reference draws for the whole canvas from the global generator)."""
+    numbers in any batch (the reference draws for the whole canvas from the global generator). ``only``: the rows
+    proposed for (the others' x0 is the argmax, and they draw nothing)."""
     x0 = logits.argmax(-1)
-    for b, row in enumerate(rows):
+    for b in range(len(rows)) if only is None else only:
+        row = rows[b]
         t = row.params.temperature
         if t > 0:
             lb = logits[b, : widths[b]].to(torch.float64)
@@ -309,7 +311,9 @@ def denoise(logits: torch.Tensor, tokens: torch.Tensor, widths: list[int], rows,
         valid = torch.arange(K, device=dev)[None, :] < torch.tensor(widths, device=dev)[:, None]
     masked = (tokens == mask_id) & valid
     plain = [b for b, r in enumerate(rows) if not r.rule.transforms_logits]
-    x0 = propose(logits, rows, widths) if plain else None
+    # rows whose rule transforms the logits propose from their own logits below (and draw there only)
+    x0 = (propose(logits, rows, widths) if len(plain) == B else propose(logits, rows, widths, plain)) if plain \
+        else None
     conf = Confidences(B)
     if plain:
         if len(plain) == B:
