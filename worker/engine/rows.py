@@ -9,6 +9,7 @@ import functools
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple
 
+import numpy as np
 import torch
 
 from .params import GenerationParams, Plan
@@ -307,20 +308,21 @@ def window_index(spans: list[tuple[int, int]], device) -> tuple[torch.Tensor, to
 
 @functools.lru_cache(maxsize=32)
 def _window(spans: tuple[tuple[int, int], ...], device: torch.device) -> Window:
-    B, W = len(spans), max(e - s for s, e in spans)
-    bounds = torch.tensor(spans)
-    s, e = bounds[:, 0], bounds[:, 1]
+    # built with numpy (a microsecond an operation on the host, where torch's small CPU operations take several:
+    # a batch's windows change whenever one of its rows moves to its next block), copied to the device at once
+    B = len(spans)
+    se = np.array(spans, dtype=np.int64)
+    s, e = se[:, 0], se[:, 1]
     n = e - s
-    j = torch.arange(W)
-    cols = torch.minimum(s[:, None] + j[None, :], (e - 1)[:, None])
+    W = int(n.max())
+    j = np.arange(W)
+    cols = np.minimum(s[:, None] + j, (e - 1)[:, None])
     valid = j[None, :] < n[:, None]
-    last = torch.minimum(j[None, :], (n - 1)[:, None])
-    bi = torch.repeat_interleave(torch.arange(B), n)              # the real columns, row by row
-    wi = torch.arange(len(bi)) - torch.repeat_interleave(torch.cumsum(n, 0) - n, n)
-    # one copy to the device for all of them
-    packed = torch.cat([cols.reshape(-1), valid.reshape(-1).long(), last.reshape(-1), bi, wi, s[bi] + wi]).to(device)
-    BW, F = B * W, len(bi)
-    part = packed.split([BW, BW, BW, F, F, F])
+    last = np.minimum(j[None, :], (n - 1)[:, None])
+    bi = np.repeat(np.arange(B), n)               # the real columns, row by row
+    wi = np.arange(len(bi)) - np.repeat(np.cumsum(n) - n, n)
+    packed = torch.from_numpy(np.concatenate([cols.ravel(), valid.ravel(), last.ravel(), bi, wi, s[bi] + wi]))
+    part = packed.to(device).split([B * W] * 3 + [len(bi)] * 3)
     return Window(part[0].view(B, W), part[1].view(B, W).bool(), part[2].view(B, W), (part[3], part[4], part[5]))
 
 
