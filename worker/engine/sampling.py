@@ -304,7 +304,8 @@ def denoise(logits: torch.Tensor, tokens: torch.Tensor, widths: list[int], rows,
     """One step's decision for a batch of rows: (x0 [B, K], transfer [B, K] bool). ``tokens``: the candidates'
     current ids; ``layouts[b]``: row b's topk vector (rows with a topk rule); ``valid`` [B, K]: which candidates are
     real (row b's first ``widths[b]``; built when not given). Each row decides by its ``row.rule``; rows whose rules
-    allow it decide together, and nothing here waits for the device."""
+    allow it decide together. Nothing here waits for the device but the mask counts of threshold rows (topk's
+    ``k``, one read for the batch) and the rules that decide row by row (the factor rule)."""
     B, K = tokens.shape
     dev = tokens.device
     if valid is None:
