@@ -196,11 +196,17 @@ def run(engine, rows: list[Row], fin: Finisher):
                     s.hist = torch.full((s.S, L), -1, dtype=torch.long, device=dev)
         for S, members in by_s.items():
             idx = torch.tensor(members, device=dev)
-            hist = torch.stack([sts[b].hist for b in members])
-            stable_t[idx] = (hist == argmax[idx][:, None]).flatten(1).all(-1)
-            for b in members:
-                s = sts[b]
-                s.hist[(s.N - s.left) % S] = argmax[b]
+            hist = torch.stack([sts[b].hist for b in members])          # this step's copy of the rows' rings
+            now = argmax[idx]
+            stable_t[idx] = (hist == now[:, None]).flatten(1).all(-1)
+            if len(members) == 1:
+                s = sts[members[0]]
+                hist[0, (s.N - s.left) % S] = now[0]
+            else:                   # each row's oldest slot, in one write
+                ring = torch.tensor([(sts[b].N - sts[b].left) % S for b in members], device=dev)
+                hist[torch.arange(len(members), device=dev), ring] = now
+            for i, b in enumerate(members):
+                sts[b].hist = hist[i]
         mean_ent = ent.mean(dim=-1)
         confident = mean_ent < limits[:, 1]
         # with the stopping test, in the same transfer: multinomial's check of the probabilities (finite entropies
