@@ -4,6 +4,8 @@ cache slot per row laid out the same way, rows leaving (cancelled, finished) and
 the window forward with the block-causal mask."""
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..params import GenerationParams, ParamError
@@ -14,6 +16,21 @@ def extent(r: Row) -> int:
     """Positions of the row's whole blocks (prompt + generation rounded up to its block length)."""
     bl = r.params.block_length
     return -(-(r.plan.prompt_length + r.plan.gen_length) // bl) * bl
+
+
+@functools.lru_cache(maxsize=8)
+def _block_mask(spans: tuple[tuple[int, int], ...], blocks: tuple[int, ...], extents: tuple[int, ...], keys: int,
+                device: torch.device) -> torch.Tensor:
+    """The block-causal attention mask of a window forward [B, 1, widest window, keys]: a query sees the keys of its
+    own block and the blocks before it, within its row's extent. Kept for its arguments (read-only): inside a block a
+    batch's windows, and so its mask, are the same step after step."""
+    cols = window(spans, device).cols
+    bl = torch.tensor(blocks, device=device)[:, None]
+    tot = torch.tensor(extents, device=device)[:, None]
+    kcol = torch.arange(keys, device=device)
+    mask = ((kcol[None, None, :] // bl[:, :, None]) <= (cols // bl)[:, :, None]) & (kcol[None, None, :] <
+                                                                                  tot[:, :, None])
+    return mask[:, None]
 
 
 def check_common(p: GenerationParams, name: str, takes: str) -> None:
@@ -152,16 +169,11 @@ class BlockBatch:
         """One forward of every active row's window ``[start, end)`` (its positions' keys/values written into its
         cache slot), block-causal: a query sees the keys of its own block and the blocks before it, none past the
         farthest window's end. Returns hidden states [B, widest window, D]."""
-        dev = self.dev
-        win = window(spans, dev)
-        cols = win.cols
-        bl = torch.tensor([r.params.block_length for r in self.active], device=dev)[:, None]
-        tot = torch.tensor([extent(r) for r in self.active], device=dev)[:, None]
+        win = window(spans, self.dev)
         keys = max(e for _, e in spans)
-        kcol = torch.arange(keys, device=dev)
-        mask = ((kcol[None, None, :] // bl[:, :, None]) <= (cols // bl)[:, :, None]) & (kcol[None, None, :] <
-                                                                                      tot[:, :, None])
-        return self.engine.model(self.x.gather(1, cols), cols, mask[:, None], cache=self.cache,
+        mask = _block_mask(tuple((int(s), int(e)) for s, e in spans), tuple(r.params.block_length for r in self.active),
+                           tuple(extent(r) for r in self.active), keys, torch.device(self.dev))
+        return self.engine.model(self.x.gather(1, win.cols), win.cols, mask, cache=self.cache,
                                  window=(*win.flat, keys))
 
     def report(self, fin: Finisher, b: int, xc: list[list[int]], final: int, schedule_done: bool) -> None:
