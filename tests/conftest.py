@@ -32,6 +32,22 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def pytest_collection_finish(session):
+    """The fast tier's `bf16` subprocess (tests/test_bf16_kernels.py) starts as soon as the run's tests are known, on
+    one thread of its own beside the tests before it, instead of 15 s of waiting in its turn; the test takes it from
+    ``config.dllm_bf16_early``."""
+    if any(item.nodeid == f"{BF16_DRIVER}::test_bf16_tests_pass_under_avx2" for item in session.items):
+        from tests.test_bf16_kernels import FAST, _start
+        session.config.dllm_bf16_early = _start(*FAST)
+
+
+def pytest_sessionfinish(session):
+    proc = getattr(session.config, "dllm_bf16_early", None)
+    if proc is not None and proc.poll() is None:     # a run that ended before the test (-x, Ctrl-C)
+        proc.kill()
+        proc.wait()
+
+
 def pytest_report_header(config):
     if os.environ.get(BF16_ENV):
         import torch

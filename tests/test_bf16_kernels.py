@@ -4,8 +4,8 @@ bfloat16 results on CPU depend on the arithmetic: ATen picks its vectorised kern
 AVX2, AVX512; read once, when torch is imported) and oneDNN runs bfloat16 matmuls with the CPU's own instructions. The
 `bf16` tests therefore run with oneDNN off (tests/conftest.py) and compare with the reference's result for the kernel
 set torch reports (the goldens hold one per set, tests/fixtures/README.md). Each set needs its own process: this test
-runs `pytest -m bf16` in a subprocess per set (in the fast tier only AVX2's fast ones; all in the suite, the
-sets' processes at once),
+runs `pytest -m bf16` in a subprocess per set (in the fast tier only AVX2's fast ones, started as soon as the tests
+are collected; all in the suite, the sets' processes at once),
 with one thread as the goldens were made, checks that it passed and that the kernel set it ran is the one asked for
 whenever this CPU has it. Elsewhere the `bf16` tests are skipped. By hand:
 `DLLM_SERVE_BF16_KERNELS=1 ATEN_CPU_CAPABILITY=avx2 .venv/bin/python -m pytest -m bf16 tests/test_llada2.py`."""
@@ -68,8 +68,10 @@ def _check(capability: str, proc: subprocess.Popen) -> None:
         assert ran.group(1) == want, f"asked for {want} on a {best} CPU, torch ran {ran.group(1)}"
 
 
-def test_bf16_tests_pass_under_avx2():
-    _check(FAST[0], _start(*FAST))
+def test_bf16_tests_pass_under_avx2(pytestconfig):
+    proc = getattr(pytestconfig, "dllm_bf16_early", None)      # started when collection ended (tests/conftest.py)
+    pytestconfig.dllm_bf16_early = None
+    _check(FAST[0], proc or _start(*FAST))
 
 
 @pytest.mark.slow
