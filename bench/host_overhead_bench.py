@@ -6,8 +6,11 @@ stands between one forward and the next. Also counted, per step: the calls that 
 (``Tensor.item``, ``tolist``, ``cpu``, ``numpy``, ``__bool__``/``__int__``/``__float__``, ``nonzero``, and
 indexing by a bool tensor, which counts the mask's True values on the device before it can index). Each
 algorithm runs on its family's tiny fixture (tests/fixtures), float32 on CPU, the whole canvas (early exit off).
+With ``--ops``, also the tensor operations made outside the model per step (ATen operations as a
+``TorchDispatchMode`` sees them, views and allocations aside): on a GPU each is a kernel launch or a copy, the host
+work a step costs whatever the device.
 
-  python bench/host_overhead_bench.py --batch 32
+  python bench/host_overhead_bench.py --batch 32 [--ops]
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import traceback
 from pathlib import Path
 
 import torch
+import torch.utils._python_dispatch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -82,6 +86,26 @@ def counting_syncs(counter: list, sites: collections.Counter | None = None):
             setattr(torch.Tensor, name, fn)
 
 
+# ATen operations that launch nothing: views, metadata, allocations without a fill
+NOT_LAUNCHES = {"as_strided", "reshape", "view", "transpose", "t", "select", "slice", "expand", "unsqueeze",
+                "_unsafe_view", "detach", "alias", "split", "split_with_sizes", "chunk", "unbind", "squeeze", "permute",
+                "_reshape_alias", "lift_fresh", "view_as_real", "empty", "empty_strided", "unfold", "narrow",
+                "_local_scalar_dense", "resolve_conj", "resolve_neg"}
+
+
+class OpCount(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the ATen operations made while no model call runs (``clock.depth == 0``)."""
+
+    def __init__(self, clock: "ModelClock"):
+        super().__init__()
+        self.clock, self.n = clock, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.clock.depth == 0 and func.__name__.split(".")[0] not in NOT_LAUNCHES:
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
 def sync() -> None:
     """On CUDA, the model's time is its kernels' (each timed call waits for them): the rest is the host's."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -93,6 +117,7 @@ class ModelClock:
 
     def __init__(self, model):
         self.model, self.seconds, self.calls = model, 0.0, 0
+        self.depth = 0          # > 0 while a model call runs
         cls = type(model)
         for name in ("logits", "encode", "denoise"):          # forward runs inside __call__, timed below
             fn = getattr(cls, name, None)
@@ -105,9 +130,11 @@ class ModelClock:
         class Timed(cls):
             def __call__(self, *a, **k):
                 t = time.perf_counter()
+                clock.depth += 1
                 try:
                     return clock._call(self, *a, **k)
                 finally:
+                    clock.depth -= 1
                     sync()
                     clock.seconds += time.perf_counter() - t
                     clock.calls += 1
@@ -116,9 +143,11 @@ class ModelClock:
     def _timed(self, fn):
         def timed(*a, **k):
             t = time.perf_counter()
+            self.depth += 1
             try:
                 return fn(*a, **k)
             finally:
+                self.depth -= 1
                 sync()
                 self.seconds += time.perf_counter() - t
         return timed
@@ -136,8 +165,9 @@ def params(alg: str, engine: Engine, gen: int) -> GenerationParams:
 
 
 def measure(engine: Engine, alg: str, batch: int, gen: int, reps: int,
-            sites: collections.Counter | None = None) -> tuple[float, float, int]:
-    """(host microseconds per step, device-waiting calls per step, steps) over ``reps`` runs."""
+            sites: collections.Counter | None = None, ops: bool = False) -> tuple[float, float, int, float | None]:
+    """(host microseconds per step, device-waiting calls per step, steps, with ``ops`` tensor operations outside
+    the model per step from one more, untimed run) over ``reps`` runs."""
     rng = random.Random(0)
     vocab = min(engine.model.cfg.vocab_size if hasattr(engine.model.cfg, "vocab_size") else 250, 250)
     reqs = [Request([rng.randrange(5, vocab) for _ in range(16)], params(alg, engine, gen)) for _ in range(batch)]
@@ -155,8 +185,13 @@ def measure(engine: Engine, alg: str, batch: int, gen: int, reps: int,
         host.append((wall - clock.seconds) / n * 1e6)
         steps = n
         syncs_per_step = (syncs[0] - before) / n
+    ops_per_step = None
+    if ops:
+        with OpCount(clock) as counted:
+            res = engine.generate(reqs, early_exit=False)
+        ops_per_step = counted.n / max(r.nfe for r in res)
     engine.model.__class__ = engine.model.__class__.__mro__[1]
-    return min(host), syncs_per_step, steps
+    return min(host), syncs_per_step, steps, ops_per_step
 
 
 def main() -> None:
@@ -168,6 +203,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="cpu or cuda (bfloat16 there, float32 on the CPU)")
     ap.add_argument("--where", action="store_true", help="also print where the device-waiting calls are, per step "
                     "at --batch (slower: a stack per call)")
+    ap.add_argument("--ops", action="store_true", help="also count the tensor operations outside the model per step "
+                    "(one more, untimed run per batch size)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     only = set(args.only.split(",")) if args.only else None
@@ -175,7 +212,8 @@ def main() -> None:
     print(f"host time per step = wall - time inside the model, minimum of {args.reps} runs; prompts of 16 tokens, "
           f"{args.gen} generated, {'float32 CPU, 1 thread' if args.device == 'cpu' else args.device + ', bfloat16'}")
     print(f"{'algorithm':<18} {'family':<16} {'us/step b=1':>12} {'us/step b=' + str(args.batch):>13} "
-          f"{'us/row':>8} {'syncs/step b=1':>15} {'b=' + str(args.batch):>7}")
+          f"{'us/row':>8} {'syncs/step b=1':>15} {'b=' + str(args.batch):>7}"
+          + (f" {'ops/step b=1':>13} {'b=' + str(args.batch):>7}" if args.ops else ""))
     for name in sorted(algorithms.REGISTRY):
         if only and name not in only:
             continue
@@ -184,13 +222,13 @@ def main() -> None:
             engines[family] = Engine.from_pretrained(ROOT / "tests" / "fixtures" / FIXTURES[family],
                                                      device=args.device, dtype="auto")
         e = engines[family]
-        one, s1, _ = measure(e, name, 1, args.gen, args.reps)
-        many, sn, _ = measure(e, name, args.batch, args.gen, args.reps)
+        one, s1, _, o1 = measure(e, name, 1, args.gen, args.reps, ops=args.ops)
+        many, sn, _, on = measure(e, name, args.batch, args.gen, args.reps, ops=args.ops)
         print(f"{name:<18} {family:<16} {one:>12.0f} {many:>13.0f} {(many - one) / (args.batch - 1):>8.1f} "
-              f"{s1:>15.1f} {sn:>7.1f}", flush=True)
+              f"{s1:>15.1f} {sn:>7.1f}" + (f" {o1:>13.1f} {on:>7.1f}" if args.ops else ""), flush=True)
         if args.where:
             sites: collections.Counter = collections.Counter()
-            _, _, steps = measure(e, name, args.batch, args.gen, 1, sites)
+            _, _, steps, _ = measure(e, name, args.batch, args.gen, 1, sites)
             for site, n in sites.most_common(8):
                 print(f"    {n / steps:6.1f}/step  {site}")
 
