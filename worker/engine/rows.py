@@ -326,6 +326,19 @@ def _window(spans: tuple[tuple[int, int], ...], device: torch.device) -> Window:
     return Window(part[0].view(B, W), part[1].view(B, W).bool(), part[2].view(B, W), (part[3], part[4], part[5]))
 
 
+def write_chosen(x: torch.Tensor, cols: torch.Tensor, last: torch.Tensor, chosen: torch.Tensor, x0: torch.Tensor,
+                 tokens: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+    """Write a step's choices into ``x`` without reading the device to find them: every candidate column ``cols``
+    [B, K] (of ``x``'s rows ``rows``, default all) gets ``x0`` where ``chosen``, else its current ``tokens``. A
+    padded column repeats its row's last real column (:class:`Window`), so through ``last`` it writes that column's
+    own new value: the duplicate writes agree."""
+    new = torch.where(chosen, x0, tokens).gather(1, last)
+    if rows is None:
+        x.scatter_(1, cols, new)
+    else:
+        x.index_put_((rows[:, None].expand_as(cols), cols), new)
+
+
 def between_steps(canvas: Canvas, fin: Finisher, cache=None) -> list[Row] | None:
     """The top of a step: drop the rows whose client has gone and add the rows joining the batch (continuous
     batching), a KV cache laid out like the canvas following (``KVCache.keep`` / ``grow``). Returns the joining rows

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from ..rows import Canvas, Finisher, Row, Window, between_steps, record_logprobs, wants_logprobs, window
+from ..rows import (Canvas, Finisher, Row, Window, between_steps, record_logprobs, wants_logprobs, window,
+                    write_chosen)
 from ..sampling import Layout, Softmax, denoise, fast_dllm_rule
 from . import Algorithm, register
 
@@ -66,10 +67,7 @@ def commit(canvas: Canvas, logits: torch.Tensor, win: Window, widths: list[int],
         starts = torch.tensor([canvas.gen_start(b) for b in range(len(canvas.rows))], device=gidx.device)
         record_logprobs(canvas.rows, bi, gidx[bi, ki] - starts[bi], x0[bi, ki], logits[bi, ki])
         return
-    # every candidate written back, the chosen ones changed; a padded column repeats its row's last real column, so
-    # it writes that column's own new value (no device read to find the chosen ones)
-    new = torch.where(chosen, x0, tokens)
-    canvas.x.scatter_(1, gidx, new.gather(1, win.last))
+    write_chosen(canvas.x, gidx, win.last, chosen, x0, tokens)
 
 
 def step_done(canvas: Canvas, fin: Finisher, mask_id: int) -> tuple[dict, tuple[list[int], int] | None]:

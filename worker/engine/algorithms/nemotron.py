@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ..rows import Finisher, Row, record_logprobs, wants_logprobs, window
+from ..rows import Finisher, Row, record_logprobs, wants_logprobs, window, write_chosen
 from ..sampling import Layout, Softmax, denoise, fast_dllm_rule
 from . import Algorithm, ParamInfo, register
 
@@ -129,10 +129,7 @@ class _Batch:
             self.x[rows_at[rb], cols[rb, kb]] = x0[rb, kb]
             record_logprobs(drows, rb, cols[rb, kb] - P, x0[rb, kb], lg[rb, kb])
             return
-        # every candidate written back, the chosen ones changed (a padded column writes its row's last real column's
-        # new value): no device read to find the chosen ones
-        new = torch.where(chosen, x0, tokens).gather(1, win.last if every else win.last[dt])
-        self.x.index_put_((rows_at[:, None].expand_as(cols), cols), new)
+        write_chosen(self.x, cols, win.last if every else win.last[dt], chosen, x0, tokens, rows_at)
 
     def account(self, active: list[Row], fin: Finisher, starts, ends, logits) -> None:
         """Every forward counts in nfe. A stored block moves the row to its next one (or ends it); a block with no
