@@ -300,12 +300,6 @@ def window(spans: list[tuple[int, int]], device) -> Window:
     return _window(tuple((int(s), int(e)) for s, e in spans), torch.device(device))
 
 
-def window_index(spans: list[tuple[int, int]], device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(cols, valid)`` of :func:`window`."""
-    w = window(spans, device)
-    return w.cols, w.valid
-
-
 @functools.lru_cache(maxsize=32)
 def _window(spans: tuple[tuple[int, int], ...], device: torch.device) -> Window:
     # built with numpy (a microsecond an operation on the host, where torch's small CPU operations take several:

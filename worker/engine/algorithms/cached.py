@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from ..rows import Canvas, Finisher, Row, between_steps, window, window_index
+from ..rows import Canvas, Finisher, Row, between_steps, window
 from . import Algorithm, register
 from ..sampling import Layout, Softmax, fast_dllm_rule
 from .basic import candidate_region, commit, start_block, step_done, whole_sequence
@@ -22,7 +22,7 @@ from .basic import candidate_region, commit, start_block, step_done, whole_seque
 
 def _gather_logits(model, hidden: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
     """Logits at each row's hidden-state columns [start, end) ([B, K, V], rows padded with their last column)."""
-    cols, _ = window_index(spans, hidden.device)
+    cols = window(spans, hidden.device).cols
     return model.logits(hidden.gather(1, cols[..., None].expand(-1, -1, hidden.shape[-1])))
 
 
