@@ -4,7 +4,9 @@ What a step costs besides the model: the wall time of ``Engine.generate`` minus 
 forward and logits calls (timed around them), per step, at batch 1 and at batch ``--batch``; on a GPU this is what
 stands between one forward and the next. Also counted, per step: the calls that wait for the device on CUDA
 (``Tensor.item``, ``tolist``, ``cpu``, ``numpy``, ``__bool__``/``__int__``/``__float__``, ``nonzero``, and
-indexing by a bool tensor, which counts the mask's True values on the device before it can index). Each
+indexing by a bool tensor, which counts the mask's True values on the device before it can index, and a copy from
+pageable host memory to the device, ``torch.tensor(..., device=)`` or on CUDA a blocking ``Tensor.to``, which
+synchronises the stream; ``worker.models.layers.upload`` is the copy that does not wait). Each
 algorithm runs on its family's tiny fixture (tests/fixtures), float32 on CPU, the whole canvas (early exit off).
 With ``--ops``, also the tensor operations made outside the model per step (ATen operations as a
 ``TorchDispatchMode`` sees them, views and allocations aside): on a GPU each is a kernel launch or a copy, the host
@@ -31,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from worker.engine import Engine, GenerationParams, Request  # noqa: E402
 from worker.engine import algorithms  # noqa: E402
+from worker.models import layers  # noqa: E402
 
 FIXTURES = {"llada": "tiny-llada", "nemotron": "tiny-nemotron", "dream": "tiny-dream", "sdar": "tiny-sdar",
             "llada2": "tiny-llada2", "diffusion_gemma": "tiny-diffusion-gemma"}
@@ -75,15 +78,32 @@ def counting_syncs(counter: list, sites: collections.Counter | None = None):
             return fn(self, index, *a)
         return counted
     indexing = {name: getattr(torch.Tensor, name) for name in ("__getitem__", "__setitem__")}
+    # a copy from pageable host memory to a CUDA device synchronises the stream: torch.tensor(..., device=...) from
+    # the engine's code (on this CPU run too: there it would be such a copy; worker.models.layers.upload is the
+    # copy that does not wait) and, on CUDA, Tensor.to from a host tensor that is not pinned or not non_blocking
+    real_tensor, real_to = torch.tensor, torch.Tensor.to
+
+    def tensor_counted(*a, **k):
+        if k.get("device") is not None:
+            counted_at("torch.tensor(device=) (pageable host-to-device copy)")
+        return real_tensor(*a, **k)
+
+    def to_counted(self, *a, **k):
+        out = real_to(self, *a, **k)
+        if self.device.type == "cpu" and out.device.type == "cuda" and not (k.get("non_blocking") and self.is_pinned()):
+            counted_at("to (pageable host-to-device copy)")
+        return out
     try:
         for name, fn in real.items():
             setattr(torch.Tensor, name, wrap(name, fn))
         for name, fn in indexing.items():
             setattr(torch.Tensor, name, wrap_index(name, fn))
+        torch.tensor, torch.Tensor.to = tensor_counted, to_counted
         yield
     finally:
         for name, fn in {**real, **indexing}.items():
             setattr(torch.Tensor, name, fn)
+        torch.tensor, torch.Tensor.to = real_tensor, real_to
 
 
 # ATen operations that launch nothing: views, metadata, allocations without a fill
@@ -165,9 +185,11 @@ def params(alg: str, engine: Engine, gen: int) -> GenerationParams:
 
 
 def measure(engine: Engine, alg: str, batch: int, gen: int, reps: int,
-            sites: collections.Counter | None = None, ops: bool = False) -> tuple[float, float, int, float | None]:
+            sites: collections.Counter | None = None, ops: bool = False,
+            tokens: list | None = None) -> tuple[float, float, int, float | None]:
     """(host microseconds per step, device-waiting calls per step, steps, with ``ops`` tensor operations outside
-    the model per step from one more, untimed run) over ``reps`` runs."""
+    the model per step from one more, untimed run) over ``reps`` runs; ``tokens``: a list that receives the last
+    run's tokens and forwards, row by row."""
     rng = random.Random(0)
     vocab = min(engine.model.cfg.vocab_size if hasattr(engine.model.cfg, "vocab_size") else 250, 250)
     reqs = [Request([rng.randrange(5, vocab) for _ in range(16)], params(alg, engine, gen)) for _ in range(batch)]
@@ -185,6 +207,8 @@ def measure(engine: Engine, alg: str, batch: int, gen: int, reps: int,
         host.append((wall - clock.seconds) / n * 1e6)
         steps = n
         syncs_per_step = (syncs[0] - before) / n
+    if tokens is not None:
+        tokens[:] = [(r.token_ids, r.nfe) for r in res]
     ops_per_step = None
     if ops:
         with OpCount(clock) as counted:
@@ -205,15 +229,20 @@ def main() -> None:
                     "at --batch (slower: a stack per call)")
     ap.add_argument("--ops", action="store_true", help="also count the tensor operations outside the model per step "
                     "(one more, untimed run per batch size)")
+    ap.add_argument("--compare-uploads", action="store_true",
+                    help="on CUDA, also at --batch with the plain, waiting host-to-device copies instead of "
+                    "worker.models.layers.upload's non-blocking ones: the host time, and whether the tokens are the same")
     args = ap.parse_args()
     torch.set_num_threads(1)
+    compare = args.compare_uploads          # (on the CPU both copies are the plain one)
     only = set(args.only.split(",")) if args.only else None
     engines: dict[str, Engine] = {}
     print(f"host time per step = wall - time inside the model, minimum of {args.reps} runs; prompts of 16 tokens, "
           f"{args.gen} generated, {'float32 CPU, 1 thread' if args.device == 'cpu' else args.device + ', bfloat16'}")
     print(f"{'algorithm':<18} {'family':<16} {'us/step b=1':>12} {'us/step b=' + str(args.batch):>13} "
           f"{'us/row':>8} {'syncs/step b=1':>15} {'b=' + str(args.batch):>7}"
-          + (f" {'ops/step b=1':>13} {'b=' + str(args.batch):>7}" if args.ops else ""))
+          + (f" {'ops/step b=1':>13} {'b=' + str(args.batch):>7}" if args.ops else "")
+          + (f" {'waiting copies b=' + str(args.batch):>19} {'syncs':>6} {'tokens':>10}" if compare else ""))
     for name in sorted(algorithms.REGISTRY):
         if only and name not in only:
             continue
@@ -223,9 +252,19 @@ def main() -> None:
                                                      device=args.device, dtype="auto")
         e = engines[family]
         one, s1, _, o1 = measure(e, name, 1, args.gen, args.reps, ops=args.ops)
-        many, sn, _, on = measure(e, name, args.batch, args.gen, args.reps, ops=args.ops)
+        toks: list = []
+        many, sn, _, on = measure(e, name, args.batch, args.gen, args.reps, ops=args.ops, tokens=toks)
+        extra = ""
+        if compare:
+            layers.NON_BLOCKING_UPLOADS = False
+            try:
+                plain: list = []
+                waiting, sw, _, _ = measure(e, name, args.batch, args.gen, args.reps, tokens=plain)
+            finally:
+                layers.NON_BLOCKING_UPLOADS = True
+            extra = f" {waiting:>19.0f} {sw:>6.1f} {'identical' if plain == toks else 'DIFFER':>10}"
         print(f"{name:<18} {family:<16} {one:>12.0f} {many:>13.0f} {(many - one) / (args.batch - 1):>8.1f} "
-              f"{s1:>15.1f} {sn:>7.1f}" + (f" {o1:>13.1f} {on:>7.1f}" if args.ops else ""), flush=True)
+              f"{s1:>15.1f} {sn:>7.1f}" + (f" {o1:>13.1f} {on:>7.1f}" if args.ops else "") + extra, flush=True)
         if args.where:
             sites: collections.Counter = collections.Counter()
             _, _, steps, _ = measure(e, name, args.batch, args.gen, 1, sites)

@@ -114,10 +114,21 @@ def test_rows_ranked_together_choose_what_each_row_alone_chooses():
 
 
 def test_block_rows_choose_together_as_each_alone():
-    """SDAR's and LLaDA2's rows choose their positions in one pass (block_causal.choose_rows, no read of the device
-    per row): the same positions as each row's reference rule alone, with ties (probabilities on a coarse grid),
-    counts above the masks left and every strategy."""
-    from worker.engine.algorithms.block_causal import choose_rows
+    """SDAR's and LLaDA2's rows choose their positions in one pass (block_causal.choose, no read of the device per
+    row): the same positions as each row's reference rule alone, with ties (probabilities on a coarse grid), counts
+    above the masks left, every strategy, and rows of different counts and strategies in one call."""
+    from worker.engine.algorithms.block_causal import choose
+
+    def choose_rows(masked, prob, n, threshold, strategy, only_masked):     # the rows of each block length together
+        out = [None] * len(masked)
+        for width in {m.shape[0] for m in masked}:
+            members = [i for i, m in enumerate(masked) if m.shape[0] == width]
+            top = choose(torch.stack([masked[i] for i in members]), torch.stack([prob[i] for i in members]),
+                         [n[i] for i in members], [threshold[i] for i in members], [strategy[i] for i in members],
+                         only_masked)
+            for j, i in enumerate(members):
+                out[i] = top[j]
+        return out
 
     def alone(strategy, masked, prob, n, threshold, only_masked):
         out = torch.zeros_like(masked)

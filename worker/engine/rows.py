@@ -12,6 +12,7 @@ from typing import Callable, NamedTuple
 import numpy as np
 import torch
 
+from ..models.layers import upload
 from .params import GenerationParams, Plan
 
 
@@ -80,7 +81,7 @@ def record_logprobs(rows, b: torch.Tensor, positions: torch.Tensor, tokens: torc
     for i in want:
         sel = [j for j, x in enumerate(bl) if x == i]
         if sel:
-            s = torch.tensor(sel, device=logits.device)
+            s = upload(sel, logits.device)
             rows[i].logprobs.record(positions[s], tokens[s], logits[s])
 
 
@@ -223,7 +224,7 @@ class Canvas:
 
     def _index(self) -> None:
         B, L = self.x.shape
-        off = torch.tensor(self.offsets, device=self.device)
+        off = upload(self.offsets, self.device)
         col = torch.arange(L, device=self.device)
         self.pos = (col[None, :] - off[:, None]).clamp(min=0)
         # No mask at all when no row is padded: the same kernel path as the reference at batch size 1.
@@ -303,7 +304,8 @@ def window(spans: list[tuple[int, int]], device) -> Window:
 @functools.lru_cache(maxsize=32)
 def _window(spans: tuple[tuple[int, int], ...], device: torch.device) -> Window:
     # built with numpy (a microsecond an operation on the host, where torch's small CPU operations take several:
-    # a batch's windows change whenever one of its rows moves to its next block), copied to the device at once
+    # a batch's windows change whenever one of its rows moves to its next block), copied to the device at once,
+    # without waiting for it (upload)
     B = len(spans)
     se = np.array(spans, dtype=np.int64)
     s, e = se[:, 0], se[:, 1]
@@ -316,7 +318,7 @@ def _window(spans: tuple[tuple[int, int], ...], device: torch.device) -> Window:
     bi = np.repeat(np.arange(B), n)               # the real columns, row by row
     wi = np.arange(len(bi)) - np.repeat(np.cumsum(n) - n, n)
     packed = torch.from_numpy(np.concatenate([cols.ravel(), valid.ravel(), last.ravel(), bi, wi, s[bi] + wi]))
-    part = packed.to(device).split([B * W] * 3 + [len(bi)] * 3)
+    part = upload(packed, device).split([B * W] * 3 + [len(bi)] * 3)
     return Window(part[0].view(B, W), part[1].view(B, W).bool(), part[2].view(B, W), (part[3], part[4], part[5]))
 
 

@@ -25,6 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..models.layers import upload
+
 NEG_INF = float("-inf")
 SOFTMAX_CHUNK_BYTES = 256 << 20     # a float64 softmax over a 126k vocabulary takes 1 MB per position
 
@@ -141,7 +143,7 @@ class Confidences:
             idx = [self.at[b][1] for b in bs]
             if idx == list(range(m.shape[0])):
                 return m
-            return m[torch.tensor(idx, device=m.device)]
+            return m[upload(idx, m.device)]
         return torch.stack([self.row(b) for b in bs])
 
 
@@ -158,7 +160,7 @@ def confidences(logits: torch.Tensor, x0: torch.Tensor, masked: torch.Tensor, ro
         if len(members) == n:
             m = _confidence_matrix(kind, logits, x0, masked)
         else:
-            idx = torch.tensor(members, device=logits.device)
+            idx = upload(members, logits.device)
             m = _confidence_matrix(kind, logits[idx], x0[idx], masked[idx])
         out.put([which[i] for i in members], m)
     for i, row in enumerate(rows):
@@ -309,7 +311,7 @@ def denoise(logits: torch.Tensor, tokens: torch.Tensor, widths: list[int], rows,
     B, K = tokens.shape
     dev = tokens.device
     if valid is None:
-        valid = torch.arange(K, device=dev)[None, :] < torch.tensor(widths, device=dev)[:, None]
+        valid = torch.arange(K, device=dev)[None, :] < upload(widths, dev)[:, None]
     masked = (tokens == mask_id) & valid
     plain = [b for b, r in enumerate(rows) if not r.rule.transforms_logits]
     # rows whose rule transforms the logits propose from their own logits below (and draw there only)
@@ -320,7 +322,7 @@ def denoise(logits: torch.Tensor, tokens: torch.Tensor, widths: list[int], rows,
         if len(plain) == B:
             confidences(logits, x0, masked, rows, widths, [r.rule.softmax for r in rows], conf, plain)
         else:
-            idx = torch.tensor(plain, device=dev)
+            idx = upload(plain, dev)
             confidences(logits[idx], x0[idx], masked[idx], [rows[b] for b in plain], [widths[b] for b in plain],
                         [rows[b].rule.softmax for b in plain], conf, plain)
     fused = [b for b, r in enumerate(rows) if r.rule.transforms_logits]
@@ -338,7 +340,7 @@ def denoise(logits: torch.Tensor, tokens: torch.Tensor, widths: list[int], rows,
                 t = rows[b].rule.transform(logits[b, :widths[b]], masked[b, :widths[b]])
                 parts[members[0]] = F.pad(t, (0, 0, 0, K - t.shape[0]))[None]
                 continue
-            idx = torch.tensor(bs, device=dev)
+            idx = upload(bs, dev)
             out = kind.transform_rows([rows[b].rule for b in bs], logits[idx], masked[idx], [widths[b] for b in bs])
             for j, i in enumerate(members):
                 parts[i] = out[j:j + 1]
@@ -349,7 +351,7 @@ def denoise(logits: torch.Tensor, tokens: torch.Tensor, widths: list[int], rows,
             x0 = fx
             confidences(lg, fx, masked, fr, fw, [r.rule.softmax for r in fr], conf, fused)
         else:
-            fidx = torch.tensor(fused, device=dev)
+            fidx = upload(fused, dev)
             x0[fidx] = fx
             confidences(lg, fx, masked[fidx], fr, fw, [r.rule.softmax for r in fr], conf, fused)
     grouped: dict[tuple, list[tuple[int, int]]] = {}     # (length, k, threshold, dtype) -> [(row, at)]: ranked together
@@ -388,7 +390,7 @@ def denoise(logits: torch.Tensor, tokens: torch.Tensor, widths: list[int], rows,
     else:
         chosen = torch.zeros_like(masked)
         for bs, c in picks:
-            chosen[torch.tensor(bs, device=dev)] = c
+            chosen[upload(bs, dev)] = c
     return x0, chosen & masked
 
 
@@ -401,7 +403,7 @@ def _grouped_index(length: int, ats: tuple[int, ...], widths: tuple[int, ...], K
     at = torch.tensor(ats)
     j = torch.arange(length)[None, :] - at[:, None]          # vector element -> candidate
     outside = (j < 0) | (j >= torch.tensor(widths)[:, None])
-    return j.clamp(0, K - 1).to(device), outside.to(device), at[:, None].to(device)
+    return upload(j.clamp(0, K - 1), device), upload(outside, device), upload(at[:, None], device)
 
 
 def _select_grouped(conf: torch.Tensor, length: int, k: int, threshold: float | None, ats: tuple[int, ...],

@@ -31,7 +31,7 @@ from torch import nn
 from . import parallel
 from .checkpoint import CheckpointError, generation_defaults, load_native
 from .family import Family
-from .layers import SwiGLU, rotate_half
+from .layers import SwiGLU, rotate_half, upload
 
 SOFTCAP_DEFAULT = 30.0
 
@@ -248,7 +248,7 @@ class Experts(nn.Module):
         E = self.gate_up_proj.shape[0]
         ids, perm = torch.sort(idx.reshape(-1))
         if E != self.total:       # the pairs of this rank's experts: a contiguous run of the sorted pairs
-            a, b = torch.searchsorted(ids, torch.tensor([self.first, self.first + E], device=ids.device)).tolist()
+            a, b = torch.searchsorted(ids, upload([self.first, self.first + E], ids.device)).tolist()
             out = x.new_zeros((T * k, x.shape[-1]))
             out[a:b] = self.run(x[perm[a:b] // k], ids[a:b] - self.first)
         else:
@@ -429,7 +429,7 @@ class ContextCache:
         self.length[slot] = n
 
     def keep(self, rows: list[int]) -> None:
-        idx = torch.tensor(rows, dtype=torch.long, device=self.device)
+        idx = upload(rows, self.device, torch.long)
         self.length = [self.length[r] for r in rows]
         for store in (self.k, self.v):
             for i, t in enumerate(store):
@@ -512,12 +512,12 @@ class DiffusionGemmaModel(nn.Module):
         cfg = self.cfg
         start = [cache.length[s] for s in slots]
         ar = torch.arange(T, device=dev)
-        st = torch.tensor(start, device=dev)
-        ln = torch.tensor(lengths, device=dev)
+        st = upload(start, dev)
+        ln = upload(lengths, dev)
         # padding repeats the row's last position
         pos = torch.minimum(st[:, None] + ar[None, :], (st + ln - 1)[:, None])
         rope = self._cos_sin(pos)
-        slot_idx = torch.tensor(slots, device=dev)
+        slot_idx = upload(slots, dev)
         n_full = max(start)
         m = [min(s, cache.window) for s in start]
         n_slide = max(m)
@@ -533,7 +533,7 @@ class DiffusionGemmaModel(nn.Module):
             full_mask = causal[:, None]
         # sliding layers: [last n_slide cached ; new], window on absolute positions
         if n_slide:
-            mt = torch.tensor(m, device=dev)
+            mt = upload(m, dev)
             j = torch.arange(n_slide, device=dev)
             old_pos = st[:, None] - n_slide + j[None, :]                               # [B, n_slide]
             old_ok = j[None, :] >= (n_slide - mt)[:, None]
@@ -587,8 +587,8 @@ class DiffusionGemmaModel(nn.Module):
         dev = canvas.device
         cfg = self.cfg
         start = [cache.length[s] for s in slots]
-        st = torch.tensor(start, device=dev)
-        slot_idx = torch.tensor(slots, device=dev)
+        st = upload(start, dev)
+        slot_idx = upload(slots, dev)
         n_full = max(start)
         m = [min(s, cache.window) for s in start]
         n_slide = max(m)
@@ -597,7 +597,7 @@ class DiffusionGemmaModel(nn.Module):
             ok = torch.arange(n_full, device=dev)[None, :] < st[:, None]
             full_mask = torch.cat([ok, ok.new_ones(B, L)], dim=1)[:, None, None, :]
         if len(set(m)) > 1:
-            mt = torch.tensor(m, device=dev)
+            mt = upload(m, dev)
             ok = torch.arange(n_slide, device=dev)[None, :] >= (n_slide - mt)[:, None]
             slide_mask = torch.cat([ok, ok.new_ones(B, L)], dim=1)[:, None, None, :]
         W = self.stack.embed_tokens.weight
@@ -611,7 +611,7 @@ class DiffusionGemmaModel(nn.Module):
             if len(sc_rows) == B:
                 soft = s
             else:
-                soft[torch.tensor(sc_rows, device=dev)] = s
+                soft[upload(sc_rows, dev)] = s
         h = self.decoder_hidden(canvas, soft, st, slot_idx, full_mask, slide_mask, n_full, n_slide, cache)
         logits = parallel.vocab_logits(self.tp, h, W, cfg.vocab_size).to(torch.float32)
         if cfg.softcap:

@@ -13,6 +13,30 @@ from . import parallel
 log = logging.getLogger(__name__)
 
 
+# False: upload makes the plain, waiting copy (bench/host_overhead_bench.py --compare-uploads measures both and checks
+# that the tokens are the same)
+NON_BLOCKING_UPLOADS = True
+
+
+def upload(data, device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``torch.tensor(data, dtype=dtype, device=device)`` (``data``: numbers, nested lists, or a host tensor) without
+    waiting for a CUDA device: a plain copy from pageable host memory synchronises the stream (it waits for every
+    kernel queued before it), so a step's small index and threshold tensors are built in pinned memory and copied with
+    ``non_blocking``, queued like a kernel (PyTorch's caching host allocator keeps the pinned block until the copy has
+    run). Elsewhere the plain tensor."""
+    device = torch.device(device)
+    if device.type != "cuda" or not NON_BLOCKING_UPLOADS:
+        if isinstance(data, torch.Tensor):
+            return data.to(device=device, dtype=dtype)
+        return torch.tensor(data, dtype=dtype) if device.type == "cpu" else torch.tensor(data, dtype=dtype,
+                                                                                          device=device)
+    if isinstance(data, torch.Tensor):
+        host = data.to(dtype=dtype).pin_memory() if dtype is not None else data.pin_memory()
+    else:
+        host = torch.tensor(data, dtype=dtype, pin_memory=True)
+    return host.to(device, non_blocking=True)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """:class:`RMSNorm` as a function (the same arithmetic)."""
     dtype = x.dtype
@@ -163,7 +187,7 @@ class KVCache:
 
     def keep(self, rows: list[int], trim: int) -> None:
         """Follow the canvas when it drops rows and trims ``trim`` columns of left padding."""
-        idx = torch.tensor(rows, dtype=torch.long, device=self.k.device)
+        idx = upload(rows, self.k.device, torch.long)
         self.k = self.k.index_select(1, idx)[:, :, :, trim:].contiguous()
         self.v = self.v.index_select(1, idx)[:, :, :, trim:].contiguous()
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ...models.layers import upload
 from ..rows import (Canvas, Finisher, Row, Window, between_steps, record_logprobs, wants_logprobs, window,
                     write_chosen)
 from ..sampling import Layout, Softmax, denoise, fast_dllm_rule
@@ -64,7 +65,7 @@ def commit(canvas: Canvas, logits: torch.Tensor, win: Window, widths: list[int],
     if wants_logprobs(canvas.rows):
         bi, ki = chosen.nonzero(as_tuple=True)
         canvas.x[bi, gidx[bi, ki]] = x0[bi, ki]
-        starts = torch.tensor([canvas.gen_start(b) for b in range(len(canvas.rows))], device=gidx.device)
+        starts = upload([canvas.gen_start(b) for b in range(len(canvas.rows))], gidx.device)
         record_logprobs(canvas.rows, bi, gidx[bi, ki] - starts[bi], x0[bi, ki], logits[bi, ki])
         return
     write_chosen(canvas.x, gidx, win.last, chosen, x0, tokens)

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import torch
 
+from ...models.layers import upload
 from ..params import GenerationParams, ParamError
 from ..rows import Finisher, Row, window
 
@@ -25,12 +27,26 @@ def _block_mask(spans: tuple[tuple[int, int], ...], blocks: tuple[int, ...], ext
     own block and the blocks before it, within its row's extent. Kept for its arguments (read-only): inside a block a
     batch's windows, and so its mask, are the same step after step."""
     cols = window(spans, device).cols
-    bl = torch.tensor(blocks, device=device)[:, None]
-    tot = torch.tensor(extents, device=device)[:, None]
+    bl = upload(blocks, device)[:, None]
+    tot = upload(extents, device)[:, None]
     kcol = torch.arange(keys, device=device)
     mask = ((kcol[None, None, :] // bl[:, :, None]) <= (cols // bl)[:, :, None]) & (kcol[None, None, :] <
                                                                                   tot[:, :, None])
     return mask[:, None]
+
+
+def block_positions(at: list[int], widths: list[int], device) -> torch.Tensor:
+    """The window indices [rows, widest block] of each row's block: row b's block starts at window index ``at[b]``
+    and is ``widths[b]`` long; a narrower block's missing columns repeat its last position. Built on the host, kept
+    (a block's windows repeat step after step)."""
+    return _block_positions(tuple(at), tuple(widths), torch.device(device))
+
+
+@functools.lru_cache(maxsize=32)
+def _block_positions(at: tuple[int, ...], widths: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    w = np.array(widths)
+    j = np.minimum(np.arange(w.max())[None, :], (w - 1)[:, None])
+    return upload(torch.from_numpy(np.array(at)[:, None] + j), device)
 
 
 def check_common(p: GenerationParams, name: str, takes: str) -> None:
@@ -45,40 +61,73 @@ def check_common(p: GenerationParams, name: str, takes: str) -> None:
         raise ParamError("algorithm_params", f"{name}: top_p must be in (0, 1], got {p.extra['top_p']!r}")
 
 
-def choose_rows(masked: list[torch.Tensor], prob: list[torch.Tensor], n: list[int], threshold: list[float | None],
-                strategy: list[str], only_masked: bool) -> list[torch.Tensor]:
-    """Which positions of each row's block this step writes (bool [block_length] per row), for every row at once
-    and without reading anything back from the device: ``masked`` / ``prob`` per row, ``n`` its scheduled count.
-    A row's rule, as its reference's: ``sequential``: the n positions from its first masked one; otherwise with a
-    ``threshold`` the masked positions whose probability exceeds it when there are at least n of them, else (and
-    without a threshold) the n most probable masked ones by ``torch.topk`` over the block, masked positions ranked
-    at ``-inf`` (``only_masked``: LLaDA2's ``min(n, masks left)``: the masked positions among them; SDAR writes all
-    n). Rows whose blocks have the same length and whose n is the same are ranked by one 2-D topk, each row exactly as
+def _subset(rows: list[int], total: int, device) -> torch.Tensor | None:
+    """The index tensor of ``rows`` (sorted) of ``total``, None when they are all of them (a slice: no copy)."""
+    return None if len(rows) == total else upload(rows, device)
+
+
+def _per_row(values: list, device, dtype=None):
+    """One value for the rows when they agree (with ``dtype``, a kept tensor of it on the device), else a tensor
+    [rows] of theirs."""
+    if any(v != values[0] for v in values):
+        return upload(values, device, dtype)
+    return values[0] if dtype is None else _scalar(values[0], dtype, torch.device(device))
+
+
+@functools.lru_cache(maxsize=64)
+def _scalar(value, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return upload(value, device, dtype)
+
+
+def choose(masked: torch.Tensor, prob: torch.Tensor, n: list[int], threshold: list[float | None],
+           strategy: list[str], only_masked: bool) -> torch.Tensor:
+    """Which positions of each row's block this step writes (bool [rows, block_length]), for rows whose blocks have
+    the same length, all at once and without reading anything back from the device: ``masked`` / ``prob`` [rows,
+    block_length], ``n`` each row's scheduled count. A row's rule, as its reference's: ``sequential``: the n positions
+    from its first masked one; otherwise with a ``threshold`` the masked positions whose probability exceeds it when
+    there are at least n of them, else (and without a threshold) the n most probable masked ones by ``torch.topk``
+    over the block, masked positions ranked at ``-inf`` (``only_masked``: LLaDA2's ``min(n, masks left)``: the masked
+    positions among them; SDAR writes all n). Rows with the same n are ranked by one 2-D topk, each row exactly as
     alone (ties included; tests/test_sampling.py)."""
-    out: list[torch.Tensor | None] = [None] * len(masked)
-    groups: dict[tuple[int, int], list[int]] = {}
-    for i, m in enumerate(masked):
-        groups.setdefault((m.shape[0], n[i]), []).append(i)
-    for (width, k), members in groups.items():
-        dev = masked[members[0]].device
-        m = torch.stack([masked[i] for i in members])
-        col = torch.arange(width, device=dev)[None, :]
-        conf = torch.where(m, torch.stack([prob[i] for i in members]), float("-inf"))
-        top = torch.zeros_like(m).scatter_(1, torch.topk(conf, k, dim=-1)[1], True) if k else torch.zeros_like(m)
+    G, width = masked.shape
+    dev = masked.device
+    conf = torch.where(masked, prob, float("-inf"))
+    top = None
+    for k in sorted(set(n)):           # usually one count for all the rows
+        rows = _subset([j for j in range(G) if n[j] == k], G, dev)
+        m, c = (masked, conf) if rows is None else (masked[rows], conf[rows])
+        t = torch.zeros_like(m).scatter_(1, torch.topk(c, k, dim=-1)[1], True) if k else torch.zeros_like(m)
         if only_masked:
-            top &= m
-        seq = [j for j, i in enumerate(members) if strategy[i] == "sequential"]
-        if seq:             # the first masked position: argmax gives the first of the maxima
-            first = m[seq].to(torch.uint8).argmax(1, keepdim=True)
-            top[seq] = (col >= first) & (col < first + k)
-        dyn = [j for j, i in enumerate(members) if threshold[i] is not None and strategy[i] != "sequential"]
-        if dyn:
-            thr = torch.tensor([threshold[members[j]] for j in dyn], dtype=conf.dtype, device=dev)[:, None]
-            high = conf[dyn] > thr
-            top[dyn] = torch.where((high.sum(1) >= k)[:, None], high, top[dyn])
-        for j, i in enumerate(members):
-            out[i] = top[j]
-    return out
+            t &= m
+        if rows is None:
+            top = t
+        else:
+            top = torch.zeros_like(masked) if top is None else top
+            top[rows] = t
+    seq = [j for j in range(G) if strategy[j] == "sequential"]
+    if seq:             # the first masked position: argmax gives the first of the maxima
+        rows = _subset(seq, G, dev)
+        first = (masked if rows is None else masked[rows]).to(torch.uint8).argmax(1, keepdim=True)
+        k = _per_row([n[j] for j in seq], dev)
+        k = k[:, None] if isinstance(k, torch.Tensor) else k
+        col = torch.arange(width, device=dev)[None, :]
+        val = (col >= first) & (col < first + k)
+        if rows is None:
+            top = val
+        else:
+            top[rows] = val
+    dyn = [j for j in range(G) if threshold[j] is not None and strategy[j] != "sequential"]
+    if dyn:
+        rows = _subset(dyn, G, dev)
+        thr = _per_row([threshold[j] for j in dyn], dev, conf.dtype)
+        high = (conf if rows is None else conf[rows]) > (thr[:, None] if thr.dim() else thr)
+        k = _per_row([n[j] for j in dyn], dev)
+        val = torch.where((high.sum(1) >= k)[:, None], high, top if rows is None else top[rows])
+        if rows is None:
+            top = val
+        else:
+            top[rows] = val
+    return top
 
 
 class BlockBatch:
@@ -140,7 +189,7 @@ class BlockBatch:
         if not keep:
             self.active = []
         elif len(keep) < len(self.active):
-            self.x = self.x.index_select(0, torch.tensor(keep, dtype=torch.long, device=self.dev))
+            self.x = self.x.index_select(0, upload(keep, self.dev, torch.long))
             self.cache.keep(keep, 0)
             self.active = [self.active[b] for b in keep]
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import torch
 
+from ...models.layers import upload
 from ..rows import Canvas, Finisher, Row, between_steps, window
 from . import Algorithm, register
 from ..sampling import Layout, Softmax, fast_dllm_rule
@@ -40,7 +41,7 @@ def _full_forward(model, canvas: Canvas, cache, gens, full: list[int], block_onl
     """Rows ``full`` (batch indices) at a block start or warm-up: one full forward that refreshes their cache slots;
     ``out[b]`` = (region, layout, logits) to decide from (Fast-dLLM ranks the whole sequence here)."""
     active = canvas.rows
-    slots = None if len(full) == len(active) else torch.tensor(full, device=model.device)
+    slots = None if len(full) == len(active) else upload(full, model.device)
     sel = slice(None) if slots is None else slots
     mask = None if canvas.mask is None else canvas.mask[sel]
     hidden = model(canvas.x[sel], canvas.pos[sel], mask, cache=cache, slots=slots)
@@ -76,7 +77,7 @@ def _window_forward(model, canvas: Canvas, cache, part: list[int], dual: bool, o
         layouts.append(Layout(e - s if dual else r.plan.canvas_length - s, 0))
     win = window(wins, model.device)
     cols = win.cols
-    slots = None if len(part) == len(active) else torch.tensor(part, device=model.device)
+    slots = None if len(part) == len(active) else upload(part, model.device)
     sel = slice(None) if slots is None else slots
     ids = canvas.x[sel].gather(1, cols)
     pos = canvas.pos[sel].gather(1, cols)

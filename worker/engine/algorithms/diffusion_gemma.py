@@ -25,6 +25,7 @@ from dataclasses import replace
 
 import torch
 
+from ...models.layers import upload
 from ..params import GenerationParams, ParamError, Plan
 from ..rows import Finisher, Row
 from ..sampling import multinomial_rows
@@ -54,8 +55,7 @@ class _State:
         self.N, self.t_min, self.t_max = e["max_denoising_steps"], e["t_min"], e["t_max"]
         self.S = e["stability_threshold"]
         # (entropy_bound, confidence_threshold) as float32 on the device: the reference compares float32 with them
-        self.limits = torch.tensor([e["entropy_bound"], e["confidence_threshold"]], dtype=torch.float32,
-                                   device=device)
+        self.limits = upload([e["entropy_bound"], e["confidence_threshold"]], device, torch.float32)
         self.temps = None                  # [N] the canvas's temperatures on the device, step by step
         self.left = 0                      # steps remaining in this canvas (the reference's cur_step)
         self.encode: list[int] = list(row.prompt)          # tokens the encoder must append before the next canvas
@@ -149,7 +149,7 @@ def run(engine, rows: list[Row], fin: Finisher):
             for i, b in enumerate(enc):
                 ids[i, :lengths[i]] = torch.tensor(state[active[b].index].encode)
             capture = [] if pc is not None and any(state[active[b].index].reused >= 0 for b in enc) else None
-            model.encode(ids.to(dev), lengths, cache, enc, capture)
+            model.encode(upload(ids, dev), lengths, cache, enc, capture)
             for i, b in enumerate(enc):
                 s = state[active[b].index]
                 if capture is not None and s.reused >= 0:        # its prompt: store its whole blocks
@@ -159,7 +159,7 @@ def run(engine, rows: list[Row], fin: Finisher):
                 s.canvas = torch.randint(0, V, (1, L), generator=s.gen, device=dev)[0]
                 s.sc, s.hist, s.left = None, None, s.N
                 if s.temps is None:        # copied to the device once per row, not per step
-                    s.temps = s.schedule().to(dev)
+                    s.temps = upload(s.schedule(), dev)
         # 2. one denoiser forward for every row
         sts = [state[r.index] for r in active]
         sc_rows = [b for b, s in enumerate(sts) if s.sc is not None]
@@ -195,7 +195,7 @@ def run(engine, rows: list[Row], fin: Finisher):
                 if s.hist is None:
                     s.hist = torch.full((s.S, L), -1, dtype=torch.long, device=dev)
         for S, members in by_s.items():
-            idx = torch.tensor(members, device=dev)
+            idx = upload(members, dev)
             hist = torch.stack([sts[b].hist for b in members])          # this step's copy of the rows' rings
             now = argmax[idx]
             stable_t[idx] = (hist == now[:, None]).flatten(1).all(-1)
@@ -203,7 +203,7 @@ def run(engine, rows: list[Row], fin: Finisher):
                 s = sts[members[0]]
                 hist[0, (s.N - s.left) % S] = now[0]
             else:                   # each row's oldest slot, in one write
-                ring = torch.tensor([(sts[b].N - sts[b].left) % S for b in members], device=dev)
+                ring = upload([(sts[b].N - sts[b].left) % S for b in members], dev)
                 hist[torch.arange(len(members), device=dev), ring] = now
             for i, b in enumerate(members):
                 sts[b].hist = hist[i]

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from ...models.layers import upload
 from ..sampling import NEG_INF, Rule, Softmax
 from . import Algorithm, ParamInfo, register
 from .cached import run_cached
@@ -98,7 +99,7 @@ def fuse_credit_rows(logits: torch.Tensor, masked: torch.Tensor, rules, widths: 
             credit = torch.stack([zero if j in new else r.credit for j, r in enumerate(rules)])
             credit.mul_(e["decay_beta"])
             if fresh:
-                credit[torch.tensor(fresh, device=logits.device)] = 0
+                credit[upload(fresh, logits.device)] = 0
         credit.scatter_add_(2, top_i[..., None], gain[..., None])
         for j, r in enumerate(rules):
             r.credit = credit[j]            # each row's own matrix: its slice of this step's
@@ -127,7 +128,7 @@ class DInferThreshold(Rule):
 
     @staticmethod
     def select_rows(rules, conf, x0, masked, mask_id):
-        thr = torch.tensor([r.threshold for r in rules], dtype=conf.dtype, device=conf.device)[:, None]
+        thr = upload([r.threshold for r in rules], conf.device, conf.dtype)[:, None]
         return select_dinfer_threshold_rows(conf, x0, masked, thr, mask_id)
 
 

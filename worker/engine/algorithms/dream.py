@@ -26,6 +26,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
+from ...models.layers import upload
 from ..params import GenerationParams, ParamError
 from ..rows import Canvas, Finisher, Row, between_steps, record_row_logprobs
 from ..sampling import check_probabilities, multinomial_rows
@@ -202,7 +203,7 @@ def decide_together(choices: list[Choice], logits: torch.Tensor, rowid: torch.Te
         if len(by_sampling) == 1 and sum(c.hi - c.lo for c in group) == logits.shape[0]:
             sel = None
         else:
-            sel = torch.tensor([i for c in group for i in range(c.lo, c.hi)], device=dev)
+            sel = upload([i for c in group for i in range(c.lo, c.hi)], dev)
         lg = logits if sel is None else logits[sel]
         if group[0].p.temperature > 0:
             conf, x0 = sample_tokens_rows(lg, group[0].p, [c.generator for c in group], [c.hi - c.lo for c in group],
@@ -221,13 +222,13 @@ def decide_together(choices: list[Choice], logits: torch.Tensor, rowid: torch.Te
         if c.n > 0:
             by_shape.setdefault((c.length, c.n, c.threshold is None), []).append(c)
     for (length, n, schedule), group in by_shape.items():
-        idx = torch.tensor([c.slot for c in group], device=dev)
+        idx = upload([c.slot for c in group], dev)
         score, pick = torch.topk(full[idx, :length], n, dim=-1)
         new = tok[idx, :length].gather(1, pick)
-        b = torch.tensor([c.b for c in group], device=dev)[:, None].expand(-1, n)
-        col = pick + torch.tensor([c.base for c in group], device=dev)[:, None]
+        b = upload([c.b for c in group], dev)[:, None].expand(-1, n)
+        col = pick + upload([c.base for c in group], dev)[:, None]
         if not schedule:         # the threshold rule: the first, and every other one not below the threshold
-            thr = torch.tensor([c.threshold for c in group], dtype=score.dtype, device=dev)[:, None]
+            thr = upload([c.threshold for c in group], dev, score.dtype)[:, None]
             keep = ~(score < thr)
             keep[:, 0] = True
             new = torch.where(keep, new, x[b, col])
@@ -250,7 +251,7 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
             steps.update({r.index: ratios(r.params, total_steps(r), dev) for r in new})
         x, W = canvas.x, canvas.x.shape[1]
         hidden = model(x, canvas.pos, canvas.mask)
-        off = torch.tensor(canvas.offsets, device=dev)
+        off = upload(canvas.offsets, dev)
         col = torch.arange(W, device=dev)
         masked = (x == mask_id) & (col[None, :] >= off[:, None])
         bi, ci = masked.nonzero(as_tuple=True)

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from ...models.layers import upload
 from ..params import GenerationParams, ParamError
 from ..rows import Canvas, Finisher, Row, between_steps, record_row_logprobs, window
 from . import Algorithm, ParamInfo, register
@@ -56,11 +57,11 @@ def _block_starts(model, canvas: Canvas, cache, full: list[int], starts: list[in
     """Rows ``full`` at a block start: one full forward into their cache slots, then each commits the block's first
     position from the (shifted) logit before it."""
     active, x, dev = canvas.rows, canvas.x, model.device
-    slots = None if len(full) == len(active) else torch.tensor(full, device=dev)
+    slots = None if len(full) == len(active) else upload(full, dev)
     sel = slice(None) if slots is None else slots
     mask = None if canvas.mask is None else canvas.mask[sel]
     hidden = model(x[sel], canvas.pos[sel], mask, cache=cache, slots=slots)
-    src = torch.tensor([starts[b] - 1 for b in full], device=dev)      # shifted logits
+    src = upload([starts[b] - 1 for b in full], dev)      # shifted logits
     logits = model.logits(hidden[torch.arange(len(full), device=dev), src])
     for i, b in enumerate(full):
         r = active[b]
@@ -80,7 +81,7 @@ def _block_steps(model, canvas: Canvas, cache, part: list[int], starts: list[int
     wins = [(starts[b], starts[b] + active[b].plan.block_length if dual else W) for b in part]
     win = window(wins, dev)
     cols = win.cols
-    slots = None if len(part) == len(active) else torch.tensor(part, device=dev)
+    slots = None if len(part) == len(active) else upload(part, dev)
     sel = slice(None) if slots is None else slots
     ids = x[sel].gather(1, cols)
     mask = None if canvas.mask is None else canvas.mask[sel]
@@ -89,7 +90,7 @@ def _block_steps(model, canvas: Canvas, cache, part: list[int], starts: list[int
     top = max(bl)          # each row's block: the first bl[i] positions of its window; one read for all rows
     in_block = ids[:, :top] == mask_id
     if min(bl) < top:
-        in_block &= torch.arange(top, device=dev)[None, :] < torch.tensor(bl, device=dev)[:, None]
+        in_block &= torch.arange(top, device=dev)[None, :] < upload(bl, dev)[:, None]
     src_b, where_all = in_block.nonzero(as_tuple=True)
     masked = torch.split(where_all, in_block.sum(1).tolist())
     src_w = (where_all - 1).clamp(min=0)           # shifted within the window

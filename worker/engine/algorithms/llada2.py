@@ -24,10 +24,11 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
+from ...models.layers import upload
 from ..params import GenerationParams, ParamError
 from ..rows import Finisher, Row, record_block_logprobs
 from . import Algorithm, ParamInfo, register
-from .block_causal import BlockBatch, check_common, choose_rows
+from .block_causal import BlockBatch, block_positions, check_common, choose
 from .sdar import check_plan, draw_rows, filtered_probs, sample as sample_filtered, sampling_key, transfer_schedule
 
 
@@ -92,76 +93,69 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
             spans.append((start, (s.block + 1) * bl))
             at.append(s.block * bl - start)          # window index of the block's first position
         hidden = batch.forward(spans)
-        K = max(r.params.block_length for r in active)
-        idx = torch.tensor([[at[b] + min(j, r.params.block_length - 1) for j in range(K)]
-                            for b, r in enumerate(active)], device=dev)
-        logits = model.logits(hidden[torch.arange(len(active), device=dev)[:, None], idx]).float()
-        x = batch.x
         B = len(active)
-        cur, picked, masked, counts = [None] * B, [None] * B, [None] * B, []
-        groups: dict[tuple, list[int]] = {}        # rows without logprobs: sampled and written together
+        logits = model.logits(hidden.gather(1, block_positions(at, [r.params.block_length for r in active], dev)[
+            :, :, None].expand(-1, -1, hidden.shape[-1]))).float()
+        x = batch.x
+        counts = [r.params.extra["num_to_transfer"] if r.params.algorithm == "llada21"
+                  else transfer_schedule(r.params.block_length, r.params.extra["denoising_steps"])[state[r.index].step]
+                  for r in active]
+        groups: dict[tuple, list[int]] = {}        # rows without logprobs: sampled, chosen and written together
+        singles = []
         for b, r in enumerate(active):
-            s, bl, p = state[r.index], r.params.block_length, r.params
-            counts.append(p.extra["num_to_transfer"] if p.algorithm == "llada21"
-                          else transfer_schedule(bl, p.extra["denoising_steps"])[s.step])
+            p = r.params
             if r.logprobs is None:
-                groups.setdefault((p.algorithm, bl, sampling_key(p) if p.temperature else None), []).append(b)
-                continue
-            cur[b] = x[b, s.block * bl:(s.block + 1) * bl]
-            picked[b] = (sample21 if p.algorithm == "llada21" else sample)(logits[b, :bl], p, r.generator)
-            masked[b] = cur[b] == mask_id
-        together = []
+                groups.setdefault((p.algorithm, p.block_length, sampling_key(p) if p.temperature else None),
+                                  []).append(b)
+            else:
+                singles.append(b)
+        flag_rows, flag_values = [], []          # LLaDA2.1's end rule: whether each block had masks, and was edited
         for (alg, bl, sampled), members in groups.items():
-            idx = torch.tensor(members, device=dev)
-            cols = torch.tensor([state[active[b].index].block * bl for b in members], device=dev)[:, None] + \
-                torch.arange(bl, device=dev)
-            cur_g = x[idx[:, None], cols]
-            lg = logits[idx, :bl]
+            rows = [active[b] for b in members]
+            idx = None if len(members) == B else upload(members, dev)       # None: every row, in order
+            cols = upload([state[r.index].block * bl for r in rows], dev)[:, None] + torch.arange(bl, device=dev)
+            cur = x.gather(1, cols) if idx is None else x[idx[:, None], cols]
+            lg = logits[:, :bl] if idx is None else logits[idx, :bl]
             if sampled is None:          # greedy: one sampler call for the group
                 token, prob = (sample21 if alg == "llada21" else sample)(lg.reshape(-1, lg.shape[-1]),
-                                                                       active[members[0]].params, None)
+                                                                       rows[0].params, None)
                 token, prob = token.view(len(members), bl), prob.view(len(members), bl)
             else:                        # each row draws from its own generator, the draws made together
-                probs = filtered_probs(lg.reshape(-1, lg.shape[-1]), active[members[0]].params).view(lg.shape)
-                token, prob = draw_rows(probs, [active[b].generator for b in members])
-            masked_g = cur_g == mask_id
-            for j, b in enumerate(members):
-                cur[b], picked[b], masked[b] = cur_g[j], (token[j], prob[j]), masked_g[j]
-            together.append((alg, members, idx, cols, cur_g, token, prob, masked_g))
-        # every row's unmasking by threshold (at least its count, at most the masks left) in one pass: no read of
-        # the device per row (a block without masks unmasks nothing)
-        write = choose_rows(masked, [q[1] for q in picked], counts, [r.params.threshold for r in active],
-                            ["threshold"] * len(active), True)
-        flag_rows, flag_values = [], []          # LLaDA2.1's end rule: whether each block had masks, and was edited
-        grouped = {b for g in together for b in g[1]}
-        for b, r in enumerate(active):
-            if b in grouped:
-                continue
+                probs = filtered_probs(lg.reshape(-1, lg.shape[-1]), rows[0].params).view(lg.shape)
+                token, prob = draw_rows(probs, [r.generator for r in rows])
+            masked = cur == mask_id
+            # unmasking by threshold (at least the row's count, at most the masks left), every row of the group in
+            # one pass: no read of the device per row (a block without masks unmasks nothing)
+            write = choose(masked, prob, [counts[b] for b in members], [r.params.threshold for r in rows],
+                           ["threshold"] * len(members), True)
+            if alg == "llada21":         # edits21 for every row of the group
+                prompt = upload([r.plan.prompt_length for r in rows], dev)[:, None]
+                edit_thr = upload([r.params.extra["editing_threshold"] for r in rows], dev, prob.dtype)[:, None]
+                edit = (cur != mask_id) & (cols >= prompt) & (prob > edit_thr) & (token != cur)
+                flag_rows.append(members)
+                flag_values.append(torch.stack([masked.any(1), edit.any(1)], 1))
+                write = write | edit
+            new = torch.where(write, token, cur)
+            if idx is None:
+                x.scatter_(1, cols, new)
+            else:
+                x[idx[:, None], cols] = new
+        for b in singles:                # rows with logprobs, one by one
+            r = active[b]
             s, bl, p = state[r.index], r.params.block_length, r.params
             start = s.block * bl
-            token, prob = picked[b]
+            cur = x[b, start:start + bl]
+            token, prob = (sample21 if p.algorithm == "llada21" else sample)(logits[b, :bl], p, r.generator)
+            masked = cur == mask_id
+            write = choose(masked[None], prob[None], [counts[b]], [p.threshold], ["threshold"], True)[0]
             if p.algorithm == "llada21":
-                edit = edits21(cur[b], token, prob, p, r, start, mask_id)
+                edit = edits21(cur, token, prob, p, r, start, mask_id)
                 flag_rows.append([b])
-                flag_values.append(torch.stack([masked[b].any(), edit.any()])[None])
-                new = torch.where(write[b] | edit, token, cur[b])
-            else:
-                new = torch.where(write[b], token, cur[b])
-            if r.logprobs is not None:
-                record_block_logprobs(r, cur[b], new, start, logits[b, :bl])
+                flag_values.append(torch.stack([masked.any(), edit.any()])[None])
+                write = write | edit
+            new = torch.where(write, token, cur)
+            record_block_logprobs(r, cur, new, start, logits[b, :bl])
             x[b, start:start + bl] = new
-        for alg, members, idx, cols, cur_g, token, prob, masked_g in together:
-            write_g = torch.stack([write[b] for b in members])
-            if alg == "llada21":         # edits21 for every row of the group
-                rows = [active[b] for b in members]
-                prompt = torch.tensor([r.plan.prompt_length for r in rows], device=dev)[:, None]
-                edit_thr = torch.tensor([r.params.extra["editing_threshold"] for r in rows], dtype=prob.dtype,
-                                        device=dev)[:, None]
-                edit = (cur_g != mask_id) & (cols >= prompt) & (prob > edit_thr) & (token != cur_g)
-                flag_rows.append(members)
-                flag_values.append(torch.stack([masked_g.any(1), edit.any(1)], 1))
-                write_g = write_g | edit
-            x[idx[:, None], cols] = torch.where(write_g, token, cur_g)
         if flag_rows:              # one read for every row's flags
             read = torch.cat(flag_values).cpu().tolist()
             for b, (had_masks, edited) in zip((b for rows in flag_rows for b in rows), read):

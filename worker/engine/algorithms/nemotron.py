@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from ...models.layers import upload
 from ..rows import Finisher, Row, record_logprobs, wants_logprobs, window, write_chosen
 from ..sampling import Layout, Softmax, denoise, fast_dllm_rule
 from . import Algorithm, ParamInfo, register
@@ -60,7 +61,7 @@ class _Batch:
         self.P, self.G = P2, G2
         P = P2
         self.col = torch.arange(P + G2, device=dev)
-        self.off = torch.tensor(self.offsets, device=dev)
+        self.off = upload(self.offsets, dev)
         self.pos = (self.col[None, :] - self.off[:, None]).clamp(min=0)
         B0 = self.B0
         sl = torch.arange(B0, B0 + len(new), device=dev)
@@ -88,14 +89,14 @@ class _Batch:
         E = max(ends)
         win = window(list(zip(starts, ends)), dev)
         cols = win.cols
-        sl = torch.tensor(slots, device=dev)
+        sl = upload(slots, dev)
         ids = self.x[sl].gather(1, cols)
         p = self.pos[sl].gather(1, cols)
         kcol = self.col[None, :E]
         if not any(self.offsets[b] for b in slots) and all(e == E for e in ends):
             mask = None
         else:
-            end = torch.tensor(ends, device=dev)[:, None]
+            end = upload(ends, dev)[:, None]
             mask = ((kcol >= self.off[sl][:, None]) & (kcol < end))[:, None, None, :]
         hidden = self.model(ids, p, mask, cache=_CacheView(self.cache, E),
                             slots=None if len(slots) == self.B0 and slots == list(range(self.B0)) else sl,
@@ -119,7 +120,7 @@ class _Batch:
         widths = [ends[i] - starts[i] for i in den]
         drows = [active[i] for i in den]
         every = len(den) == len(active)
-        dt = None if every else torch.tensor(den, device=self.dev)
+        dt = None if every else upload(den, self.dev)
         cols, tokens = (win.cols, ids) if every else (win.cols[dt], ids[dt])
         rows_at = sl if every else sl[dt]
         x0, chosen = denoise(lg, tokens, widths, drows, mask_id, [Layout(w, 0) for w in widths],

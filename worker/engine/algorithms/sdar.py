@@ -28,11 +28,12 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
+from ...models.layers import upload
 from ..params import GenerationParams, ParamError, Plan
 from ..rows import Finisher, Row, record_block_logprobs
 from ..sampling import check_probabilities, multinomial_rows
 from . import Algorithm, ParamInfo, register
-from .block_causal import BlockBatch, check_common, choose_rows
+from .block_causal import BlockBatch, block_positions, check_common, choose
 
 STRATEGIES = ("low_confidence_dynamic", "low_confidence_static", "sequential")
 
@@ -125,53 +126,46 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
             at.append(spans[-1][1] - bl - spans[-1][0])    # window index of the block's first position
         hidden = batch.forward(spans)
         den = [b for b, r in enumerate(active) if state[r.index].phase == "denoise"]
-        if den:
-            K = max(active[b].params.block_length for b in den)
-            idx = torch.tensor([[min(at[b] + j, at[b] + active[b].params.block_length - 1) for j in range(K)]
-                                for b in den], device=dev)
-            logits = model.logits(hidden[torch.tensor(den, device=dev)[:, None], idx])
         x, xc = batch.x, None
-        cur, picked, masked = [None] * len(den), [None] * len(den), [None] * len(den)
-        groups: dict[tuple, list[int]] = {}       # rows (indices into den) sampled and written together
+        if den:
+            pos = block_positions([at[b] for b in den], [active[b].params.block_length for b in den], dev)
+            h = hidden if len(den) == len(active) else hidden[upload(den, dev)]
+            logits = model.logits(h.gather(1, pos[:, :, None].expand(-1, -1, h.shape[-1])))
+        groups: dict[tuple, list[int]] = {}       # rows (indices into den) sampled, chosen and written together
         for i, b in enumerate(den):
             p = active[b].params
             groups.setdefault((p.block_length, sampling_key(p), active[b].logprobs is None), []).append(i)
-        together = []
         for (bl, _, plain), members in groups.items():
             rows = [active[den[i]] for i in members]
-            mi = torch.tensor(members, device=dev)
-            bi = torch.tensor([den[i] for i in members], device=dev)
-            cols = torch.tensor([state[r.index].block * bl for r in rows], device=dev)[:, None] + \
-                torch.arange(bl, device=dev)
-            cur_g = x[bi[:, None], cols]
-            lg = logits[mi, :bl]
+            every = len(members) == len(active)        # every row of the batch, in order: no index tensors
+            mi = None if len(members) == len(den) else upload(members, dev)
+            bi = None if every else upload([den[i] for i in members], dev)
+            cols = upload([state[r.index].block * bl for r in rows], dev)[:, None] + torch.arange(bl, device=dev)
+            cur = x.gather(1, cols) if every else x[bi[:, None], cols]
+            lg = logits[:, :bl] if mi is None else logits[mi, :bl]
             probs = filtered_probs(lg.reshape(-1, lg.shape[-1]), rows[0].params).view(lg.shape)
-            masked_g = cur_g == mask_id
+            masked = cur == mask_id
             tokens, chosen_p = draw_rows(probs, [r.generator for r in rows])     # each row from its own generator
-            for j, i in enumerate(members):
-                cur[i], masked[i] = cur_g[j], masked_g[j]
-                picked[i] = (tokens[j], chosen_p[j])
-            if plain:
-                together.append((members, bi, cols, cur_g))
-        if den:                    # the rows choose together (no per-row read of the device)
-            ps = [active[b].params for b in den]
-            write = choose_rows(masked, [q[1] for q in picked],
-                                [transfer_schedule(p.block_length, p.extra["denoising_steps"])[
-                                    state[active[b].index].step] for b, p in zip(den, ps)],
-                                [p.threshold if p.extra["remasking_strategy"] == "low_confidence_dynamic" else None
-                                 for p in ps], [p.extra["remasking_strategy"] for p in ps], False)
-        for members, bi, cols, cur_g in together:       # rows without logprobs: written per group
-            token = torch.stack([picked[i][0] for i in members])
-            x[bi[:, None], cols] = torch.where(torch.stack([write[i] for i in members]), token, cur_g)
-        for i, b in enumerate(den):
-            r = active[b]
-            s, bl = state[r.index], r.params.block_length
-            if r.logprobs is not None:
-                start = s.block * bl
-                new = torch.where(write[i], picked[i][0], cur[i])
-                record_block_logprobs(r, cur[i], new, start, logits[i, :bl])
-                x[b, start:start + bl] = new
-            s.step += 1
+            ps = [r.params for r in rows]
+            # the rows choose together (no per-row read of the device)
+            write = choose(masked, chosen_p,
+                           [transfer_schedule(p.block_length, p.extra["denoising_steps"])[state[r.index].step]
+                            for r, p in zip(rows, ps)],
+                           [p.threshold if p.extra["remasking_strategy"] == "low_confidence_dynamic" else None
+                            for p in ps], [p.extra["remasking_strategy"] for p in ps], False)
+            new = torch.where(write, tokens, cur)
+            if plain and every:
+                x.scatter_(1, cols, new)
+            elif plain:
+                x[bi[:, None], cols] = new
+            else:                 # rows with logprobs, recorded one by one
+                for j, i in enumerate(members):
+                    b, r = den[i], rows[j]
+                    start = state[r.index].block * bl
+                    record_block_logprobs(r, cur[j], new[j], start, lg[j])
+                    x[b, start:start + bl] = new[j]
+        for b in den:
+            state[active[b].index].step += 1
         if den:
             xc = x.cpu().tolist()          # the host copy, read once
         for b, r in enumerate(active):
