@@ -71,10 +71,16 @@ def counting_syncs(counter: list, sites: collections.Counter | None = None):
         parts = index if isinstance(index, tuple) else (index,)
         return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool and i.dim() > 0 for i in parts)
 
+    def listed(index) -> bool:       # indexing by a Python list copies it to the device from pageable memory
+        parts = index if isinstance(index, tuple) else (index,)
+        return any(isinstance(i, list) for i in parts)
+
     def wrap_index(name, fn):
         def counted(self, index, *a):
             if masked(index):
                 counted_at(f"{name} by a bool mask")
+            elif listed(index):
+                counted_at(f"{name} by a list (pageable host-to-device copy)")
             return fn(self, index, *a)
         return counted
     indexing = {name: getattr(torch.Tensor, name) for name in ("__getitem__", "__setitem__")}

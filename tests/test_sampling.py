@@ -189,3 +189,23 @@ def test_window_index_tensors():
             assert w.last[b].tolist() == [min(j, e - s - 1) for j in range(W)]
         bi, wi = w.valid.nonzero(as_tuple=True)
         assert torch.equal(w.flat[0], bi) and torch.equal(w.flat[1], wi) and torch.equal(w.flat[2], w.cols[bi, wi])
+
+
+def test_one_read_helpers_give_what_the_reads_they_replace_give():
+    """rows.nonzero_rows: nonzero's (row, column) indices, in its order, and each row's count, from one read of the
+    mask; rows.read_with: a matrix and extra values from one read."""
+    from worker.engine.rows import nonzero_rows, read_with
+
+    g = torch.Generator().manual_seed(3)
+    for B, W in ((1, 1), (3, 7), (8, 40), (5, 0)):
+        for p in (0.0, 0.3, 1.0):
+            mask = torch.rand(B, W, generator=g) < p
+            bi, ci, counts = nonzero_rows(mask)
+            want_b, want_c = mask.nonzero(as_tuple=True)
+            assert torch.equal(bi, want_b) and torch.equal(ci, want_c) and bi.dtype == want_b.dtype == ci.dtype
+            assert counts == mask.sum(1).tolist()
+    x = torch.randint(0, 100, (4, 6), generator=g)
+    extra = torch.randint(0, 2, (3, 2), generator=g)
+    xc, read = read_with(x, extra)
+    assert xc == x.tolist() and read == extra.tolist()
+    assert read_with(x, None) == (x.tolist(), None)

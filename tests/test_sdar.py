@@ -81,6 +81,16 @@ def test_early_exit_ends_at_block_boundaries_with_the_same_answer(sdar_engine, s
         assert r.token_ids == ref[:cut] and r.nfe <= c["nfe"], c
 
 
+def test_invalid_probabilities_raise_as_multinomial_does(sdar_engine, monkeypatch):
+    """The draws' validity check (multinomial's: no nan, inf or negative probability) is read with the step's canvas
+    copy instead of on its own; a nan logit still fails the generation with multinomial's error."""
+    real = sdar_engine.model.logits
+    monkeypatch.setattr(sdar_engine.model, "logits", lambda h: real(h) * float("nan"))
+    p = GenerationParams(gen_length=8, block_length=4, algorithm="sdar", temperature=0.7, seed=1)
+    with pytest.raises(RuntimeError, match="probability tensor contains either"):
+        sdar_engine.generate([Request([5, 6, 7, 8], p), Request([9, 10], p)])
+
+
 def test_parameter_errors(sdar_engine):
     def err(**kw):
         with pytest.raises(ParamError) as e:

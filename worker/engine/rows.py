@@ -249,7 +249,7 @@ class Canvas:
         if not self.rows:
             return 0
         trim = min(self.offsets[b] for b in keep)
-        self.x = self.x[keep, trim:]
+        self.x = self.x.index_select(0, upload(keep, self.x.device))[:, trim:].contiguous()
         self.offsets = [self.offsets[b] - trim for b in keep]
         self._index()
         return trim
@@ -320,6 +320,28 @@ def _window(spans: tuple[tuple[int, int], ...], device: torch.device) -> Window:
     packed = torch.from_numpy(np.concatenate([cols.ravel(), valid.ravel(), last.ravel(), bi, wi, s[bi] + wi]))
     part = upload(packed, device).split([B * W] * 3 + [len(bi)] * 3)
     return Window(part[0].view(B, W), part[1].view(B, W).bool(), part[2].view(B, W), (part[3], part[4], part[5]))
+
+
+def read_with(x: torch.Tensor, extra: torch.Tensor | None) -> tuple[list[list[int]], list | None]:
+    """The host copy of an integer matrix ``x`` as lists, and ``extra`` (a matrix of its dtype, or None) as lists,
+    in one transfer (each read waits for the device)."""
+    if extra is None:
+        return x.cpu().tolist(), None
+    flat = torch.cat([x.reshape(-1), extra.reshape(-1)]).cpu().tolist()
+    B, W = x.shape
+    n = B * W
+    w = extra.shape[-1]
+    return [flat[i * W:(i + 1) * W] for i in range(B)], [flat[n + i * w:n + (i + 1) * w] for i in range(extra.shape[0])]
+
+
+def nonzero_rows(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+    """The (row, column) indices of a bool matrix's True entries, row by row as ``nonzero`` gives them (device
+    tensors), and each row's count: one read of the mask (``nonzero`` and a count would be a wait for the device
+    each), the indices found on the host and copied back in one transfer that does not wait."""
+    m = mask.cpu().numpy()
+    bi, ci = np.nonzero(m)
+    both = upload(torch.from_numpy(np.concatenate([bi, ci]).astype(np.int64)), mask.device)
+    return both[:len(bi)], both[len(bi):], np.count_nonzero(m, axis=1).tolist()
 
 
 def write_chosen(x: torch.Tensor, cols: torch.Tensor, last: torch.Tensor, chosen: torch.Tensor, x0: torch.Tensor,

@@ -83,10 +83,18 @@ def multinomial_rows(probs: torch.Tensor, gens: list, sizes: list[int] | None = 
     return torch.div(probs, q, out=q).argmax(dim=-1)
 
 
+PROBABILITIES_INVALID = "probability tensor contains either `inf`, `nan` or element < 0"
+
+
+def probabilities_ok(probs: torch.Tensor) -> torch.Tensor:
+    """Multinomial's check (no inf, nan or negative value) of a whole tensor, on the device (0-dim bool)."""
+    return ((probs >= 0) & (probs < float("inf"))).all()
+
+
 def check_probabilities(probs: torch.Tensor) -> None:
-    """Multinomial's check (no inf, nan or negative value), once for a whole tensor: one host sync."""
-    if not bool(((probs >= 0) & (probs < float("inf"))).all()):
-        raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+    """:func:`probabilities_ok`, read: one host sync; raises as multinomial does."""
+    if not bool(probabilities_ok(probs)):
+        raise RuntimeError(PROBABILITIES_INVALID)
 
 
 def propose(logits: torch.Tensor, rows, widths: list[int], only: list[int] | None = None) -> torch.Tensor:

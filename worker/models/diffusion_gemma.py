@@ -544,6 +544,11 @@ class DiffusionGemmaModel(nn.Module):
             slide_mask = (causal & (qpos[:, None, :] > qpos[:, :, None] - cfg.sliding_window))[:, None]
         x = self.embed(ids)
         scalars = self.model.encoder.language_model.layers
+        # the new valid positions (row, index) and where full layers keep them (slot, column): known on the host
+        bi, ti, to_slot, to_col = upload([[b for b, n in enumerate(lengths) for _ in range(n)],
+                                          [t for n in lengths for t in range(n)],
+                                          [slots[b] for b, n in enumerate(lengths) for _ in range(n)],
+                                          [start[b] + t for b, n in enumerate(lengths) for t in range(n)]], dev)
         for i, layer in enumerate(self.stack.layers):
             sl = cfg.sliding[i]
             cos, sin = rope[sl]
@@ -567,9 +572,8 @@ class DiffusionGemmaModel(nn.Module):
                     ck[slot_idx] = both_k.gather(2, gi)
                     cv[slot_idx] = both_v.gather(2, gi)
             else:
-                bi, ti = new_valid.nonzero(as_tuple=True)
-                ck[slot_idx[bi], :, (st[bi] + ti)] = k[bi, :, ti]
-                cv[slot_idx[bi], :, (st[bi] + ti)] = v[bi, :, ti]
+                ck[to_slot, :, to_col] = k[bi, :, ti]
+                cv[to_slot, :, to_col] = v[bi, :, ti]
             r = x + layer.post_attention_layernorm(a)
             if i + 1 < cfg.num_layers:          # the last layer's FFN feeds nothing the cache keeps
                 x = layer.feed_forward(r, scalars[i].layer_scalar)

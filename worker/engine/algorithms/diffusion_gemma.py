@@ -28,7 +28,7 @@ import torch
 from ...models.layers import upload
 from ..params import GenerationParams, ParamError, Plan
 from ..rows import Finisher, Row
-from ..sampling import multinomial_rows
+from ..sampling import PROBABILITIES_INVALID, multinomial_rows
 from . import Algorithm, ParamInfo, register
 
 # The reference's global defaults (DiffusionGemmaGenerationConfig._get_default_generation_params); a checkpoint's
@@ -209,20 +209,23 @@ def run(engine, rows: list[Row], fin: Finisher):
                 sts[b].hist = hist[i]
         mean_ent = ent.mean(dim=-1)
         confident = mean_ent < limits[:, 1]
-        # with the stopping test, in the same transfer: multinomial's check of the probabilities (finite entropies
-        # exactly when the softmax is finite and sums to 1: no nan, no +inf, not every logit -inf)
-        stop, ok = torch.stack([stable_t & confident, torch.isfinite(ent).all(dim=-1)]).tolist()
+        # the step's one transfer: the stopping test; multinomial's check of the probabilities (finite entropies
+        # exactly when the softmax is finite and sums to 1: no nan, no +inf, not every logit -inf); the argmaxes
+        # (the canvases that finish, step streaming)
+        B = len(active)
+        flags = torch.stack([stable_t & confident, torch.isfinite(ent).all(dim=-1)]).to(argmax.dtype)
+        read = torch.cat([flags.reshape(-1), argmax.reshape(-1)]).tolist()
+        stop, ok = read[:B], read[B:2 * B]
         if not all(ok):
-            raise RuntimeError("probability tensor contains either `inf`, `nan` or element < 0")
+            raise RuntimeError(PROBABILITIES_INVALID)
+        amax = [read[2 * B + b * L:2 * B + (b + 1) * L] for b in range(B)]
         sc_next = x.to(emb_dtype)
         hooks = fin.hooks
         watched = [b for b, r in enumerate(active) if hooks.on_step is not None and hooks.steps_for(r.index)
                    and not (stop[b] or sts[b].left == 1)]       # step streaming: rows whose canvas goes on
-        if watched:
-            guess = argmax[watched].tolist()
-            for k, b in enumerate(watched):
-                s = sts[b]
-                hooks.on_step(active[b].index, (s.out + guess[k])[:active[b].plan.gen_length], len(s.out))
+        for b in watched:
+            s = sts[b]
+            hooks.on_step(active[b].index, (s.out + amax[b])[:active[b].plan.gen_length], len(s.out))
         finished_canvas = []
         for b, (r, s) in enumerate(zip(active, sts)):
             r.nfe += 1
@@ -232,7 +235,7 @@ def run(engine, rows: list[Row], fin: Finisher):
             else:
                 s.canvas, s.sc = nxt[b], sc_next[b]
         if finished_canvas:
-            am = argmax[finished_canvas].tolist()
+            am = [amax[b] for b in finished_canvas]
             for i, b in enumerate(finished_canvas):
                 r, s = active[b], sts[b]
                 if r.logprobs is not None:

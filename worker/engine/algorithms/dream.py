@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from ...models.layers import upload
 from ..params import GenerationParams, ParamError
-from ..rows import Canvas, Finisher, Row, between_steps, record_row_logprobs
+from ..rows import Canvas, Finisher, Row, between_steps, nonzero_rows, record_row_logprobs
 from ..sampling import check_probabilities, multinomial_rows
 from . import Algorithm, ParamInfo, register
 
@@ -254,10 +254,9 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
         off = upload(canvas.offsets, dev)
         col = torch.arange(W, device=dev)
         masked = (x == mask_id) & (col[None, :] >= off[:, None])
-        bi, ci = masked.nonzero(as_tuple=True)
+        bi, ci, counts = nonzero_rows(masked)
         src = torch.where(ci > off[bi], ci - 1, ci)        # shifted logits: position j reads position j - 1
         logits = model.logits(hidden[bi, src])
-        counts = masked.sum(1).tolist()
         start, choices = 0, []
         for b, r in enumerate(canvas.rows):
             n = counts[b]

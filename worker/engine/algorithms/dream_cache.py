@@ -23,7 +23,7 @@ import torch
 
 from ...models.layers import upload
 from ..params import GenerationParams, ParamError
-from ..rows import Canvas, Finisher, Row, between_steps, record_row_logprobs, window
+from ..rows import Canvas, Finisher, Row, between_steps, nonzero_rows, record_row_logprobs, window
 from . import Algorithm, ParamInfo, register
 from .dream import (CONFIDENCE, DREAM_PARAMS, Choice, check_sampling, decide, decide_together, ratios,
                     sample_tokens, together, transfer_count)
@@ -91,8 +91,8 @@ def _block_steps(model, canvas: Canvas, cache, part: list[int], starts: list[int
     in_block = ids[:, :top] == mask_id
     if min(bl) < top:
         in_block &= torch.arange(top, device=dev)[None, :] < upload(bl, dev)[:, None]
-    src_b, where_all = in_block.nonzero(as_tuple=True)
-    masked = torch.split(where_all, in_block.sum(1).tolist())
+    src_b, where_all, counts = nonzero_rows(in_block)
+    masked = torch.split(where_all, counts)
     src_w = (where_all - 1).clamp(min=0)           # shifted within the window
     logits = model.logits(hidden[src_b, src_w]) if len(src_b) else None
     at, choices = 0, []

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from ...models.layers import upload
 from ..params import GenerationParams, ParamError
-from ..rows import Finisher, Row, record_block_logprobs
+from ..rows import Finisher, Row, read_with, record_block_logprobs
 from . import Algorithm, ParamInfo, register
 from .block_causal import BlockBatch, block_positions, check_common, choose
 from .sdar import check_plan, draw_rows, filtered_probs, sample as sample_filtered, sampling_key, transfer_schedule
@@ -156,13 +156,13 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
             new = torch.where(write, token, cur)
             record_block_logprobs(r, cur, new, start, logits[b, :bl])
             x[b, start:start + bl] = new
-        if flag_rows:              # one read for every row's flags
-            read = torch.cat(flag_values).cpu().tolist()
+        # the host copy, read once (with every row's flags)
+        xc, read = read_with(x, torch.cat(flag_values).to(x.dtype) if flag_rows else None)
+        if flag_rows:
             for b, (had_masks, edited) in zip((b for rows in flag_rows for b in rows), read):
                 s = state[active[b].index]
                 s.post += not had_masks
                 s.idle = not had_masks and not edited
-        xc = x.cpu().tolist()          # the host copy, read once
         for b, r in enumerate(active):
             s, bl = state[r.index], r.params.block_length
             r.nfe += 1

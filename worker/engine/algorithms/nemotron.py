@@ -110,7 +110,7 @@ class _Batch:
         den = [i for i, r in enumerate(active) if not self.commit[r.index]]
         if not den:
             return
-        lg = logits[den].clone()
+        lg = logits.clone() if len(den) == len(active) else logits[upload(den, self.dev)]
         for j, i in enumerate(den):
             r = active[i]
             if self.shift[self.slot[r.index]]:

@@ -30,8 +30,8 @@ import torch.nn.functional as F
 
 from ...models.layers import upload
 from ..params import GenerationParams, ParamError, Plan
-from ..rows import Finisher, Row, record_block_logprobs
-from ..sampling import check_probabilities, multinomial_rows
+from ..rows import Finisher, Row, read_with, record_block_logprobs
+from ..sampling import PROBABILITIES_INVALID, check_probabilities, multinomial_rows, probabilities_ok
 from . import Algorithm, ParamInfo, register
 from .block_causal import BlockBatch, block_positions, check_common, choose
 
@@ -55,11 +55,15 @@ def draw(probs: torch.Tensor, g: torch.Generator | None) -> tuple[torch.Tensor, 
     return token[:, 0], torch.gather(probs, -1, token)[:, 0]
 
 
-def draw_rows(probs: torch.Tensor, gens: list) -> tuple[torch.Tensor, torch.Tensor]:
+def draw_rows(probs: torch.Tensor, gens: list, checks: list | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`draw` for rows ``probs[j]`` ([n, K, V]), each from its own generator ``gens[j]``, at once
     (:func:`~worker.engine.sampling.multinomial_rows`: the same draws and results as row by row), with one validity
-    check for all the rows instead of multinomial's two host syncs per row and step."""
-    check_probabilities(probs)
+    check for all the rows instead of multinomial's two host syncs per row and step; with ``checks``, the check is
+    appended there for the caller to read with a read it makes anyway (``sampling.read_checked``)."""
+    if checks is None:
+        check_probabilities(probs)
+    else:
+        checks.append(probabilities_ok(probs))
     token = multinomial_rows(probs, gens)
     return token, torch.gather(probs, -1, token[..., None])[..., 0]
 
@@ -132,6 +136,7 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
             h = hidden if len(den) == len(active) else hidden[upload(den, dev)]
             logits = model.logits(h.gather(1, pos[:, :, None].expand(-1, -1, h.shape[-1])))
         groups: dict[tuple, list[int]] = {}       # rows (indices into den) sampled, chosen and written together
+        checks: list[torch.Tensor] = []           # multinomial's validity checks, read with the canvas
         for i, b in enumerate(den):
             p = active[b].params
             groups.setdefault((p.block_length, sampling_key(p), active[b].logprobs is None), []).append(i)
@@ -145,7 +150,7 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
             lg = logits[:, :bl] if mi is None else logits[mi, :bl]
             probs = filtered_probs(lg.reshape(-1, lg.shape[-1]), rows[0].params).view(lg.shape)
             masked = cur == mask_id
-            tokens, chosen_p = draw_rows(probs, [r.generator for r in rows])     # each row from its own generator
+            tokens, chosen_p = draw_rows(probs, [r.generator for r in rows], checks)   # each row from its generator
             ps = [r.params for r in rows]
             # the rows choose together (no per-row read of the device)
             write = choose(masked, chosen_p,
@@ -167,7 +172,10 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
         for b in den:
             state[active[b].index].step += 1
         if den:
-            xc = x.cpu().tolist()          # the host copy, read once
+            # the host copy, read once, with the draws' validity checks
+            xc, ok = read_with(x, torch.stack(checks).all().to(x.dtype)[None, None] if checks else None)
+            if ok is not None and not ok[0][0]:
+                raise RuntimeError(PROBABILITIES_INVALID)
         for b, r in enumerate(active):
             s, bl = state[r.index], r.params.block_length
             r.nfe += 1
