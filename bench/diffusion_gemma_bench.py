@@ -151,7 +151,7 @@ res, s = timed([req(p, sd) for p, sd in job["rows"]])
 out = {"alone": alone, "batch": [row(r) for r in res], "batch_seconds": s}
 if job["graphs"]:     # the same again with the decoder pass replayed from CUDA graphs (worker/engine/graphs.py)
     from worker.engine.graphs import install
-    g = install(engine.model, unchecked=True)
+    g = install(engine.model)
     timed([req(*job["rows"][0])])
     timed([req(p, sd) for p, sd in job["rows"]])          # captures the batch's signatures too
     galone = []

@@ -48,7 +48,7 @@ class SimulatedGraphs:
 def graphed(path, max_graphs=32, backend=None):
     engine = Engine.from_pretrained(path, device="cpu", dtype="float32")
     backend = backend or SimulatedGraphs()
-    engine.graphs = install(engine.model, max_graphs, backend, unchecked=True)
+    engine.graphs = install(engine.model, max_graphs, backend)
     assert engine.graphs is not None
     backend.graphs = engine.graphs
     return engine
@@ -147,13 +147,22 @@ def test_diffusion_gemma_decoder_pass_goldens_batched_and_joining():
     assert st["replays"] > st["captures"] > 0 and st["failed"] is None
 
 
-def test_diffusion_gemma_graphs_wait_for_a_gpu_check(caplog):
-    """Its graphs have not been compared with eager on a GPU: the server keeps the eager pass (the bench opts in)."""
+def test_diffusion_gemma_graphs_only_where_its_experts_do_not_sync(caplog, monkeypatch):
+    """DiffusionGemma's decoder pass is replayed from graphs in bfloat16 on CUDA (its experts' grouped_mm counts on
+    the device; compared with eager on an H100) and on the CPU (simulated); in float32 on CUDA grouped_mm's fallback
+    reads its offsets on the host, so the pass stays eager. (The device is faked: no GPU here.)"""
     from tests.test_diffusion_gemma import TINY_DG
     engine = Engine.from_pretrained(TINY_DG, device="cpu", dtype="float32")
+    model = engine.model
+    assert model.cuda_graphs is True
+    cls = type(model)
+    monkeypatch.setattr(cls, "device", property(lambda self: torch.device("cuda")))
+    assert model.cuda_graphs is False
     with caplog.at_level(logging.INFO):
-        assert install(engine.model, backend=SimulatedGraphs()) is None
-    assert "have not been compared" in caplog.text
+        assert install(model, backend=SimulatedGraphs()) is None
+    assert "synchronises with the host" in caplog.text
+    monkeypatch.setattr(cls, "dtype", property(lambda self: torch.bfloat16))
+    assert model.cuda_graphs is True
 
 
 def test_each_call_reads_its_own_inputs_and_gets_its_own_output():

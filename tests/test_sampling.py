@@ -209,3 +209,21 @@ def test_one_read_helpers_give_what_the_reads_they_replace_give():
     xc, read = read_with(x, extra)
     assert xc == x.tolist() and read == extra.tolist()
     assert read_with(x, None) == (x.tolist(), None)
+
+
+def test_upload_gives_torch_tensors_values_and_keeps_index_lists():
+    """worker.models.layers.upload: torch.tensor's values and dtype for numbers, nested lists and host tensors; a flat
+    list of ints is kept (the same tensor again, not copied again), and nothing else is: floats equal to ints (1.0 ==
+    1) and bools keep their own dtype."""
+    from worker.models.layers import upload
+
+    for data, dtype in (([3, 1, 2], None), ([0.5, 0.25], None), ([[1, 2], [3, 4]], None), ([True, False], None),
+                        ([1, 2], torch.float32), (0.95, torch.float32), ([], None), (torch.arange(4), None),
+                        (torch.arange(4), torch.float64)):
+        got = upload(data, "cpu", dtype)
+        want = data.to(dtype=dtype) if isinstance(data, torch.Tensor) else torch.tensor(data, dtype=dtype)
+        assert got.dtype == want.dtype and torch.equal(got, want), (data, dtype)
+    assert upload([5, 6, 7], "cpu") is upload([5, 6, 7], "cpu")
+    assert upload([5, 6, 7], "cpu", torch.int32).dtype == torch.int32
+    assert upload([1.0, 2.0], "cpu").dtype == torch.float32 and upload([1, 2], "cpu").dtype == torch.int64
+    assert upload([True], "cpu").dtype == torch.bool

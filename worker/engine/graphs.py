@@ -222,22 +222,15 @@ class GraphedDecoder(Graphs):
                                 canvas.numel())
 
 
-def install(model, max_graphs: int = 32, backend=None, max_tokens: int = 2048,
-            unchecked: bool = False) -> Graphs | None:
+def install(model, max_graphs: int = 32, backend=None, max_tokens: int = 2048) -> Graphs | None:
     """Replay ``model``'s forward (or DiffusionGemma's decoder pass) from graphs (``max_graphs``, ``max_tokens``: see
-    :class:`Graphs`) where that is sound: the model's class says its forward has no host synchronisation
-    (``cuda_graphs``: True, or "unchecked" where that has not yet been run on a GPU, which only ``unchecked=True``
-    takes: a bench that compares it with eager), it runs on CUDA (unless a ``backend`` is given: tests) and unsharded,
-    and it is not already going through ``torch.compile``. Returns the wrapper, or None (logged) when graphs do not
-    apply."""
+    :class:`Graphs`) where that is sound: the model says its forward has no host synchronisation (``cuda_graphs``),
+    it runs on CUDA (unless a ``backend`` is given: tests) and unsharded, and it is not already going through
+    ``torch.compile``. Returns the wrapper, or None (logged) when graphs do not apply."""
     name = type(model).__name__
-    kind = getattr(type(model), "cuda_graphs", False)
-    if not kind:
-        log.info("CUDA graphs: %s's forward synchronises with the host (mixture of experts); it runs eagerly", name)
-        return None
-    if kind == "unchecked" and not unchecked:
-        log.info("CUDA graphs for %s have not been compared with its eager run on a GPU yet; it runs eagerly "
-                 "(bench/diffusion_gemma_bench.py --cuda-graphs compares them)", name)
+    if not getattr(model, "cuda_graphs", False):
+        log.info("CUDA graphs: %s's forward synchronises with the host here (mixture of experts: the experts' token "
+                 "counts are read on the host); it runs eagerly", name)
         return None
     if backend is None and model.device.type != "cuda":
         log.info("CUDA graphs apply on a CUDA device only (%s is on %s)", name, model.device)

@@ -441,7 +441,14 @@ class DiffusionGemmaModel(nn.Module):
     """:meth:`encode` appends tokens to rows' contexts; :meth:`denoise` gives a canvas's float32 soft-capped logits
     (worker/engine/algorithms/diffusion_gemma.py drives them)."""
     family = "diffusion_gemma"
-    cuda_graphs = "unchecked"   # decoder_hidden has no host sync; not yet compared with eager on a GPU (graphs.py)
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """Whether :meth:`decoder_hidden` can be replayed from CUDA graphs (worker/engine/graphs.py): its experts'
+        ``grouped_mm`` counts their tokens on the device in bfloat16 on CUDA (compared with the eager pass on an
+        H100: the same tokens, docs/engine.md) and on the CPU (the tests' simulated graphs); in float32 on CUDA
+        torch's ``grouped_mm`` fallback reads the group offsets on the host."""
+        return hasattr(F, "grouped_mm") and (self.device.type != "cuda" or self.dtype == torch.bfloat16)
 
     def __init__(self, cfg: DiffusionGemmaConfig):
         super().__init__()

@@ -2,6 +2,7 @@
 and bidirectional grouped-query attention through torch SDPA with an optional boolean key mask."""
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -13,8 +14,8 @@ from . import parallel
 log = logging.getLogger(__name__)
 
 
-# False: upload makes the plain, waiting copy (bench/host_overhead_bench.py --compare-uploads measures both and checks
-# that the tokens are the same)
+# False: upload makes the plain, waiting copy every time (bench/host_overhead_bench.py --compare-uploads measures both
+# and checks that the tokens are the same)
 NON_BLOCKING_UPLOADS = True
 
 
@@ -23,8 +24,22 @@ def upload(data, device, dtype: torch.dtype | None = None) -> torch.Tensor:
     waiting for a CUDA device: a plain copy from pageable host memory synchronises the stream (it waits for every
     kernel queued before it), so a step's small index and threshold tensors are built in pinned memory and copied with
     ``non_blocking``, queued like a kernel (PyTorch's caching host allocator keeps the pinned block until the copy has
-    run). Elsewhere the plain tensor."""
+    run). Elsewhere the plain tensor. A flat list of Python ints (row and column indices, mostly the same step after
+    step) is kept per value, device and dtype and not copied again: the result is shared, read it only."""
     device = torch.device(device)
+    if not NON_BLOCKING_UPLOADS:
+        return _upload(data, device, dtype)
+    if type(data) is list and len(data) <= 4096 and all(type(v) is int for v in data):
+        return _kept(tuple(data), device, dtype)
+    return _upload(data, device, dtype)
+
+
+@functools.lru_cache(maxsize=1024)
+def _kept(data: tuple[int, ...], device: torch.device, dtype: torch.dtype | None) -> torch.Tensor:
+    return _upload(list(data), device, dtype)
+
+
+def _upload(data, device: torch.device, dtype: torch.dtype | None) -> torch.Tensor:
     if device.type != "cuda" or not NON_BLOCKING_UPLOADS:
         if isinstance(data, torch.Tensor):
             return data.to(device=device, dtype=dtype)
