@@ -88,10 +88,10 @@ class WorkerConfig:
                                    "(docs/engine.md).")
     cuda_graphs: bool = setting(True, "Replay the model's forward from CUDA graphs (one per shape of a step, "
                                       "captured the second time it is met): the same kernels, launched by the GPU "
-                                      "instead of the host; the same tokens, 1.1-2.3x faster steps on an H200. "
-                                      "CUDA only, dense families (not the mixture-of-experts ones or "
-                                      "DiffusionGemma), not with --compile or tensor parallelism (docs/engine.md, "
-                                      "\"CUDA graphs\").")
+                                      "instead of the host; the same tokens, 1.1-3.4x faster steps on an H200 and "
+                                      "an H100. CUDA only: the dense families and DiffusionGemma's decoder pass in "
+                                      "bfloat16 (not LLaDA-MoE or LLaDA2.x), not with --compile or tensor "
+                                      "parallelism (docs/engine.md, \"CUDA graphs\").")
     cuda_graph_max: int = setting(32, "With --cuda-graphs: graphs kept at most (least recently replayed dropped "
                                       "first).", type=click.IntRange(1))
     cuda_graph_max_tokens: int = setting(2048, "With --cuda-graphs: forwards of more tokens (rows x positions) run "
