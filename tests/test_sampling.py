@@ -170,16 +170,17 @@ def test_block_rows_choose_together_as_each_alone():
 
 def test_window_index_tensors():
     """rows.window: a batch of windows' columns (padded with each row's last), which are real, each column's own
-    index or the last real one's, and the flat list of the real ones, built on the host in one copy."""
+    index or the last real one's, and the flat list of the real ones, built on the host in one copy (windows of one
+    width, the usual case, from kept parts and their columns)."""
     import random
 
     from worker.engine.rows import window
     rng = random.Random(0)
-    for _ in range(200):
-        spans = []
+    for i in range(300):
+        spans, width = [], rng.randrange(1, 12)
         for _ in range(rng.randrange(1, 9)):
             a = rng.randrange(0, 50)
-            spans.append((a, a + rng.randrange(1, 12)))
+            spans.append((a, a + (width if i % 3 == 0 else rng.randrange(1, 12))))    # a third of one width
         w = window(spans, "cpu")
         W = max(e - s for s, e in spans)
         assert w.cols.shape == w.valid.shape == w.last.shape == (len(spans), W) and w.valid.dtype == torch.bool

@@ -311,6 +311,10 @@ def _window(spans: tuple[tuple[int, int], ...], device: torch.device) -> Window:
     s, e = se[:, 0], se[:, 1]
     n = e - s
     W = int(n.max())
+    if int(n.min()) == W:         # windows of one width (the usual case): only the columns are new
+        cols = upload(torch.from_numpy(s[:, None] + np.arange(W)), device)
+        valid, last, bi, wi = _uniform(B, W, device)
+        return Window(cols, valid, last, (bi, wi, cols.view(-1)))
     j = np.arange(W)
     cols = np.minimum(s[:, None] + j, (e - 1)[:, None])
     valid = j[None, :] < n[:, None]
@@ -342,6 +346,14 @@ def nonzero_rows(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, list[i
     bi, ci = np.nonzero(m)
     both = upload(torch.from_numpy(np.concatenate([bi, ci]).astype(np.int64)), mask.device)
     return both[:len(bi)], both[len(bi):], np.count_nonzero(m, axis=1).tolist()
+
+
+@functools.lru_cache(maxsize=32)
+def _uniform(B: int, W: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """:class:`Window`'s parts that do not depend on where B windows of width W start."""
+    j = torch.arange(W)
+    return (upload(torch.ones(B, W, dtype=torch.bool), device), upload(j.expand(B, W).contiguous(), device),
+            upload(torch.arange(B).repeat_interleave(W), device), upload(j.repeat(B), device))
 
 
 def write_chosen(x: torch.Tensor, cols: torch.Tensor, last: torch.Tensor, chosen: torch.Tensor, x0: torch.Tensor,
