@@ -310,12 +310,14 @@ def fast_dllm_rule(params, fixed: Softmax, parallel: Softmax) -> Rule:
 
 
 def denoise(logits: torch.Tensor, tokens: torch.Tensor, widths: list[int], rows, mask_id: int,
-            layouts: list[Layout | None], valid: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            layouts: list[Layout | None], valid: torch.Tensor | None = None,
+            counts: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """One step's decision for a batch of rows: (x0 [B, K], transfer [B, K] bool). ``tokens``: the candidates'
     current ids; ``layouts[b]``: row b's topk vector (rows with a topk rule); ``valid`` [B, K]: which candidates are
     real (row b's first ``widths[b]``; built when not given). Each row decides by its ``row.rule``; rows whose rules
     allow it decide together. Nothing here waits for the device but the mask counts of threshold rows (topk's
-    ``k``, one read for the batch) and the rules that decide row by row (the factor rule)."""
+    ``k``, one read for the batch, unless the caller knows them from its host copy of the canvas: ``counts``, each
+    row's masked candidates) and the rules that decide row by row (the factor rule)."""
     B, K = tokens.shape
     dev = tokens.device
     if valid is None:
@@ -365,7 +367,6 @@ def denoise(logits: torch.Tensor, tokens: torch.Tensor, widths: list[int], rows,
     grouped: dict[tuple, list[tuple[int, int]]] = {}     # (length, k, threshold, dtype) -> [(row, at)]: ranked together
     together: dict[tuple, list[int]] = {}                 # (rule type, batch key) -> rows chosen together
     alone: list[int] = []
-    counts = None
     for b, r in enumerate(rows):
         kind = type(r.rule)
         if kind is FixedRule:

@@ -57,11 +57,12 @@ def whole_sequence(row: Row, region: tuple[int, int]) -> Layout:
 
 
 def commit(canvas: Canvas, logits: torch.Tensor, win: Window, widths: list[int], mask_id: int,
-           layouts: list[Layout | None]) -> None:
-    """Decide this step for every row (candidates at the canvas columns of ``win``) and write the chosen tokens."""
+           layouts: list[Layout | None], counts: list[int] | None = None) -> None:
+    """Decide this step for every row (candidates at the canvas columns of ``win``; ``counts``: how many of each
+    row's are masked, when known on the host) and write the chosen tokens."""
     gidx = win.cols
     tokens = canvas.x.gather(1, gidx)
-    x0, chosen = denoise(logits, tokens, widths, canvas.rows, mask_id, layouts, win.valid)
+    x0, chosen = denoise(logits, tokens, widths, canvas.rows, mask_id, layouts, win.valid, counts)
     if wants_logprobs(canvas.rows):
         bi, ki = chosen.nonzero(as_tuple=True)
         canvas.x[bi, gidx[bi, ki]] = x0[bi, ki]
@@ -69,6 +70,12 @@ def commit(canvas: Canvas, logits: torch.Tensor, win: Window, widths: list[int],
         record_logprobs(canvas.rows, bi, gidx[bi, ki] - starts[bi], x0[bi, ki], logits[bi, ki])
         return
     write_chosen(canvas.x, gidx, win.last, chosen, x0, tokens)
+
+
+def mask_counts(rows: list[Row], gens: dict[int, list[int]], regions: list[tuple[int, int]], mask_id: int) -> list[int]:
+    """How many of each row's candidates (its generated canvas's ``regions[b]``) are masked, from the host copy of the
+    canvas (``gens``, read at the end of the last step): what a threshold rule's ranking needs, without a read."""
+    return [gens[r.index][s:e].count(mask_id) for r, (s, e) in zip(rows, regions)]
 
 
 def step_done(canvas: Canvas, fin: Finisher, mask_id: int) -> tuple[dict, tuple[list[int], int] | None]:
@@ -128,7 +135,7 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
                 logits[b] = lu[i] + (active[b].params.cfg_scale + 1) * (logits[b] - lu[i])
 
         commit(canvas, logits, win, [e - s for s, e in regions], mask_id,
-               [whole_sequence(r, reg) for r, reg in zip(active, regions)])
+               [whole_sequence(r, reg) for r, reg in zip(active, regions)], mask_counts(active, gens, regions, mask_id))
         gens, _ = step_done(canvas, fin, mask_id)
         yield      # a step is done: the engine may run other groups' steps (continuous batching)
 

@@ -18,7 +18,7 @@ from ...models.layers import upload
 from ..rows import Canvas, Finisher, Row, between_steps, window
 from . import Algorithm, register
 from ..sampling import Layout, Softmax, fast_dllm_rule
-from .basic import candidate_region, commit, start_block, step_done, whole_sequence
+from .basic import candidate_region, commit, mask_counts, start_block, step_done, whole_sequence
 
 
 def _gather_logits(model, hidden: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
@@ -53,7 +53,7 @@ def _full_forward(model, canvas: Canvas, cache, gens, full: list[int], block_onl
         spans.append((canvas.gen_start(b) + s, canvas.gen_start(b) + e))
     lg = _gather_logits(model, hidden, spans)
     for i, b in enumerate(full):
-        out[b] = (regions[i], whole_sequence(active[b], regions[i]), lg[i, : regions[i][1] - regions[i][0]])
+        out[b] = (regions[i], whole_sequence(active[b], regions[i]), (lg, i, regions[i][1] - regions[i][0]))
 
 
 def _window_forward(model, canvas: Canvas, cache, part: list[int], dual: bool, out) -> None:
@@ -85,20 +85,42 @@ def _window_forward(model, canvas: Canvas, cache, part: list[int], dual: bool, o
     hidden = model(ids, pos, mask, cache=cache, slots=slots, window=win.flat)
     lg = _gather_logits(model, hidden, [(a, a + active[b].plan.block_length) for a, b in zip(at, part)])
     for i, b in enumerate(part):
-        out[b] = (regions[i], layouts[i], lg[i, : active[b].plan.block_length])
+        out[b] = (regions[i], layouts[i], (lg, i, active[b].plan.block_length))
 
 
-def _commit_all(canvas: Canvas, decided: list, mask_id: int, device) -> None:
+def _commit_all(canvas: Canvas, decided: list, mask_id: int, device, gens: dict[int, list[int]]) -> None:
     """One commit for every row from its (region, layout, logits): the regions padded to the widest with their last
-    column."""
+    column. A row's logits are ``(batch logits, its row there, its first n columns)``: when every row is row b of one
+    forward's logits with K columns (the usual step), those logits are the commit's as they are."""
     regions = [d[0] for d in decided]
     widths = [e - s for s, e in regions]
     K = max(widths)
-    logits = torch.stack([lg if lg.shape[0] == K else torch.cat([lg, lg[-1:].expand(K - lg.shape[0], -1)])
-                          for _, _, lg in decided])
+    sources: dict[int, tuple[torch.Tensor, list[int], list[int], list[int]]] = {}   # forward -> its rows
+    for b, (_, _, (lg, i, n)) in enumerate(decided):
+        got = sources.setdefault(id(lg), (lg, [], [], []))
+        got[1].append(b)
+        got[2].append(i)
+        got[3].append(n)
+    B = len(decided)
+    if len(sources) == 1:
+        src, bs, is_, ns = next(iter(sources.values()))
+        whole = src.shape[1] == K and src.shape[0] == B and is_ == bs == list(range(B)) and min(ns) == K
+    if len(sources) == 1 and whole:
+        logits = src
+    else:                   # rows from two forwards (block starts beside windows), or narrower rows
+        first = next(iter(sources.values()))[0]
+        logits = torch.empty((B, K, first.shape[-1]), dtype=first.dtype, device=first.device)
+        for src, bs, is_, ns in sources.values():
+            if src.shape[1] == K and min(ns) == K:
+                logits[upload(bs, device)] = src if is_ == list(range(src.shape[0])) else src[upload(is_, device)]
+                continue
+            for b, i, n in zip(bs, is_, ns):
+                lg = src[i, :n]
+                logits[b] = lg if n == K else torch.cat([lg, lg[-1:].expand(K - n, -1)])
     g0 = [canvas.gen_start(b) for b in range(len(decided))]
     win = window([(g + s, g + e) for g, (s, e) in zip(g0, regions)], device)    # [B, K]
-    commit(canvas, logits, win, widths, mask_id, [d[1] for d in decided])
+    commit(canvas, logits, win, widths, mask_id, [d[1] for d in decided],
+           mask_counts(canvas.rows, gens, regions, mask_id))
 
 
 def run_cached(engine, rows: list[Row], fin: Finisher, dual: bool, make_rule=fast_dllm, block_only: bool = False,
@@ -137,7 +159,7 @@ def run_cached(engine, rows: list[Row], fin: Finisher, dual: bool, make_rule=fas
             _full_forward(model, canvas, cache, gens, full, block_only, mask_id, decided)
         if part:
             _window_forward(model, canvas, cache, part, dual, decided)
-        _commit_all(canvas, decided, mask_id, model.device)
+        _commit_all(canvas, decided, mask_id, model.device, gens)
         gens, dropped = step_done(canvas, fin, mask_id)
         if dropped and dropped[0]:
             cache.keep(*dropped)
