@@ -147,6 +147,19 @@ def test_bfloat16_cases_alone_are_exact(golden):
             if not same(e.generate([Request(c["prompt"], params(c))])[0], c, max_tokens(c))] == []
 
 
+def test_temperature_schedule_is_the_references_float32_arithmetic():
+    """_State.schedule (numpy float32, host floats) gives exactly the reference's per-step torch float32 values,
+    ``t_min + (t_max - t_min) * (int32 step / N)``, over random settings."""
+    from worker.engine.algorithms.diffusion_gemma import _State
+    rng = random.Random(5)
+    for _ in range(500):
+        s = _State.__new__(_State)
+        s.N, s.t_min, s.t_max = rng.randrange(1, 100), rng.uniform(0, 1.5), rng.uniform(0.2, 3)
+        want = [float(s.t_min + ((s.t_max - s.t_min) * (torch.tensor(t, dtype=torch.int32) / s.N)))
+                for t in range(s.N, 0, -1)]
+        assert s.schedule() == want
+
+
 def test_parameter_errors_name_the_field(engine):
     def err(**kw):
         extra = kw.pop("extra", {})

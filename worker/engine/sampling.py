@@ -73,13 +73,11 @@ def multinomial_rows(probs: torch.Tensor, gens: list, sizes: list[int] | None = 
     indices, ``probs.shape[:-1]``."""
     q = torch.empty_like(probs)
     if sizes is None:
-        for j, g in enumerate(gens):
-            q[j].exponential_(generator=g)
+        for part, g in zip(q.unbind(0), gens):       # (the views in one call)
+            part.exponential_(generator=g)
     else:
-        at = 0
-        for n, g in zip(sizes, gens):
-            q[at:at + n].exponential_(generator=g)
-            at += n
+        for part, g in zip(q.split(sizes), gens):
+            part.exponential_(generator=g)
     return torch.div(probs, q, out=q).argmax(dim=-1)
 
 
@@ -131,18 +129,19 @@ class Confidences:
     its reference's dtype), kept as one matrix per group of rows computed together (:func:`confidences`)."""
 
     def __init__(self, B: int):
-        self.at: list[tuple[torch.Tensor, int] | None] = [None] * B      # row -> (matrix, its row there)
+        self.at: list[tuple[torch.Tensor, int, torch.dtype] | None] = [None] * B   # row -> (matrix, its row, dtype)
 
     def put(self, rows: list[int], matrix: torch.Tensor) -> None:
+        dtype = matrix.dtype
         for i, b in enumerate(rows):
-            self.at[b] = (matrix, i)
+            self.at[b] = (matrix, i, dtype)
 
     def row(self, b: int) -> torch.Tensor:
-        m, i = self.at[b]
+        m, i, _ = self.at[b]
         return m[i]
 
     def dtype(self, b: int) -> torch.dtype:
-        return self.at[b][0].dtype
+        return self.at[b][2]
 
     def rows(self, bs: list[int]) -> torch.Tensor:
         """[len(bs), K]: the matrix itself when ``bs`` are its rows in order (no copy)."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import torch
 
 from ...models.layers import upload
@@ -47,30 +48,34 @@ PARAMS = (
 
 class _State:
     """A row's progress: its CPU-side settings, its canvas, its self-conditioning logits and stopping history."""
-    __slots__ = ("N", "t_min", "t_max", "S", "limits", "temps", "left", "encode", "canvas", "sc", "hist", "out",
+    __slots__ = ("N", "t_min", "t_max", "S", "limits", "temps", "left", "encode", "canvas", "at", "hist", "out",
                  "gen", "reused")
 
     def __init__(self, row: Row, gen: torch.Generator, device: torch.device):
         e = row.params.extra
         self.N, self.t_min, self.t_max = e["max_denoising_steps"], e["t_min"], e["t_max"]
         self.S = e["stability_threshold"]
-        # (entropy_bound, confidence_threshold) as float32 on the device: the reference compares float32 with them
-        self.limits = upload([e["entropy_bound"], e["confidence_threshold"]], device, torch.float32)
-        self.temps = None                  # [N] the canvas's temperatures on the device, step by step
+        # (entropy_bound, confidence_threshold), copied to the device as float32 with the step's temperatures: the
+        # reference compares float32 with them
+        self.limits = [e["entropy_bound"], e["confidence_threshold"]]
+        self.temps = None                  # the canvas's temperatures, step by step (float32 values)
         self.left = 0                      # steps remaining in this canvas (the reference's cur_step)
         self.encode: list[int] = list(row.prompt)          # tokens the encoder must append before the next canvas
-        self.canvas = None                 # [L] on the device
-        self.sc = None                     # [L, V] previous step's scaled logits (embedding dtype)
-        self.hist = None                   # [S, L] the last S argmaxes (a ring: step i at i % S)
+        self.canvas = None                 # [L] on the device: a canvas's first step's
+        self.at = None                     # after that: its row in the last step's (canvases, scaled logits)
+        self.hist = None                   # the last S argmaxes [S, L] (a ring: step i at i % S), as (the rings of
+        #                                    its group of rows, its row there)
         self.out: list[int] = []           # finished canvases (argmax)
         self.gen = gen
         self.reused = -1                   # prompt tokens from the prefix cache, once its prompt is encoding
 
-    def schedule(self) -> torch.Tensor:
-        """The temperatures of a canvas's steps (N steps remaining down to 1), each with the reference's float32
-        arithmetic (an int32 step over a Python int, times a Python float, plus a Python float)."""
-        return torch.stack([self.t_min + ((self.t_max - self.t_min) * (torch.tensor(t, dtype=torch.int32) / self.N))
-                            for t in range(self.N, 0, -1)])
+    def schedule(self) -> list[float]:
+        """The temperatures of a canvas's steps (N steps remaining down to 1) with the reference's float32
+        arithmetic: an int32 step over a Python int (float32), times a Python float, plus a Python float, each
+        rounded to float32 as torch's float32 tensor arithmetic does with a Python number (numpy's float32 operations
+        are the same IEEE ones; tests/test_diffusion_gemma.py checks them against torch's). Python floats, exact."""
+        t = np.arange(self.N, 0, -1).astype(np.float32) / np.float32(self.N)
+        return (np.float32(self.t_min) + np.float32(self.t_max - self.t_min) * t).tolist()
 
 
 def _generator(row: Row, device: torch.device) -> torch.Generator:
@@ -134,6 +139,7 @@ def run(engine, rows: list[Row], fin: Finisher):
             active[:] = [active[b] for b in idx]
 
     join(rows)
+    last = None                 # the last step's (canvases, scaled logits) [B, L], [B, L, V]: the rows going on
     while True:
         keep([b for b, r in enumerate(active) if not fin.cancelled(r)])
         new = fin.admit(active)
@@ -157,19 +163,22 @@ def run(engine, rows: list[Row], fin: Finisher):
                 s.reused = -1
                 s.encode = []
                 s.canvas = torch.randint(0, V, (1, L), generator=s.gen, device=dev)[0]
-                s.sc, s.hist, s.left = None, None, s.N
-                if s.temps is None:        # copied to the device once per row, not per step
-                    s.temps = upload(s.schedule(), dev)
+                s.at, s.hist, s.left = None, None, s.N
+                if s.temps is None:
+                    s.temps = s.schedule()
         # 2. one denoiser forward for every row
         sts = [state[r.index] for r in active]
-        sc_rows = [b for b, s in enumerate(sts) if s.sc is not None]
-        sc = None
-        if sc_rows:
-            sc = sts[sc_rows[0]].sc[None] if len(sc_rows) == 1 else torch.stack([sts[b].sc for b in sc_rows])
-        canvas = torch.stack([s.canvas for s in sts])
+        if last is not None and last[0].shape[0] == len(sts) and all(s.at == b for b, s in enumerate(sts)):
+            canvas, sc = last                # every row goes on from the last step, in its place
+            sc_rows = list(range(len(sts)))
+        else:                                # self-conditioning from the last step's logits for the rows going on
+            sc_rows = [b for b, s in enumerate(sts) if s.at is not None]
+            sc = last[1][upload([sts[b].at for b in sc_rows], dev)] if sc_rows else None
+            canvas = torch.stack([s.canvas if s.at is None else last[0][s.at] for s in sts])
         raw = model.denoise(canvas, sc, sc_rows, cache, list(range(len(active))))
-        temps = torch.stack([s.temps[s.N - s.left] for s in sts])
-        limits = torch.stack([s.limits for s in sts])
+        # every row's temperature and limits in one copy (float32, as the reference's tensors hold them)
+        tl = upload([[s.temps[s.N - s.left], *s.limits] for s in sts], dev, torch.float32)
+        temps, limits = tl[:, 0], tl[:, 1:]
         x = raw.div_(temps[:, None, None])          # raw is this step's own tensor: divided in place
         probs = torch.softmax(x, dim=-1, dtype=torch.float32)
         # each row's multinomial, from its own generator, drawn together; multinomial's validity check is the
@@ -182,7 +191,9 @@ def run(engine, rows: list[Row], fin: Finisher):
         over = torch.cumsum(order_ent, dim=-1) - order_ent
         accept = torch.zeros_like(over, dtype=torch.bool).scatter(-1, order, over <= limits[:, :1])
         accepted = torch.where(accept, drawn, canvas)
-        noise = torch.stack([torch.randint(0, V, (1, L), generator=s.gen, device=dev)[0] for s in sts])
+        noise = torch.empty((len(sts), L), dtype=torch.long, device=dev)
+        for part, s in zip(noise.unbind(0), sts):     # each row's own draw, as randint makes it (random_ on [L])
+            part.random_(0, V, generator=s.gen)
         nxt = torch.where(accept, accepted, noise)
         # adaptive stopping: stable (argmax unchanged for S steps) and confident (mean entropy below the threshold)
         # (the history is a ring of the last S argmaxes, -1 before there are S: "all equal to this one" does not
@@ -192,21 +203,30 @@ def run(engine, rows: list[Row], fin: Finisher):
         for b, s in enumerate(sts):
             if s.S:
                 by_s.setdefault(s.S, []).append(b)
-                if s.hist is None:
-                    s.hist = torch.full((s.S, L), -1, dtype=torch.long, device=dev)
         for S, members in by_s.items():
-            idx = upload(members, dev)
-            hist = torch.stack([sts[b].hist for b in members])          # this step's copy of the rows' rings
-            now = argmax[idx]
-            stable_t[idx] = (hist == now[:, None]).flatten(1).all(-1)
+            every = len(members) == len(sts)
+            idx = None if every else upload(members, dev)
+            got = [sts[b].hist for b in members]      # (the group's rings of the last step, its row there) or None
+            if all(h is not None and h[0] is got[0][0] and h[1] == j for j, h in enumerate(got)) \
+                    and got[0][0].shape[0] == len(members):
+                hist = got[0][0]                       # the same rows as the last step, in order: its rings
+            else:
+                hist = torch.stack([torch.full((S, L), -1, dtype=torch.long, device=dev) if h is None else h[0][h[1]]
+                                    for h in got])
+            now = argmax if every else argmax[idx]
+            same = (hist == now[:, None]).flatten(1).all(-1)
+            if every:
+                stable_t = same
+            else:
+                stable_t[idx] = same
             if len(members) == 1:
                 s = sts[members[0]]
                 hist[0, (s.N - s.left) % S] = now[0]
             else:                   # each row's oldest slot, in one write
                 ring = upload([(sts[b].N - sts[b].left) % S for b in members], dev)
                 hist[torch.arange(len(members), device=dev), ring] = now
-            for i, b in enumerate(members):
-                sts[b].hist = hist[i]
+            for j, b in enumerate(members):
+                sts[b].hist = (hist, j)
         mean_ent = ent.mean(dim=-1)
         confident = mean_ent < limits[:, 1]
         # the step's one transfer: the stopping test; multinomial's check of the probabilities (finite entropies
@@ -232,8 +252,10 @@ def run(engine, rows: list[Row], fin: Finisher):
             s.left -= 1
             if stop[b] or s.left == 0:
                 finished_canvas.append(b)
+                s.at = None
             else:
-                s.canvas, s.sc = nxt[b], sc_next[b]
+                s.at = b
+        last = (nxt, sc_next)
         if finished_canvas:
             am = [amax[b] for b in finished_canvas]
             for i, b in enumerate(finished_canvas):
@@ -242,7 +264,7 @@ def run(engine, rows: list[Row], fin: Finisher):
                     pos = torch.arange(len(s.out), len(s.out) + L)
                     r.logprobs.record(pos, argmax[b].cpu(), x[b].cpu())
                 s.out += am[i]
-                s.sc = s.canvas = None
+                s.canvas = None
                 stops = fin.stops(r)
                 done = len(s.out) >= r.plan.gen_length or any(t in stops for t in am[i])
                 view = s.out + [engine.mask_id] * max(0, r.plan.gen_length - len(s.out))
