@@ -129,4 +129,4 @@ def test_credit_fused_together_matches_each_row_alone():
             for b, w in enumerate(widths):
                 want = alone[b].transform(logits[b, :w], masked[b, :w])
                 assert torch.equal(got[b, :w], want), (widths, step, b)
-                assert torch.equal(together[b].credit, alone[b].credit)
+                assert torch.equal(together[b].matrix(), alone[b].matrix())

@@ -349,8 +349,12 @@ def denoise(logits: torch.Tensor, tokens: torch.Tensor, widths: list[int], rows,
                 t = rows[b].rule.transform(logits[b, :widths[b]], masked[b, :widths[b]])
                 parts[members[0]] = F.pad(t, (0, 0, 0, K - t.shape[0]))[None]
                 continue
-            idx = upload(bs, dev)
-            out = kind.transform_rows([rows[b].rule for b in bs], logits[idx], masked[idx], [widths[b] for b in bs])
+            every = len(bs) == B           # every row, in order: no index, no copy
+            out = kind.transform_rows([rows[b].rule for b in bs], logits if every else logits[upload(bs, dev)],
+                                      masked if every else masked[upload(bs, dev)], [widths[b] for b in bs])
+            if len(members) == len(fused):
+                parts = [out]
+                break
             for j, i in enumerate(members):
                 parts[i] = out[j:j + 1]
         lg = parts[0] if len(parts) == 1 else torch.cat(parts)

@@ -64,12 +64,19 @@ def select_hierarchy_rows(conf: torch.Tensor, masked: torch.Tensor, threshold: f
     return pick & masked
 
 
+def _own(row) -> None:
+    """A Credit rule's matrix as its own tensor (it was row j of a batch's stacked matrix)."""
+    if row.shared is not None:
+        row.credit, row.shared = row.matrix(), None
+
+
 def fuse_credit(logits: torch.Tensor, masked: torch.Tensor, row) -> torch.Tensor:  # row: a Credit rule
     """dInfer's credit fusion (``CreditThresholdParallelDecoder``) for one row's candidates ``logits`` [w, V]: a
     float32 credit matrix for the block, decayed by ``decay_beta`` from its second step on, gains
     ``p_top1 ** boost_gamma`` at each masked position's top-1 token (float32 softmax); returns the float32 logits
     ``logits + credit_alpha * log(credit + 1)`` the decision is made on."""
     e = row.extra
+    _own(row)
     if row.credit is None or row.credit.shape != logits.shape:
         row.credit = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
     else:
@@ -90,20 +97,35 @@ def fuse_credit_rows(logits: torch.Tensor, masked: torch.Tensor, rules, widths: 
     top_p, top_i = F.softmax(logits.to(torch.float32), dim=-1).max(-1)
     gain = top_p.pow(e["boost_gamma"]).to(torch.float32) * masked.to(torch.float32)
     if all(w == K for w in widths):     # the rows' credit matrices stacked: decayed and fed at once
-        fresh = [j for j, r in enumerate(rules) if r.credit is None or r.credit.shape != (K, V)]
-        if len(fresh) == R:
-            credit = torch.zeros((R, K, V), dtype=torch.float32, device=logits.device)
-        else:
-            zero = logits.new_zeros((), dtype=torch.float32).expand(K, V)
-            new = set(fresh)
-            credit = torch.stack([zero if j in new else r.credit for j, r in enumerate(rules)])
+        base = next((r.shared[0] for r in rules if r.shared is not None), None)
+        if base is not None and base.shape == (R, K, V) and all(
+                (r.shared is not None and r.shared[0] is base and r.shared[1] == j)
+                or (r.shared is None and r.credit is None) for j, r in enumerate(rules)):
+            # the same rows as the last step, in order, each inside its block or at a new block's start (zeroed)
+            credit = base
             credit.mul_(e["decay_beta"])
+            fresh = [j for j, r in enumerate(rules) if r.shared is None]
             if fresh:
                 credit[upload(fresh, logits.device)] = 0
+        else:
+            for r in rules:
+                _own(r)
+            fresh = [j for j, r in enumerate(rules) if r.credit is None or r.credit.shape != (K, V)]
+            if len(fresh) == R:
+                credit = torch.zeros((R, K, V), dtype=torch.float32, device=logits.device)
+            else:
+                zero = logits.new_zeros((), dtype=torch.float32).expand(K, V)
+                new = set(fresh)
+                credit = torch.stack([zero if j in new else r.credit for j, r in enumerate(rules)])
+                credit.mul_(e["decay_beta"])
+                if fresh:
+                    credit[upload(fresh, logits.device)] = 0
         credit.scatter_add_(2, top_i[..., None], gain[..., None])
-        for j, r in enumerate(rules):
-            r.credit = credit[j]            # each row's own matrix: its slice of this step's
+        for j, r in enumerate(rules):       # each row's own matrix: row j of this step's
+            r.credit, r.shared = None, (credit, j)
         return logits + e["credit_alpha"] * torch.log(credit + 1)
+    for r in rules:
+        _own(r)
     kept = [r.credit for r, w in zip(rules, widths) if r.credit is not None and r.credit.shape == (w, V)]
     if kept:
         torch._foreach_mul_(kept, e["decay_beta"])
@@ -154,11 +176,16 @@ class Hierarchy(Rule):
 class Credit(DInferThreshold):
     """dInfer's credit decoder: the threshold rule on logits fused with a per-block credit matrix (this row's)."""
     extra: dict = field(default_factory=dict)
-    credit: torch.Tensor | None = None
+    credit: torch.Tensor | None = None       # this row's credit matrix [w, V], or
+    shared: tuple | None = None              # (a batch's stacked matrices [R, K, V], its row there)
     transforms_logits = True
 
     def start_block(self) -> None:
-        self.credit = None
+        self.credit = self.shared = None
+
+    def matrix(self) -> torch.Tensor | None:
+        """This row's credit matrix."""
+        return self.credit if self.shared is None else self.shared[0][self.shared[1]]
 
     def transform(self, logits, masked):
         return fuse_credit(logits, masked, self)
