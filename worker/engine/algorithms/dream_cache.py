@@ -92,13 +92,12 @@ def _block_steps(model, canvas: Canvas, cache, part: list[int], starts: list[int
     if min(bl) < top:
         in_block &= torch.arange(top, device=dev)[None, :] < upload(bl, dev)[:, None]
     src_b, where_all, counts = nonzero_rows(in_block)
-    masked = torch.split(where_all, counts)
     src_w = (where_all - 1).clamp(min=0)           # shifted within the window
     logits = model.logits(hidden[src_b, src_w]) if len(src_b) else None
     at, choices = 0, []
     for i, b in enumerate(part):
-        r, where = active[b], masked[i]
-        n, length = where.shape[0], wins[i][1] - wins[i][0]
+        r = active[b]
+        n, length = counts[i], wins[i][1] - wins[i][0]
         spb = steps_per_block(r)
         thr = r.params.threshold
         if n and together(r.params, r.logprobs):      # decided below with the other rows
@@ -107,7 +106,7 @@ def _block_steps(model, canvas: Canvas, cache, part: list[int], starts: list[int
                                   "probability" if thr is not None else CONFIDENCE["entropy"], r.params,
                                   r.generator))
         elif n:
-            lg = logits[at:at + n]
+            lg, where = logits[at:at + n], where_all[at:at + n]
             if thr is not None:
                 pick, tokens = threshold_step(r.params, r.generator, lg, where, length)
             else:
