@@ -10,7 +10,8 @@ synchronises the stream; ``worker.models.layers.upload`` is the copy that does n
 algorithm runs on its family's tiny fixture (tests/fixtures), float32 on CPU, the whole canvas (early exit off).
 With ``--ops``, also the tensor operations made outside the model per step (ATen operations as a
 ``TorchDispatchMode`` sees them, views and allocations aside): on a GPU each is a kernel launch or a copy, the host
-work a step costs whatever the device.
+work a step costs whatever the device; and at ``--batch`` the calls into torch (a ``TorchFunctionMode`` count: views
+and attribute reads too, each host time).
 
   python bench/host_overhead_bench.py --batch 32 [--ops]
 """
@@ -119,6 +120,20 @@ NOT_LAUNCHES = {"as_strided", "reshape", "view", "transpose", "t", "select", "sl
                 "_local_scalar_dense", "resolve_conj", "resolve_neg"}
 
 
+class CallCount(torch.overrides.TorchFunctionMode):
+    """Counts the calls into torch (functions, methods, views, attribute reads such as ``.shape``) made while no model
+    call runs: each is host time, a few microseconds for a CUDA tensor."""
+
+    def __init__(self, clock: "ModelClock"):
+        super().__init__()
+        self.clock, self.n = clock, 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if self.clock.depth == 0:
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
 class OpCount(torch.utils._python_dispatch.TorchDispatchMode):
     """Counts the ATen operations made while no model call runs (``clock.depth == 0``)."""
 
@@ -192,10 +207,10 @@ def params(alg: str, engine: Engine, gen: int) -> GenerationParams:
 
 def measure(engine: Engine, alg: str, batch: int, gen: int, reps: int,
             sites: collections.Counter | None = None, ops: bool = False,
-            tokens: list | None = None) -> tuple[float, float, int, float | None]:
-    """(host microseconds per step, device-waiting calls per step, steps, with ``ops`` tensor operations outside
-    the model per step from one more, untimed run) over ``reps`` runs; ``tokens``: a list that receives the last
-    run's tokens and forwards, row by row."""
+            tokens: list | None = None) -> tuple[float, float, int, float | None, float | None]:
+    """(host microseconds per step, device-waiting calls per step, steps, with ``ops`` tensor operations and calls
+    into torch outside the model per step from one more, untimed run) over ``reps`` runs; ``tokens``: a list that
+    receives the last run's tokens and forwards, row by row."""
     rng = random.Random(0)
     vocab = min(engine.model.cfg.vocab_size if hasattr(engine.model.cfg, "vocab_size") else 250, 250)
     reqs = [Request([rng.randrange(5, vocab) for _ in range(16)], params(alg, engine, gen)) for _ in range(batch)]
@@ -215,13 +230,14 @@ def measure(engine: Engine, alg: str, batch: int, gen: int, reps: int,
         syncs_per_step = (syncs[0] - before) / n
     if tokens is not None:
         tokens[:] = [(r.token_ids, r.nfe) for r in res]
-    ops_per_step = None
+    ops_per_step = calls_per_step = None
     if ops:
-        with OpCount(clock) as counted:
+        with CallCount(clock) as calls, OpCount(clock) as counted:
             res = engine.generate(reqs, early_exit=False)
         ops_per_step = counted.n / max(r.nfe for r in res)
+        calls_per_step = calls.n / max(r.nfe for r in res)
     engine.model.__class__ = engine.model.__class__.__mro__[1]
-    return min(host), syncs_per_step, steps, ops_per_step
+    return min(host), syncs_per_step, steps, ops_per_step, calls_per_step
 
 
 def main() -> None:
@@ -233,8 +249,8 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="cpu or cuda (bfloat16 there, float32 on the CPU)")
     ap.add_argument("--where", action="store_true", help="also print where the device-waiting calls are, per step "
                     "at --batch (slower: a stack per call)")
-    ap.add_argument("--ops", action="store_true", help="also count the tensor operations outside the model per step "
-                    "(one more, untimed run per batch size)")
+    ap.add_argument("--ops", action="store_true", help="also count the tensor operations and the calls into torch "
+                    "outside the model per step (one more, untimed run per batch size)")
     ap.add_argument("--compare-uploads", action="store_true",
                     help="on CUDA, also at --batch with the plain, waiting host-to-device copies instead of "
                     "worker.models.layers.upload's non-blocking ones: the host time, and whether the tokens are the same")
@@ -247,7 +263,8 @@ def main() -> None:
           f"{args.gen} generated, {'float32 CPU, 1 thread' if args.device == 'cpu' else args.device + ', bfloat16'}")
     print(f"{'algorithm':<18} {'family':<16} {'us/step b=1':>12} {'us/step b=' + str(args.batch):>13} "
           f"{'us/row':>8} {'syncs/step b=1':>15} {'b=' + str(args.batch):>7}"
-          + (f" {'ops/step b=1':>13} {'b=' + str(args.batch):>7}" if args.ops else "")
+          + (f" {'ops/step b=1':>13} {'b=' + str(args.batch):>7} {'calls b=' + str(args.batch):>9}" if args.ops
+             else "")
           + (f" {'waiting copies b=' + str(args.batch):>19} {'syncs':>6} {'tokens':>10}" if compare else ""))
     for name in sorted(algorithms.REGISTRY):
         if only and name not in only:
@@ -257,23 +274,24 @@ def main() -> None:
             engines[family] = Engine.from_pretrained(ROOT / "tests" / "fixtures" / FIXTURES[family],
                                                      device=args.device, dtype="auto")
         e = engines[family]
-        one, s1, _, o1 = measure(e, name, 1, args.gen, args.reps, ops=args.ops)
+        one, s1, _, o1, _ = measure(e, name, 1, args.gen, args.reps, ops=args.ops)
         toks: list = []
-        many, sn, _, on = measure(e, name, args.batch, args.gen, args.reps, ops=args.ops, tokens=toks)
+        many, sn, _, on, cn = measure(e, name, args.batch, args.gen, args.reps, ops=args.ops, tokens=toks)
         extra = ""
         if compare:
             layers.NON_BLOCKING_UPLOADS = False
             try:
                 plain: list = []
-                waiting, sw, _, _ = measure(e, name, args.batch, args.gen, args.reps, tokens=plain)
+                waiting, sw, _, _, _ = measure(e, name, args.batch, args.gen, args.reps, tokens=plain)
             finally:
                 layers.NON_BLOCKING_UPLOADS = True
             extra = f" {waiting:>19.0f} {sw:>6.1f} {'identical' if plain == toks else 'DIFFER':>10}"
         print(f"{name:<18} {family:<16} {one:>12.0f} {many:>13.0f} {(many - one) / (args.batch - 1):>8.1f} "
-              f"{s1:>15.1f} {sn:>7.1f}" + (f" {o1:>13.1f} {on:>7.1f}" if args.ops else "") + extra, flush=True)
+              f"{s1:>15.1f} {sn:>7.1f}" + (f" {o1:>13.1f} {on:>7.1f} {cn:>9.1f}" if args.ops else "") + extra,
+              flush=True)
         if args.where:
             sites: collections.Counter = collections.Counter()
-            _, _, steps, _ = measure(e, name, args.batch, args.gen, 1, sites)
+            _, _, steps, _, _ = measure(e, name, args.batch, args.gen, 1, sites)
             for site, n in sites.most_common(8):
                 print(f"    {n / steps:6.1f}/step  {site}")
 
