@@ -59,8 +59,9 @@ part graphs_8b "${GRAPHS_LIMIT:-90}" $py bench/graphs_bench.py --device cuda --s
 part engine_8b_dual_graphs "${E8_LIMIT:-75}" $py bench/engine_bench.py --shape llada-8b --device cuda --prompt-len 32 \
     --gen-length 256 --block-length 32 --steps 256 --algorithm dual_cache --threshold 0.9 --batch-sizes 1,16 \
     --warmup 1 --cuda-graphs
+# (--device-ms 10: also the host time a step adds to a device whose forward takes 10 ms, about LLaDA-8B's with graphs)
 part host_overhead "${HOST_LIMIT:-200}" $py bench/host_overhead_bench.py --device cuda --batch 32 --reps 2 --ops \
-    --compare-uploads
+    --compare-uploads --device-ms 10
 part reference_5m "${REF_LIMIT:-200}" $py bench/reference_bench.py --llada "$llada" --fast-dllm "$fast" \
     --reference-python "$refpy" --device cuda --rounds 3 --reference-eager
 # the bfloat16 tokens differed on the GPU with each side's own attention kernels: the same with the same kernels

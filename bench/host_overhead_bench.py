@@ -153,17 +153,32 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-class ModelClock:
-    """Times every call into the model (forward, logits, encode, denoise) on the engine's model object."""
+def device_cycles(ms: float) -> int:
+    """The argument of ``torch.cuda._sleep`` (a kernel that spins for that many GPU clock cycles) that keeps the
+    device busy for ``ms`` milliseconds, measured."""
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10_000_000)
+    end.record()
+    end.synchronize()
+    return int(ms * 10_000_000 / start.elapsed_time(end))
 
-    def __init__(self, model):
+
+class ModelClock:
+    """Times every call into the model (forward, logits, encode, denoise) on the engine's model object. With
+    ``cycles`` (CUDA), no call waits for the device: the forward, encode and denoise calls each queue a kernel that
+    keeps the device busy that long instead (``slept`` counts them), a model of a real forward's device time."""
+
+    def __init__(self, model, cycles: int = 0):
         self.model, self.seconds, self.calls = model, 0.0, 0
+        self.cycles, self.slept = cycles, 0
         self.depth = 0          # > 0 while a model call runs
         cls = type(model)
         for name in ("logits", "encode", "denoise"):          # forward runs inside __call__, timed below
             fn = getattr(cls, name, None)
             if fn is not None:
-                setattr(model, name, self._timed(getattr(model, name)))
+                setattr(model, name, self._timed(getattr(model, name), name != "logits"))
         # nn.Module.__call__ dispatches to forward through the class: time the call itself too
         self._call = cls.__call__
         clock = self
@@ -176,12 +191,19 @@ class ModelClock:
                     return clock._call(self, *a, **k)
                 finally:
                     clock.depth -= 1
-                    sync()
+                    clock.done(True)
                     clock.seconds += time.perf_counter() - t
                     clock.calls += 1
         model.__class__ = Timed
 
-    def _timed(self, fn):
+    def done(self, forward: bool) -> None:
+        if not self.cycles:
+            sync()
+        elif forward and self.depth == 0:
+            torch.cuda._sleep(self.cycles)
+            self.slept += 1
+
+    def _timed(self, fn, forward: bool):
         def timed(*a, **k):
             t = time.perf_counter()
             self.depth += 1
@@ -189,7 +211,7 @@ class ModelClock:
                 return fn(*a, **k)
             finally:
                 self.depth -= 1
-                sync()
+                self.done(forward)
                 self.seconds += time.perf_counter() - t
         return timed
 
@@ -240,6 +262,31 @@ def measure(engine: Engine, alg: str, batch: int, gen: int, reps: int,
     return min(host), syncs_per_step, steps, ops_per_step, calls_per_step
 
 
+def exposed(engine: Engine, alg: str, batch: int, gen: int, reps: int, ms: float, cycles: int) -> float:
+    """On CUDA: microseconds per step that the host adds to a device whose every forward takes ``ms``
+    (:class:`ModelClock` with ``cycles``; nothing waits for the device but the engine's own reads): wall time per
+    step minus the device's forward time per step, the minimum over ``reps`` runs. What a non-blocking copy or a
+    launch queued behind a running forward saves shows here, not in the host time (which waits after every call)."""
+    rng = random.Random(0)
+    vocab = min(engine.model.cfg.vocab_size if hasattr(engine.model.cfg, "vocab_size") else 250, 250)
+    reqs = [Request([rng.randrange(5, vocab) for _ in range(16)], params(alg, engine, gen)) for _ in range(batch)]
+    engine.generate(reqs[:1], early_exit=False)
+    clock = ModelClock(engine.model, cycles)
+    best = float("inf")
+    try:
+        for _ in range(reps):
+            clock.slept = 0
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            res = engine.generate(reqs, early_exit=False)
+            torch.cuda.synchronize()
+            n = max(r.nfe for r in res)
+            best = min(best, ((time.perf_counter() - t) - clock.slept * ms / 1000) / n * 1e6)
+    finally:
+        engine.model.__class__ = engine.model.__class__.__mro__[1]
+    return best
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--batch", type=int, default=32)
@@ -254,9 +301,16 @@ def main() -> None:
     ap.add_argument("--compare-uploads", action="store_true",
                     help="on CUDA, also at --batch with the plain, waiting host-to-device copies instead of "
                     "worker.models.layers.upload's non-blocking ones: the host time, and whether the tokens are the same")
+    ap.add_argument("--device-ms", type=float, default=0.0,
+                    help="on CUDA, also at --batch: the host time a step adds to a device whose every forward takes "
+                    "this long (a sleeping kernel for the forward; nothing waits after it), with --compare-uploads "
+                    "for the waiting copies too")
     args = ap.parse_args()
     torch.set_num_threads(1)
     compare = args.compare_uploads          # (on the CPU both copies are the plain one)
+    if args.device_ms and args.device == "cpu":
+        ap.error("--device-ms needs a CUDA device")
+    cycles = device_cycles(args.device_ms) if args.device_ms else 0
     only = set(args.only.split(",")) if args.only else None
     engines: dict[str, Engine] = {}
     print(f"host time per step = wall - time inside the model, minimum of {args.reps} runs; prompts of 16 tokens, "
@@ -265,7 +319,9 @@ def main() -> None:
           f"{'us/row':>8} {'syncs/step b=1':>15} {'b=' + str(args.batch):>7}"
           + (f" {'ops/step b=1':>13} {'b=' + str(args.batch):>7} {'calls b=' + str(args.batch):>9}" if args.ops
              else "")
-          + (f" {'waiting copies b=' + str(args.batch):>19} {'syncs':>6} {'tokens':>10}" if compare else ""))
+          + (f" {'waiting copies b=' + str(args.batch):>19} {'syncs':>6} {'tokens':>10}" if compare else "")
+          + (f" {'added at ' + str(args.device_ms) + ' ms':>16}" + (f" {'waiting':>8}" if compare else "")
+             if cycles else ""))
     for name in sorted(algorithms.REGISTRY):
         if only and name not in only:
             continue
@@ -286,6 +342,14 @@ def main() -> None:
             finally:
                 layers.NON_BLOCKING_UPLOADS = True
             extra = f" {waiting:>19.0f} {sw:>6.1f} {'identical' if plain == toks else 'DIFFER':>10}"
+        if cycles:
+            extra += f" {exposed(e, name, args.batch, args.gen, args.reps, args.device_ms, cycles):>16.0f}"
+            if compare:
+                layers.NON_BLOCKING_UPLOADS = False
+                try:
+                    extra += f" {exposed(e, name, args.batch, args.gen, args.reps, args.device_ms, cycles):>8.0f}"
+                finally:
+                    layers.NON_BLOCKING_UPLOADS = True
         print(f"{name:<18} {family:<16} {one:>12.0f} {many:>13.0f} {(many - one) / (args.batch - 1):>8.1f} "
               f"{s1:>15.1f} {sn:>7.1f}" + (f" {o1:>13.1f} {on:>7.1f} {cn:>9.1f}" if args.ops else "") + extra,
               flush=True)
