@@ -45,12 +45,11 @@ $py -c "import torch, transformers; print('ours: torch', torch.__version__, 'tra
 $refpy -c "import torch, transformers; print('reference: torch', torch.__version__, 'transformers', transformers.__version__)"
 # CUDA graphs (worker/engine/graphs.py): the same tokens as eager for every dense family and algorithm, and the time
 part graphs_fixtures "${GRAPHS_LIMIT:-90}" $py bench/graphs_bench.py --device cuda
-# issue 28: DiffusionGemma against transformers' own generate, and with its decoder pass in CUDA graphs (not yet on
-# by default for the family: are the tokens those of ours eager?)
 # a worker serving with its defaults (graphs on) against --no-cuda-graphs, through HTTP (needs the server's deps)
 part serve_check "${SERVE_LIMIT:-120}" $py bench/gpu_serve_check.py --log-dir "$logs"
+# DiffusionGemma against transformers' own generate, and with its decoder pass in CUDA graphs against ours eager
 # (bfloat16: in float32 its experts' grouped_mm takes torch's fallback, which reads the group offsets on the host, so
-# the decoder pass cannot be captured there and falls back to eager)
+# the decoder pass stays eager there)
 part diffusion_gemma "${DG_LIMIT:-200}" $py bench/diffusion_gemma_bench.py --device cuda --dtype bfloat16 --cuda-graphs
 part reference_5m_graphs "${REF_LIMIT:-150}" $py bench/reference_bench.py --llada "$llada" --fast-dllm "$fast" \
     --reference-python "$refpy" --device cuda --rounds 2 --reference-eager --cuda-graphs
