@@ -33,19 +33,27 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_collection_finish(session):
-    """The fast tier's `bf16` subprocess (tests/test_bf16_kernels.py) starts as soon as the run's tests are known, on
-    one thread of its own beside the tests before it, instead of 15 s of waiting in its turn; the test takes it from
-    ``config.dllm_bf16_early``."""
-    if any(item.nodeid == f"{BF16_DRIVER}::test_bf16_tests_pass_under_avx2" for item in session.items):
+    """The `bf16` subprocesses (tests/test_bf16_kernels.py) start as soon as the run's tests are known, instead of
+    waiting in their turn: the fast tier's on one thread of its own beside the tests before it (15 s), the whole
+    suite's three at the lowest CPU priority, so that they take only what the tests leave idle (25 s of the suite's
+    wall time otherwise). The tests take them from ``config.dllm_bf16_early`` / ``config.dllm_bf16_slow_early``."""
+    ids = {item.nodeid for item in session.items}
+    if f"{BF16_DRIVER}::test_bf16_tests_pass_under_avx2" in ids:
         from tests.test_bf16_kernels import FAST, _start
         session.config.dllm_bf16_early = _start(*FAST)
+    if f"{BF16_DRIVER}::test_bf16_tests_pass_under_each_cpu_kernel_set" in ids:
+        from tests.test_bf16_kernels import SLOW, _start
+        session.config.dllm_bf16_slow_early = [(capability, _start(capability, tier, nice=19))
+                                              for capability, tier in SLOW]
 
 
 def pytest_sessionfinish(session):
-    proc = getattr(session.config, "dllm_bf16_early", None)
-    if proc is not None and proc.poll() is None:     # a run that ended before the test (-x, Ctrl-C)
-        proc.kill()
-        proc.wait()
+    early = [getattr(session.config, "dllm_bf16_early", None)]
+    early += [proc for _, proc in getattr(session.config, "dllm_bf16_slow_early", None) or []]
+    for proc in early:
+        if proc is not None and proc.poll() is None:     # a run that ended before the test (-x, Ctrl-C)
+            proc.kill()
+            proc.wait()
 
 
 def pytest_report_header(config):
