@@ -28,7 +28,7 @@ import torch
 
 from ...models.layers import upload
 from ..params import GenerationParams, ParamError, Plan
-from ..rows import Finisher, Row
+from ..rows import Finisher, Row, read_with
 from ..sampling import PROBABILITIES_INVALID, multinomial_rows
 from . import Algorithm, ParamInfo, register
 
@@ -232,13 +232,10 @@ def run(engine, rows: list[Row], fin: Finisher):
         # the step's one transfer: the stopping test; multinomial's check of the probabilities (finite entropies
         # exactly when the softmax is finite and sums to 1: no nan, no +inf, not every logit -inf); the argmaxes
         # (the canvases that finish, step streaming)
-        B = len(active)
-        flags = torch.stack([stable_t & confident, torch.isfinite(ent).all(dim=-1)]).to(argmax.dtype)
-        read = torch.cat([flags.reshape(-1), argmax.reshape(-1)]).tolist()
-        stop, ok = read[:B], read[B:2 * B]
+        amax, (stop, ok) = read_with(argmax, torch.stack([stable_t & confident,
+                                                          torch.isfinite(ent).all(dim=-1)]).to(argmax.dtype))
         if not all(ok):
             raise RuntimeError(PROBABILITIES_INVALID)
-        amax = [read[2 * B + b * L:2 * B + (b + 1) * L] for b in range(B)]
         sc_next = x.to(emb_dtype)
         hooks = fin.hooks
         watched = [b for b, r in enumerate(active) if hooks.on_step is not None and hooks.steps_for(r.index)
