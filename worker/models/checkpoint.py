@@ -10,6 +10,7 @@ holds more than the final weights plus one tensor in flight.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -215,6 +216,25 @@ def load_state_dict(path: str | os.PathLike, names: dict[str, str], dtype: torch
     return out
 
 
+_INITS = ("uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "kaiming_uniform_",
+          "kaiming_normal_", "xavier_uniform_", "xavier_normal_")
+
+
+@contextlib.contextmanager
+def _no_init():
+    """``torch.nn.init`` as no-ops while a model is built on the meta device: its parameters get the checkpoint's
+    values, and a random fill of a meta tensor goes through torch's reference implementations, whose first use
+    imports ``torch._dynamo`` (a second of every worker's start-up)."""
+    saved = {name: getattr(torch.nn.init, name) for name in _INITS}
+    for name in _INITS:
+        setattr(torch.nn.init, name, lambda tensor, *args, **kwargs: tensor)
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.nn.init, name, fn)
+
+
 def load_native(path: str | os.PathLike, make, family: str, device: torch.device, dtype: torch.dtype,
                 prefix: str = ""):
     """Build ``make()`` on the meta device, check every parameter against the checkpoint (tensor ``prefix + name``),
@@ -222,7 +242,7 @@ def load_native(path: str | os.PathLike, make, family: str, device: torch.device
 
     A parameter marked with a ``shard`` (tensor parallelism: worker/models/parallel.py) holds slices of its
     checkpoint tensor: the checkpoint's shape is checked whole, and only the slices are read."""
-    with torch.device("meta"):
+    with torch.device("meta"), _no_init():
         model = make()
     params = dict(model.named_parameters())
     shards = {prefix + n: p.shard for n, p in params.items() if getattr(p, "shard", None) is not None}
