@@ -61,7 +61,7 @@ def check_common(p: GenerationParams, name: str, takes: str) -> None:
         raise ParamError("algorithm_params", f"{name}: top_p must be in (0, 1], got {p.extra['top_p']!r}")
 
 
-def _subset(rows: list[int], total: int, device) -> torch.Tensor | None:
+def subset(rows: list[int], total: int, device) -> torch.Tensor | None:
     """The index tensor of ``rows`` (sorted) of ``total``, None when they are all of them (a slice: no copy)."""
     return None if len(rows) == total else upload(rows, device)
 
@@ -94,7 +94,7 @@ def choose(masked: torch.Tensor, prob: torch.Tensor, n: list[int], threshold: li
     conf = torch.where(masked, prob, float("-inf"))
     top = None
     for k in sorted(set(n)):           # usually one count for all the rows
-        rows = _subset([j for j in range(G) if n[j] == k], G, dev)
+        rows = subset([j for j in range(G) if n[j] == k], G, dev)
         m, c = (masked, conf) if rows is None else (masked[rows], conf[rows])
         t = torch.zeros_like(m).scatter_(1, torch.topk(c, k, dim=-1)[1], True) if k else torch.zeros_like(m)
         if only_masked:
@@ -106,7 +106,7 @@ def choose(masked: torch.Tensor, prob: torch.Tensor, n: list[int], threshold: li
             top[rows] = t
     seq = [j for j in range(G) if strategy[j] == "sequential"]
     if seq:             # the first masked position: argmax gives the first of the maxima
-        rows = _subset(seq, G, dev)
+        rows = subset(seq, G, dev)
         first = (masked if rows is None else masked[rows]).to(torch.uint8).argmax(1, keepdim=True)
         k = _per_row([n[j] for j in seq], dev)
         k = k[:, None] if isinstance(k, torch.Tensor) else k
@@ -118,7 +118,7 @@ def choose(masked: torch.Tensor, prob: torch.Tensor, n: list[int], threshold: li
             top[rows] = val
     dyn = [j for j in range(G) if threshold[j] is not None and strategy[j] != "sequential"]
     if dyn:
-        rows = _subset(dyn, G, dev)
+        rows = subset(dyn, G, dev)
         thr = _per_row([threshold[j] for j in dyn], dev, conf.dtype)
         high = (conf if rows is None else conf[rows]) > (thr[:, None] if thr.dim() else thr)
         k = _per_row([n[j] for j in dyn], dev)

@@ -28,7 +28,7 @@ from ...models.layers import upload
 from ..params import GenerationParams, ParamError
 from ..rows import Finisher, Row, read_with, record_block_logprobs
 from . import Algorithm, ParamInfo, register
-from .block_causal import BlockBatch, block_positions, check_common, choose
+from .block_causal import BlockBatch, block_positions, check_common, choose, subset
 from .sdar import check_plan, draw_rows, filtered_probs, sample as sample_filtered, sampling_key, transfer_schedule
 
 
@@ -112,7 +112,7 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
         flag_rows, flag_values = [], []          # LLaDA2.1's end rule: whether each block had masks, and was edited
         for (alg, bl, sampled), members in groups.items():
             rows = [active[b] for b in members]
-            idx = None if len(members) == B else upload(members, dev)       # None: every row, in order
+            idx = subset(members, B, dev)       # None: every row, in order
             cols = upload([state[r.index].block * bl for r in rows], dev)[:, None] + torch.arange(bl, device=dev)
             cur = x.gather(1, cols) if idx is None else x[idx[:, None], cols]
             lg = logits[:, :bl] if idx is None else logits[idx, :bl]

@@ -33,7 +33,7 @@ from ..params import GenerationParams, ParamError, Plan
 from ..rows import Finisher, Row, read_with, record_block_logprobs
 from ..sampling import PROBABILITIES_INVALID, check_probabilities, multinomial_rows, probabilities_ok
 from . import Algorithm, ParamInfo, register
-from .block_causal import BlockBatch, block_positions, check_common, choose
+from .block_causal import BlockBatch, block_positions, check_common, choose, subset
 
 STRATEGIES = ("low_confidence_dynamic", "low_confidence_static", "sequential")
 
@@ -142,9 +142,9 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
             groups.setdefault((p.block_length, sampling_key(p), active[b].logprobs is None), []).append(i)
         for (bl, _, plain), members in groups.items():
             rows = [active[den[i]] for i in members]
-            every = len(members) == len(active)        # every row of the batch, in order: no index tensors
-            mi = None if len(members) == len(den) else upload(members, dev)
-            bi = None if every else upload([den[i] for i in members], dev)
+            mi = subset(members, len(den), dev)                       # None: every row, in order
+            bi = subset([den[i] for i in members], len(active), dev)
+            every = bi is None
             cols = upload([state[r.index].block * bl for r in rows], dev)[:, None] + torch.arange(bl, device=dev)
             cur = x.gather(1, cols) if every else x[bi[:, None], cols]
             lg = logits[:, :bl] if mi is None else logits[mi, :bl]
