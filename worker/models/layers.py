@@ -26,7 +26,8 @@ def upload(data, device, dtype: torch.dtype | None = None) -> torch.Tensor:
     ``non_blocking``, queued like a kernel (PyTorch's caching host allocator keeps the pinned block until the copy has
     run). Elsewhere the plain tensor. A flat list of Python ints (row and column indices, mostly the same step after
     step) is kept per value, device and dtype and not copied again: the result is shared, read it only."""
-    device = torch.device(device)
+    if type(device) is not torch.device:
+        device = torch.device(device)
     if not NON_BLOCKING_UPLOADS:
         return _upload(data, device, dtype)
     if type(data) is list and len(data) <= 4096 and all(type(v) is int for v in data):

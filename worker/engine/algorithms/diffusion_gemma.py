@@ -150,12 +150,12 @@ def run(engine, rows: list[Row], fin: Finisher):
         # 1. the encoder: prompts of new rows and the canvases finished last step, in one call
         enc = [b for b, r in enumerate(active) if state[r.index].encode]
         if enc:
-            lengths = [len(state[active[b].index].encode) for b in enc]
-            ids = torch.zeros((len(enc), max(lengths)), dtype=torch.long)
-            for i, b in enumerate(enc):
-                ids[i, :lengths[i]] = torch.tensor(state[active[b].index].encode)
+            toks = [state[active[b].index].encode for b in enc]
+            lengths = [len(t) for t in toks]
+            width = max(lengths)
+            ids = upload([t + [0] * (width - len(t)) for t in toks], dev, torch.long)     # zero-padded, one copy
             capture = [] if pc is not None and any(state[active[b].index].reused >= 0 for b in enc) else None
-            model.encode(upload(ids, dev), lengths, cache, enc, capture)
+            model.encode(ids, lengths, cache, enc, capture)
             for i, b in enumerate(enc):
                 s = state[active[b].index]
                 if capture is not None and s.reused >= 0:        # its prompt: store its whole blocks
@@ -173,8 +173,17 @@ def run(engine, rows: list[Row], fin: Finisher):
             sc_rows = list(range(len(sts)))
         else:                                # self-conditioning from the last step's logits for the rows going on
             sc_rows = [b for b, s in enumerate(sts) if s.at is not None]
-            sc = last[1][upload([sts[b].at for b in sc_rows], dev)] if sc_rows else None
-            canvas = torch.stack([s.canvas if s.at is None else last[0][s.at] for s in sts])
+            at = upload([sts[b].at for b in sc_rows], dev) if sc_rows else None
+            sc = last[1][at] if sc_rows else None
+            fresh = [b for b, s in enumerate(sts) if s.at is None]       # a canvas's first step: its own canvas
+            if not sc_rows:
+                canvas = torch.stack([sts[b].canvas for b in fresh])
+            elif not fresh:
+                canvas = last[0][at]
+            else:                            # (copies, in one operation per kind of row)
+                canvas = torch.empty((len(sts), L), dtype=torch.long, device=dev)
+                canvas[upload(sc_rows, dev)] = last[0][at]
+                canvas[upload(fresh, dev)] = torch.stack([sts[b].canvas for b in fresh])
         raw = model.denoise(canvas, sc, sc_rows, cache, list(range(len(active))))
         # every row's temperature and limits in one copy (float32, as the reference's tensors hold them)
         tl = upload([[s.temps[s.N - s.left], *s.limits] for s in sts], dev, torch.float32)
@@ -210,9 +219,16 @@ def run(engine, rows: list[Row], fin: Finisher):
             if all(h is not None and h[0] is got[0][0] and h[1] == j for j, h in enumerate(got)) \
                     and got[0][0].shape[0] == len(members):
                 hist = got[0][0]                       # the same rows as the last step, in order: its rings
-            else:
-                hist = torch.stack([torch.full((S, L), -1, dtype=torch.long, device=dev) if h is None else h[0][h[1]]
-                                    for h in got])
+            else:                   # -1 for rows without a ring yet; the others' rings, one copy per source
+                hist = torch.full((len(members), S, L), -1, dtype=torch.long, device=dev)
+                sources: dict[int, tuple[torch.Tensor, list[int], list[int]]] = {}
+                for j, h in enumerate(got):
+                    if h is not None:
+                        src = sources.setdefault(id(h[0]), (h[0], [], []))
+                        src[1].append(j)
+                        src[2].append(h[1])
+                for src, to, frm in sources.values():
+                    hist[upload(to, dev)] = src[upload(frm, dev)]
             now = argmax if every else argmax[idx]
             same = (hist == now[:, None]).flatten(1).all(-1)
             if every:
