@@ -3,6 +3,7 @@ scheduler (worker/scheduler.py) → events (stream chunks or one response). Used
 /worker/batch alike."""
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -336,6 +337,14 @@ class Serving:
         return run
 
 
+def _push(box: EventBox, kind: str, data, last: bool) -> None:
+    """A Run's event into its EventBox (a Run made without ``emit``)."""
+    if kind == "error":
+        box.push(Event(None, "error", data[0], data[1], last))
+    else:
+        box.push(Event(None, kind, 200, data, last))
+
+
 class Run:
     """A submitted request: turns its rows' events into OpenAI events, synchronously, on the event loop (no task
     per request). Events are ``emit(kind, data, last)`` calls: ("chunk", dict) ... when streaming, else one
@@ -350,14 +359,15 @@ class Run:
         self._box: EventBox | None = None
         if emit is None:
             self._box = EventBox()
-            emit = self._push
+            emit = functools.partial(_push, self._box)      # (not a method: no reference back to this Run)
         self.emit = emit
 
-    def _push(self, kind: str, data, last: bool) -> None:
-        if kind == "error":
-            self._box.push(Event(None, "error", data[0], data[1], last))
-        else:
-            self._box.push(Event(None, kind, 200, data, last))
+    def _answered(self) -> None:
+        """The request has its answer (or its error): later row events are ignored, and the rows are let go. Each
+        row holds this Run as its sink, so keeping them would make a reference cycle per request that only a full
+        garbage collection frees, and such a pass holds the GIL for 0.1-0.5 s under load (docs/engine.md)."""
+        self.finished = True
+        self.jobs = []
 
     def __aiter__(self):
         """The events of a Run made without ``emit``, as common/openai_http.py reads them."""
@@ -387,8 +397,9 @@ class Run:
             self._finish_error(500, f"internal error: {type(e).__name__}")
 
     def _finish_error(self, status: int, message: str) -> None:
-        self.finished = True
+        self.finished = True        # (first: a row that the cancel answers at once is ignored)
         self.cancel()
+        self._answered()
         self.emit("error", (status, APIError(status, message).body()), True)
 
     def _on_row(self, i: int, what: str, payload) -> None:
@@ -429,7 +440,7 @@ class Run:
                                          "" if kind == "completion" else None, st.finish_reason, extra=extra), last)
         if not done:
             return
-        self.finished = True
+        self._answered()
         states = self.states
         use = usage(sum(len(p) for p in prep.prompts[::prep.req.n]), sum(len(s.token_ids) for s in states))
         if stream:
@@ -473,7 +484,7 @@ class Run:
         self.remaining -= 1
         if self.remaining:
             return
-        self.finished = True
+        self._answered()
         prep, serving = self.prep, self.serving
         choices = [score_choice(serving, i, prep.req, prep.scores[i], r) for i, r in enumerate(self.states)]
         use = usage(sum(len(p) for p in prep.prompts), sum(1 for s in prep.scores if s.next_token))
