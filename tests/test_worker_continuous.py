@@ -118,3 +118,33 @@ def test_staggered_requests_through_a_worker_are_exact(tmp_path, dream_golden):
         assert "dllm_worker_rows_joined_total" in text
     finally:
         w.stop()
+
+
+async def test_a_batch_that_never_drains_keeps_only_its_running_rows(monkeypatch):
+    """Under steady load the running batch's call never ends: it holds the rows it is running, not every row that
+    ever passed through it (each would keep its request's objects alive for as long as the batch runs)."""
+    import worker.scheduler as scheduler
+    held = []
+
+    class Watched(scheduler._Feed):
+        def admit(self, rows, tokens):
+            held.append(len(self.jobs))
+            return super().admit(rows, tokens)
+    monkeypatch.setattr(scheduler, "_Feed", Watched)
+    engine = SimulatedEngine(str(TINY_LLADA), 0.001, 0.0, per_step=True)
+    b = RowScheduler(engine, batch_size=3, max_wait_time=0.0, continuous=True)
+    b.start()
+    done = []
+    b.submit(job([5, 6], 256, done, index=0), wait=False)           # runs throughout
+    for i in range(1, 31):
+        while sum(kind == "done" for _, kind, _ in done) < i - 2:   # two short rows at a time beside it
+            await asyncio.sleep(0.001)
+        b.submit(job([7], 8, done, index=i), wait=False)
+    for _ in range(1000):
+        if sum(kind == "done" for _, kind, _ in done) == 31:
+            break
+        await asyncio.sleep(0.01)
+    await b.close()
+    assert sum(kind == "done" for _, kind, _ in done) == 31
+    assert b.batches_processed == 1 and b.rows_joined >= 25        # one batch, the short rows joined it
+    assert max(held) <= 3, f"the running batch held up to {max(held)} rows"

@@ -394,12 +394,14 @@ class RowScheduler:
 
 class _Feed:
     """The engine's Feed for one batch (device thread): rows join from the head of the queue, finished rows are
-    answered at once. Index i names ``jobs[i]``: the batch's rows first, then the joined ones."""
+    answered at once. Index i names ``jobs[i]``: the batch's rows first (0, 1, ...), then the joined ones, numbered
+    on. Only unanswered rows are kept: under steady load a batch never ends, and a row it kept after answering would
+    keep its request's objects alive for as long as the batch runs."""
 
     def __init__(self, batcher: RowScheduler, jobs: list[Job]):
         self.b = batcher
-        self.jobs = list(jobs)
-        self.answered: set[int] = set()
+        self.jobs: dict[int, Job] = dict(enumerate(jobs))
+        self.next_index = len(jobs)
         self.long = sum(1 for j in jobs if batcher.is_long(j))     # long rows running (fair share)
         self._events: list = []            # (function, args) for the event loop, in order
         self._posted = False               # a flush is scheduled
@@ -432,15 +434,15 @@ class _Feed:
             for j in taken:
                 self.long += b.is_long(j)
                 j.queued = False
-                out.append((len(self.jobs), Request(j.prompt_ids, j.params, j.plan)))
-                self.jobs.append(j)
+                out.append((self.next_index, Request(j.prompt_ids, j.params, j.plan)))
+                self.jobs[self.next_index] = j
+                self.next_index += 1
         for j in taken:
             self.post(b._joined, j)
         return out
 
     def done(self, index: int, result: Result) -> None:
-        j = self.jobs[index]
-        self.answered.add(index)
+        j = self.jobs.pop(index)
         self.long -= self.b.is_long(j)
         self.post(self._answer, j, result)
 
@@ -449,5 +451,5 @@ class _Feed:
         j.sink(j.index, "done", result)
 
     def unfinished(self) -> list[Job]:
-        return [j for i, j in enumerate(self.jobs) if i not in self.answered]
+        return list(self.jobs.values())
 

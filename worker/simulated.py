@@ -112,7 +112,8 @@ class SimulatedEngine:
                 if row[3] <= 0:
                     rows.remove(row)
                     res = self._answer(row[1], row[2])
-                    results[row[0]] = res
+                    if row[0] < len(requests):      # (a joined row's result goes to the feed only)
+                        results[row[0]] = res
                     if hooks and hooks.on_progress:
                         hooks.on_progress(row[0], res.token_ids)
                     if feed is not None:

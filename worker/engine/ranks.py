@@ -205,6 +205,7 @@ class LeaderRounds:
 
     def done(self, index: int, result) -> None:
         self.live.discard(index)
+        self.cancelled.discard(index)         # (a batch under steady load runs on: nothing per row stays)
         if self.inner is not None:
             self.inner.done(index, result)
 
@@ -229,7 +230,7 @@ class FollowerRounds:
         return msg[2]
 
     def done(self, index: int, result) -> None:
-        pass
+        self.cancelled.discard(index)
 
 
 # ---------------------------------------------------------------- a follower

@@ -100,7 +100,6 @@ def run(engine, rows: list[Row], fin: Finisher):
     dev = model.device
     L, V = model.cfg.canvas_length, model.cfg.vocab_size
     emb_dtype = model.dtype
-    state: dict[int, _State] = {}
     active: list[Row] = []
     cache = model.new_cache(0, 0)
 
@@ -109,12 +108,12 @@ def run(engine, rows: list[Row], fin: Finisher):
 
     def join(new: list[Row]) -> None:
         for r in new:
-            state[r.index] = _State(r, _generator(r, dev), dev)
+            r.state = _State(r, _generator(r, dev), dev)
         cache.add_slots(len(new))
         first = len(active)
         active.extend(new)
         for b in range(first, len(active)):      # the prefix cache: the prompt's cached blocks, not re-encoded
-            r, s = active[b], state[active[b].index]
+            r, s = active[b], active[b].state
             s.reused = 0
             limit = prefix_blocks(r.plan, pc)[1] if pc is not None else 0
             found = pc.lookup(r.prompt, G, limit) if limit > 0 else []
@@ -127,7 +126,7 @@ def run(engine, rows: list[Row], fin: Finisher):
 
     def share(b: int, i: int, capture: list) -> None:
         """Row ``active[b]``'s prompt was just encoded (as row i of the encoder call): store its whole blocks."""
-        r, s = active[b], state[active[b].index]
+        r, s = active[b], active[b].state
         first, blocks = s.reused // G, len(r.prompt) // G
         pc.insert(r.prompt, G, first, blocks,
                   lambda j: tuple(t[i, :, j * G - s.reused:(j + 1) * G - s.reused] for t in
@@ -148,16 +147,16 @@ def run(engine, rows: list[Row], fin: Finisher):
         if not active:
             return
         # 1. the encoder: prompts of new rows and the canvases finished last step, in one call
-        enc = [b for b, r in enumerate(active) if state[r.index].encode]
+        enc = [b for b, r in enumerate(active) if r.state.encode]
         if enc:
-            toks = [state[active[b].index].encode for b in enc]
+            toks = [active[b].state.encode for b in enc]
             lengths = [len(t) for t in toks]
             width = max(lengths)
             ids = upload([t + [0] * (width - len(t)) for t in toks], dev, torch.long)     # zero-padded, one copy
-            capture = [] if pc is not None and any(state[active[b].index].reused >= 0 for b in enc) else None
+            capture = [] if pc is not None and any(active[b].state.reused >= 0 for b in enc) else None
             model.encode(ids, lengths, cache, enc, capture)
             for i, b in enumerate(enc):
-                s = state[active[b].index]
+                s = active[b].state
                 if capture is not None and s.reused >= 0:        # its prompt: store its whole blocks
                     share(b, i, capture)
                 s.reused = -1
@@ -167,7 +166,7 @@ def run(engine, rows: list[Row], fin: Finisher):
                 if s.temps is None:
                     s.temps = s.schedule()
         # 2. one denoiser forward for every row
-        sts = [state[r.index] for r in active]
+        sts = [r.state for r in active]
         if last is not None and last[0].shape[0] == len(sts) and all(s.at == b for b, s in enumerate(sts)):
             canvas, sc = last                # every row goes on from the last step, in its place
             sc_rows = list(range(len(sts)))

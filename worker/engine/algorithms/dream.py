@@ -242,13 +242,14 @@ def decide_together(choices: list[Choice], logits: torch.Tensor, rowid: torch.Te
 def run(engine, rows: list[Row], fin: Finisher) -> None:
     model, mask_id, dev = engine.model, engine.mask_id, engine.model.device
     canvas = Canvas(rows, mask_id, engine.pad_id, dev)
-    steps = {r.index: ratios(r.params, total_steps(r), dev) for r in rows}
+    for r in rows:
+        r.state = ratios(r.params, total_steps(r), dev)        # its schedule
     while canvas.rows:
         new = between_steps(canvas, fin)
         if new is None:
             break
-        if new:
-            steps.update({r.index: ratios(r.params, total_steps(r), dev) for r in new})
+        for r in new:
+            r.state = ratios(r.params, total_steps(r), dev)
         x, W = canvas.x, canvas.x.shape[1]
         hidden = model(x, canvas.pos, canvas.mask)
         off = upload(canvas.offsets, dev)
@@ -262,7 +263,7 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
             n = counts[b]
             if n:
                 o, p = canvas.offsets[b], r.params
-                ratio, last = steps[r.index][r.step], r.step >= total_steps(r) - 1
+                ratio, last = r.state[r.step], r.step >= total_steps(r) - 1
                 if together(p, r.logprobs):
                     choices.append(Choice(b, b, start, start + n, W - o, o, transfer_count(n, ratio, last), None,
                                           CONFIDENCE[p.extra["alg"]], p, r.generator))

@@ -72,7 +72,7 @@ def _block_starts(model, canvas: Canvas, cache, full: list[int], starts: list[in
         r.step = 1
 
 
-def _block_steps(model, canvas: Canvas, cache, part: list[int], starts: list[int], dual: bool, timesteps: dict,
+def _block_steps(model, canvas: Canvas, cache, part: list[int], starts: list[int], dual: bool,
                  mask_id: int) -> None:
     """Rows ``part`` inside a block: a window forward against the cached row (the block for ``dual``, the block and
     everything after it otherwise), then each row's rule commits some of the block's masked positions (threshold, or
@@ -101,7 +101,7 @@ def _block_steps(model, canvas: Canvas, cache, part: list[int], starts: list[int
         spb = steps_per_block(r)
         thr = r.params.threshold
         if n and together(r.params, r.logprobs):      # decided below with the other rows
-            count = n if thr is not None else transfer_count(n, timesteps[r.index][r.step], r.step >= spb - 1)
+            count = n if thr is not None else transfer_count(n, r.state[r.step], r.step >= spb - 1)
             choices.append(Choice(b, i, at, at + n, length, starts[b], count, thr,
                                   "probability" if thr is not None else CONFIDENCE["entropy"], r.params,
                                   r.generator))
@@ -110,7 +110,7 @@ def _block_steps(model, canvas: Canvas, cache, part: list[int], starts: list[int
             if thr is not None:
                 pick, tokens = threshold_step(r.params, r.generator, lg, where, length)
             else:
-                pick, tokens = decide(r.params, r.generator, lg, where, length, timesteps[r.index][r.step],
+                pick, tokens = decide(r.params, r.generator, lg, where, length, r.state[r.step],
                                       r.step >= spb - 1, "entropy")
             x[b, starts[b] + pick] = tokens
             record_row_logprobs(r, where, pick, r.block * r.plan.block_length + pick, tokens, lg)
@@ -163,12 +163,11 @@ def run_dream_cache(engine, rows: list[Row], fin: Finisher, dual: bool) -> None:
     model, mask_id, dev = engine.model, engine.mask_id, engine.model.device
     canvas = Canvas(rows, mask_id, engine.pad_id, dev)
     cache = model.new_cache(len(rows), canvas.x.shape[1])
-    timesteps = {}
 
     def setup(new: list[Row]) -> None:
         for r in new:
             if r.params.threshold is None:
-                timesteps[r.index] = ratios(r.params, steps_per_block(r), dev)
+                r.state = ratios(r.params, steps_per_block(r), dev)       # its schedule
             r.block, r.step = 0, 0      # step 0 = the block's full forward; then i = 1, 2, ... as the reference's
 
     setup(rows)
@@ -185,7 +184,7 @@ def run_dream_cache(engine, rows: list[Row], fin: Finisher, dual: bool) -> None:
         if full:
             _block_starts(model, canvas, cache, full, starts)
         if part:
-            _block_steps(model, canvas, cache, part, starts, dual, timesteps, mask_id)
+            _block_steps(model, canvas, cache, part, starts, dual, mask_id)
         _account(canvas, cache, fin, full, part, mask_id)
         yield      # a step is done: the engine may run other groups' steps (continuous batching)
 

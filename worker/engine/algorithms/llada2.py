@@ -76,19 +76,18 @@ class _State:
 
 def run(engine, rows: list[Row], fin: Finisher) -> None:
     model, mask_id, dev = engine.model, engine.mask_id, engine.model.device
-    state: dict[int, _State] = {}
 
     def reused(r: Row, n: int) -> None:        # the prefix cache gave the row its first n positions
-        s = state[r.index]
+        s = r.state
         s.stored, s.reused = n, n // r.params.block_length
-    batch = BlockBatch(engine, rows, lambda r: state.__setitem__(r.index, _State(r, r.params.block_length)),
+    batch = BlockBatch(engine, rows, lambda r: setattr(r, "state", _State(r, r.params.block_length)),
                        reusable=lambda r: prefix_blocks(r.plan, None)[1], reused=reused)
 
     while batch.between_steps(fin):
         active = batch.active
         spans, at = [], []
         for r in active:
-            s, bl = state[r.index], r.params.block_length
+            s, bl = r.state, r.params.block_length
             start = s.stored if r.params.extra["kv_cache"] else 0
             spans.append((start, (s.block + 1) * bl))
             at.append(s.block * bl - start)          # window index of the block's first position
@@ -98,7 +97,7 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
             :, :, None].expand(-1, -1, hidden.shape[-1]))).float()
         x = batch.x
         counts = [r.params.extra["num_to_transfer"] if r.params.algorithm == "llada21"
-                  else transfer_schedule(r.params.block_length, r.params.extra["denoising_steps"])[state[r.index].step]
+                  else transfer_schedule(r.params.block_length, r.params.extra["denoising_steps"])[r.state.step]
                   for r in active]
         groups: dict[tuple, list[int]] = {}        # rows without logprobs: sampled, chosen and written together
         singles = []
@@ -113,7 +112,7 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
         for (alg, bl, sampled), members in groups.items():
             rows = [active[b] for b in members]
             idx = subset(members, B, dev)       # None: every row, in order
-            cols = upload([state[r.index].block * bl for r in rows], dev)[:, None] + torch.arange(bl, device=dev)
+            cols = upload([r.state.block * bl for r in rows], dev)[:, None] + torch.arange(bl, device=dev)
             cur = x.gather(1, cols) if idx is None else x[idx[:, None], cols]
             lg = logits[:, :bl] if idx is None else logits[idx, :bl]
             if sampled is None:          # greedy: one sampler call for the group
@@ -142,7 +141,7 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
                 x[idx[:, None], cols] = new
         for b in singles:                # rows with logprobs, one by one
             r = active[b]
-            s, bl, p = state[r.index], r.params.block_length, r.params
+            s, bl, p = r.state, r.params.block_length, r.params
             start = s.block * bl
             cur = x[b, start:start + bl]
             token, prob = (sample21 if p.algorithm == "llada21" else sample)(logits[b, :bl], p, r.generator)
@@ -160,11 +159,11 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
         xc, read = read_with(x, torch.cat(flag_values).to(x.dtype) if flag_rows else None)
         if flag_rows:
             for b, (had_masks, edited) in zip((b for rows in flag_rows for b in rows), read):
-                s = state[active[b].index]
+                s = active[b].state
                 s.post += not had_masks
                 s.idle = not had_masks and not edited
         for b, r in enumerate(active):
-            s, bl = state[r.index], r.params.block_length
+            s, bl = r.state, r.params.block_length
             r.nfe += 1
             if s.fresh and r.params.extra["kv_cache"]:   # its prompt's whole blocks are final in the cache: share
                 batch.share(b, s.reused, r.plan.prompt_length // bl)

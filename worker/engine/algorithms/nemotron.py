@@ -79,6 +79,28 @@ class _Batch:
             r.rule = fast_dllm_rule(r.params, Softmax.MODEL, Softmax.MODEL)
         self.B0 += len(new)
 
+    def keep(self, active: list[Row]) -> None:
+        """Drop the slots of rows that left (finished or cancelled): their canvas rows, cache slots and state, so a
+        batch that runs on under steady load holds only its running rows. The survivors keep their columns."""
+        if len(active) == self.B0:
+            return
+        gone = set(self.slot) - {r.index for r in active}
+        for i in gone:
+            self.slot.pop(i)
+            self.ctx.pop(i, None)
+            self.commit.pop(i)
+        order = sorted(active, key=lambda r: self.slot[r.index])
+        kept = [self.slot[r.index] for r in order]
+        self.x = self.x[upload(kept, self.dev)]
+        self.cache.keep(kept, 0)
+        self.offsets = [self.offsets[b] for b in kept]
+        self.shift = [self.shift[b] for b in kept]
+        for b, r in enumerate(order):
+            self.slot[r.index] = b
+        self.B0 = len(kept)
+        self.off = upload(self.offsets, self.dev)
+        self.pos = (self.col[None, :] - self.off[:, None]).clamp(min=0)
+
     def forward(self, active: list[Row]):
         """One window forward of every row's block (denoising it, or storing it when finished) against the cache;
         keys after a row's block are masked out, as in the reference. Returns the window layout and the logits."""
@@ -168,6 +190,7 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
         active = [r for r in active if not fin.cancelled(r)]
         if not active:
             break
+        batch.keep(active)
         new = fin.admit(active)                # continuous batching: a joining row is prefilled, then steps along
         if new:
             batch.place(new)

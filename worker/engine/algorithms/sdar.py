@@ -108,19 +108,18 @@ class _State:
 
 def run(engine, rows: list[Row], fin: Finisher) -> None:
     model, mask_id, dev = engine.model, engine.mask_id, engine.model.device
-    state: dict[int, _State] = {}
 
     def reused(r: Row, n: int) -> None:        # the prefix cache gave the row its first n positions
-        state[r.index].reused = n // r.params.block_length
+        r.state.reused = n // r.params.block_length
     # the prefill forward keeps at least the prompt's last whole block, so the row's forwards (nfe) are the same
-    batch = BlockBatch(engine, rows, lambda r: state.__setitem__(r.index, _State(r, r.params.block_length)),
+    batch = BlockBatch(engine, rows, lambda r: setattr(r, "state", _State(r, r.params.block_length)),
                        reusable=lambda r: prefix_blocks(r.plan, None)[1], reused=reused)
 
     while batch.between_steps(fin):       # a joining row starts with its prefill
         active = batch.active
         spans, at = [], []
         for r in active:
-            s, bl = state[r.index], r.params.block_length
+            s, bl = r.state, r.params.block_length
             if s.phase == "prefill":
                 spans.append((s.reused * bl, s.block * bl))
             elif r.params.extra["kv_cache"]:
@@ -129,7 +128,7 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
                 spans.append((0, (s.block + 1) * bl))
             at.append(spans[-1][1] - bl - spans[-1][0])    # window index of the block's first position
         hidden = batch.forward(spans)
-        den = [b for b, r in enumerate(active) if state[r.index].phase == "denoise"]
+        den = [b for b, r in enumerate(active) if r.state.phase == "denoise"]
         x, xc = batch.x, None
         if den:
             pos = block_positions([at[b] for b in den], [active[b].params.block_length for b in den], dev)
@@ -145,7 +144,7 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
             mi = subset(members, len(den), dev)                       # None: every row, in order
             bi = subset([den[i] for i in members], len(active), dev)
             every = bi is None
-            cols = upload([state[r.index].block * bl for r in rows], dev)[:, None] + torch.arange(bl, device=dev)
+            cols = upload([r.state.block * bl for r in rows], dev)[:, None] + torch.arange(bl, device=dev)
             cur = x.gather(1, cols) if every else x[bi[:, None], cols]
             lg = logits[:, :bl] if mi is None else logits[mi, :bl]
             probs = filtered_probs(lg.reshape(-1, lg.shape[-1]), rows[0].params).view(lg.shape)
@@ -154,7 +153,7 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
             ps = [r.params for r in rows]
             # the rows choose together (no per-row read of the device)
             write = choose(masked, chosen_p,
-                           [transfer_schedule(p.block_length, p.extra["denoising_steps"])[state[r.index].step]
+                           [transfer_schedule(p.block_length, p.extra["denoising_steps"])[r.state.step]
                             for r, p in zip(rows, ps)],
                            [p.threshold if p.extra["remasking_strategy"] == "low_confidence_dynamic" else None
                             for p in ps], [p.extra["remasking_strategy"] for p in ps], False)
@@ -166,18 +165,18 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
             else:                 # rows with logprobs, recorded one by one
                 for j, i in enumerate(members):
                     b, r = den[i], rows[j]
-                    start = state[r.index].block * bl
+                    start = r.state.block * bl
                     record_block_logprobs(r, cur[j], new[j], start, lg[j])
                     x[b, start:start + bl] = new[j]
         for b in den:
-            state[active[b].index].step += 1
+            active[b].state.step += 1
         if den:
             # the host copy, read once, with the draws' validity checks
             xc, ok = read_with(x, torch.stack(checks).all().to(x.dtype)[None, None] if checks else None)
             if ok is not None and not ok[0][0]:
                 raise RuntimeError(PROBABILITIES_INVALID)
         for b, r in enumerate(active):
-            s, bl = state[r.index], r.params.block_length
+            s, bl = r.state, r.params.block_length
             r.nfe += 1
             schedule_done = False
             if s.phase == "prefill":
