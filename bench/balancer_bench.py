@@ -144,23 +144,23 @@ http {{
     return url
 
 
-def load_wrk(url: str, connections: int, duration: float, tmp: Path) -> dict:
+def load_wrk(url: str, connections: int, duration: float, tmp: Path, body: dict = BODY) -> dict:
     script = tmp / "post.lua"
     script.write_text('wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
-                      f"wrk.body = '{json.dumps(BODY)}'\n"
+                      f"wrk.body = '{json.dumps(body)}'\n"
                       "done = function(summary, latency, requests)\n"
                       "  io.write(string.format('JSON {\"requests\": %d, \"errors\": %d, \"p50\": %f, \"p99\": %f}\\n',"
                       " summary.requests, summary.errors.status + summary.errors.connect + summary.errors.read"
                       " + summary.errors.write + summary.errors.timeout,"
                       " latency:percentile(50) / 1e6, latency:percentile(99) / 1e6))\nend\n")
-    out = subprocess.run(["wrk", "-t2", f"-c{connections}", f"-d{max(1, round(duration))}s", "--timeout", "60s", "-s", str(script),
+    out = subprocess.run(["wrk", f"-t{min(2, connections)}", f"-c{connections}", f"-d{max(1, round(duration))}s", "--timeout", "60s", "-s", str(script),
                           url + "/v1/completions"], capture_output=True, text=True, check=True).stdout
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
     stats = json.loads(out[out.index("JSON ") + 5:].splitlines()[0])
     return {"rps": rps, "errors": stats["errors"], "p50_ms": stats["p50"] * 1e3, "p99_ms": stats["p99"] * 1e3}
 
 
-def load_python(url: str, connections: int, duration: float) -> dict:
+def load_python(url: str, connections: int, duration: float, body: dict = BODY) -> dict:
     import aiohttp
 
     async def main():
@@ -171,7 +171,7 @@ def load_python(url: str, connections: int, duration: float) -> dict:
                 nonlocal errors
                 while time.monotonic() < stop:
                     t = time.perf_counter()
-                    async with s.post(url + "/v1/completions", json=BODY) as r:
+                    async with s.post(url + "/v1/completions", json=body) as r:
                         await r.read()
                         if r.status != 200:
                             errors += 1
@@ -291,7 +291,7 @@ def open_loop(urls: list[str], rate: float, duration: float, connections: int, s
             async def one(url, t_sched):
                 nonlocal errors
                 async with sem:
-                    async with s.post(url + "/v1/completions", json=BODY) as r:
+                    async with s.post(url + "/v1/completions", json=body) as r:
                         await r.read()
                         errors += r.status != 200
                 lat.append(time.perf_counter() - t_sched)

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from _local import free_port, wait_ready
+from balancer_bench import load_python, load_wrk
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "tests" / "fixtures" / "tiny-llada"
@@ -72,28 +73,8 @@ def child(out: str, switch: float, argv: list[str]) -> None:
 def load(url: str, connections: int, duration: float, body: dict, tmp: Path) -> float:
     """Requests per second of ``connections`` closed-loop clients for ``duration`` seconds."""
     if shutil.which("wrk"):
-        script = tmp / "post.lua"
-        script.write_text('wrk.method = "POST"\nwrk.headers["Content-Type"] = "application/json"\n'
-                          f"wrk.body = '{json.dumps(body)}'\n")
-        out = subprocess.run(["wrk", f"-t{min(2, connections)}", f"-c{connections}", f"-d{round(duration)}s",
-                              "--timeout", "60s", "-s", str(script), url + "/v1/completions"],
-                             capture_output=True, text=True, check=True).stdout
-        return float(next(line.split()[1] for line in out.splitlines() if line.startswith("Requests/sec")))
-    import asyncio
-    import aiohttp
-
-    async def main():
-        n, end = 0, time.monotonic() + duration
-        async with aiohttp.ClientSession() as s:
-            async def client():
-                nonlocal n
-                while time.monotonic() < end:
-                    async with s.post(url + "/v1/completions", json=body) as r:
-                        await r.read()
-                    n += 1
-            await asyncio.gather(*(client() for _ in range(connections)))
-        return n / duration
-    return asyncio.run(main())
+        return load_wrk(url, connections, duration, tmp, body)["rps"]
+    return load_python(url, connections, duration, body)["rps"]
 
 
 def measure(step_ms: float, batch: int, connections: int, duration: float, switch: float, body: dict,
