@@ -190,6 +190,8 @@ class CentralBatcher:
                 self._start_dispatch(self.policy.rank(idle)[0], [p])
                 return
         self.queue.append(p)
+        if len(self.queue) >= self.cfg.batch_size:
+            self._dispatch_ready()          # a full batch goes now
         self._wake.set()
 
     def cancel(self, p: Pending) -> None:
@@ -257,11 +259,8 @@ class CentralBatcher:
                 await self._wait(1.0)
                 continue
             self._no_worker_since = None
-            deadline = self.queue[0].enqueued_at + self.cfg.wait_time
-            now = time.monotonic()
-            if (len(self.queue) < self.cfg.batch_size and now < deadline
-                    and not (self.cfg.idle_dispatch and any(w.inflight_batches == 0 for w in free))):
-                await self._wait(deadline - now)
+            if not self._ready(free):
+                await self._wait(self.queue[0].enqueued_at + self.cfg.wait_time - time.monotonic())
                 continue
             batch = None
             for worker in self.policy.rank(free):
@@ -272,6 +271,32 @@ class CentralBatcher:
                 # every queued request excludes every free worker (it failed there): wait for another to free up
                 await self._wait(0.05)
                 continue
+            self._start_dispatch(worker, batch)
+
+    def _ready(self, free: list[Worker]) -> bool:
+        """Whether the queue makes a batch now for one of ``free``: full, past its first request's wait, or a free
+        worker is idle (--idle-dispatch)."""
+        return (len(self.queue) >= self.cfg.batch_size
+                or time.monotonic() >= self.queue[0].enqueued_at + self.cfg.wait_time
+                or (self.cfg.idle_dispatch and any(w.inflight_batches == 0 for w in free)))
+
+    def _dispatch_ready(self) -> None:
+        """Start every batch that is ready and has a free worker, from the code that filled the batch or freed the
+        worker, instead of waking the loop: under load the loop's wake-up waits behind every ready callback of the
+        event loop, a few turns a batch while the worker idles. What is not ready is left to the loop's timer."""
+        if self._task is None or self._task.done():
+            return
+        while self.queue and not self.paused:
+            free = self._free_workers()
+            if not free or not self._ready(free):
+                return
+            batch = None
+            for worker in self.policy.rank(free):
+                batch = self._take(worker)
+                if batch:
+                    break
+            if not batch:
+                return
             self._start_dispatch(worker, batch)
 
     def _start_dispatch(self, worker: Worker, batch: list[Pending]) -> asyncio.Task:
@@ -404,6 +429,7 @@ class CentralBatcher:
             self.pool.batch_ended(w, len(batch))
         if failure and open_:
             self._failover(w, list(open_.values()), attempts, failure)
+        self._dispatch_ready()              # the freed place takes the next batch now
         self._wake.set()
 
     def _lines(self, w: Worker, lines: list[bytes], open_: dict, attempts: dict) -> None:

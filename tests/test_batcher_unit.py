@@ -225,3 +225,28 @@ async def test_an_idle_worker_takes_a_request_at_once_a_busy_one_lets_a_batch_fo
         b.submit(p)
         assert (await answer(p))[1] == 200
         assert asyncio.get_running_loop().time() - t >= 0.25
+
+
+async def test_a_full_batch_and_a_freed_place_dispatch_without_waiting_for_the_loop():
+    """Under load the batching loop's wake-up waits behind every ready callback of the event loop: a batch that
+    fills up, and the place a finished batch frees, start their dispatch in the same turn instead (the code that
+    filled the batch or ended the dispatch starts the next one)."""
+    seen = []
+    async with batcher_over(fake_worker("ok", seen, delay=0.05), batch_size=2, wait_time=5.0, idle_dispatch=False,
+                            max_inflight_per_worker=1) as (pool, b):
+        ps = [request(r) for r in "abcd"]
+        b.submit(ps[0])
+        assert not b._dispatches                    # half a batch waits (5 s) for its second request
+        b.submit(ps[1])
+        [first] = b._dispatches                     # full: dispatched by submit itself
+        assert first.batch == ps[:2]
+        b.submit(ps[2])
+        b.submit(ps[3])                              # a full batch, but the only place is taken
+        assert [d.batch for d in b._dispatches] == [ps[:2]] and list(b.queue) == ps[2:]
+        await first.task
+        [second] = b._dispatches                    # started as the first ended, before the loop's next turn
+        assert second.batch == ps[2:] and not b.queue
+        for p in ps:
+            assert (await answer(p))[:2] == ("response", 200)
+        assert [rid for _, rid in seen] == list("abcd")
+        assert pool.workers[0].inflight_batches == 0
