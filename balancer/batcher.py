@@ -190,8 +190,8 @@ class CentralBatcher:
                 self._start_dispatch(self.policy.rank(idle)[0], [p])
                 return
         self.queue.append(p)
-        if len(self.queue) >= self.cfg.batch_size:
-            self._dispatch_ready()          # a full batch goes now
+        if len(self.queue) == self.cfg.batch_size:
+            self._dispatch_ready()          # a batch just filled up: it goes now (a longer queue found no place)
         self._wake.set()
 
     def cancel(self, p: Pending) -> None:

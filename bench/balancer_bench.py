@@ -291,7 +291,7 @@ def open_loop(urls: list[str], rate: float, duration: float, connections: int, s
             async def one(url, t_sched):
                 nonlocal errors
                 async with sem:
-                    async with s.post(url + "/v1/completions", json=body) as r:
+                    async with s.post(url + "/v1/completions", json=BODY) as r:
                         await r.read()
                         errors += r.status != 200
                 lat.append(time.perf_counter() - t_sched)

@@ -50,9 +50,10 @@ class BodyBudget:
         self.used = 0           # bytes held now
         self.peak = 0
         self.refused = 0        # requests refused with 503
+        self.held: dict[int, int] = {}      # id(request) -> its bytes held (a plain dict: the hot path's)
 
     def take(self, request: web.Request, n: int) -> None:
-        held = request.get(_HELD, 0) + n
+        held = self.held.get(id(request), 0) + n
         room = self.limit if held <= SMALL_BODY_BYTES else self.limit - self.limit // 4
         if held > room:                       # over what it could ever hold: no retry can help
             raise APIError(413, f"the request body is larger than {room} bytes (--max-body-bytes-in-flight)")
@@ -62,19 +63,19 @@ class BodyBudget:
                                 "--max-body-bytes-in-flight): retry shortly", headers={"Retry-After": "1"})
         self.used += n
         self.peak = max(self.peak, self.used)
-        request[_HELD] = held
+        self.held[id(request)] = held
 
     def release(self, request: web.Request) -> None:
-        """Give back what ``request`` holds (its answer is over); called once per request by errors_middleware."""
-        self.used -= request.pop(_HELD, 0)
+        """Give back what ``request`` holds (its answer is over); called once per request by errors_middleware,
+        while the request is alive (so its id is still its own)."""
+        if self.held:
+            self.used -= self.held.pop(id(request), 0)
 
     def snapshot(self) -> dict:
         return {"bytes": self.used, "limit": self.limit, "peak": self.peak, "refused": self.refused}
 
 
 BODY_BUDGET = web.AppKey("body_budget", BodyBudget)
-# a request's bytes held against its app's BodyBudget
-_HELD = web.RequestKey("body_bytes_held", int) if hasattr(web, "RequestKey") else "dllm_body_bytes_held"
 
 
 async def read_bytes(request: web.Request, max_bytes: int = MAX_BODY_BYTES) -> bytes:
@@ -168,8 +169,9 @@ async def errors_middleware(request: web.Request, handler):
         log.exception("unhandled error on %s %s", request.method, request.path)
         return json_response(error_body(f"internal error: {type(e).__name__}", "server_error"), 500)
     finally:
-        if _HELD in request:
-            request.app[BODY_BUDGET].release(request)
+        budget = request.app.get(BODY_BUDGET)
+        if budget is not None:
+            budget.release(request)
 
 
 def auth_middleware(key: str, guarded: Callable[[str], bool]):
