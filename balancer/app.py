@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import gc
 import itertools
 import logging
 import os
@@ -36,7 +35,7 @@ from balancer.stats import Window
 from balancer.weights import MODES, WeightUpdates
 from common.config import PORT, setting
 from common.http import (BODY_BUDGET, EXIT_PORT_IN_USE, MAX_BODY_BYTES, MAX_BODY_BYTES_IN_FLIGHT, AppRunner,
-                         BodyBudget, json_response, middlewares, read_body)
+                         BodyBudget, HTTP_GC_THRESHOLD, json_response, middlewares, read_body, settle_gc)
 from common.metrics import RequestMetrics
 from common.openai_http import add_routes
 from common.protocol import APIError, error_body, guarded_by_api_key, loads
@@ -509,7 +508,7 @@ async def serve(cfg: BalancerConfig, stop: asyncio.Event | None = None) -> int:
         print(f"dllm-serve balancer: cannot listen on {cfg.host}:{cfg.port}: {e.strerror or e}", file=sys.stderr)
         await runner.cleanup()
         return EXIT_PORT_IN_USE if e.errno == errno.EADDRINUSE else 1
-    gc.freeze()      # everything set up so far lives as long as the process: keep it out of every GC pass
+    settle_gc(HTTP_GC_THRESHOLD)      # what is set up lives as long as the process; fewer young passes
     log.info("balancer on http://%s:%d over %d workers (%d HTTP processes)", cfg.host, cfg.port,
              len(cfg.worker_urls), cfg.http_processes)
     if stop is None:

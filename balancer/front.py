@@ -24,7 +24,6 @@ variable). Never imports torch."""
 from __future__ import annotations
 
 import asyncio
-import gc
 import glob
 import itertools
 import json
@@ -46,7 +45,7 @@ from aiohttp import web
 
 from balancer.batcher import Pending
 from common.http import (BODY_BUDGET, MAX_BODY_BYTES, MAX_BODY_BYTES_IN_FLIGHT, AppRunner, BodyBudget, middlewares,
-                         read_bytes)
+                         read_bytes, HTTP_GC_THRESHOLD, settle_gc)
 from common.openai_http import ENDPOINTS, Event, EventBox, add_routes, meaningful
 from common.protocol import APIError, error_body, guarded_by_api_key
 
@@ -442,7 +441,7 @@ async def serve_front(cfg: FrontConfig) -> int:
     except OSError as e:
         log.error("front process %d cannot listen on %s:%d: %s", cfg.index, cfg.host, cfg.port, e)
         return 1
-    gc.freeze()
+    settle_gc(HTTP_GC_THRESHOLD)
     link.send({"t": "ready", "pid": os.getpid()})
     await link.closed                                       # the central closed the link (or died)
     try:

@@ -4,6 +4,7 @@ connections answer malformed HTTP in the OpenAI shape too."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import hmac
 import logging
 from typing import Callable
@@ -245,6 +246,24 @@ class _Server(web.Server):
         handler = super().__call__()
         handler.__class__ = _Connection            # the same object layout (no slots of its own)
         return handler
+
+
+# The balancer's processes allocate tracked objects for every request (its task, request, response, Pending,
+# events), and under load most of them are alive, waiting for a batch, when Python's collector looks at them. With
+# Python's default first threshold (700 allocations) a young-generation pass ran every few requests and each walked
+# the in-flight requests' objects again: about a tenth of a loaded balancer's CPU. At this threshold a pass runs every
+# few hundred requests; cyclic garbage still goes within that many allocations, and a pass takes a few milliseconds
+# at most (docs/benchmarks.md, section (c)).
+HTTP_GC_THRESHOLD = 20_000
+
+
+def settle_gc(young_threshold: int | None = None) -> None:
+    """Once a server is set up: what exists now lives as long as the process, so it leaves every collector pass
+    (``gc.freeze``); ``young_threshold`` (the balancer's HTTP processes: :data:`HTTP_GC_THRESHOLD`) replaces the
+    first generation's threshold."""
+    gc.freeze()
+    if young_threshold is not None:
+        gc.set_threshold(young_threshold, *gc.get_threshold()[1:])
 
 
 class AppRunner(web.AppRunner):

@@ -248,3 +248,25 @@ def test_frames_survive_any_split():
             buf += wire[k:k + step]
             got += read_frames(buf)
         assert got == sent and not buf
+
+
+def test_settle_gc_freezes_the_heap_and_sets_the_young_threshold_only_when_asked():
+    """The worker freezes what it set up; the balancer's HTTP processes also collect their young generation every
+    HTTP_GC_THRESHOLD allocations instead of Python's 700 (docs/benchmarks.md). In a child: it changes its process."""
+    import subprocess
+    code = ("import gc; from common.http import settle_gc, HTTP_GC_THRESHOLD as T; t = gc.get_threshold(); "
+            "settle_gc(); a = (gc.get_threshold() == t, gc.get_freeze_count() > 0); settle_gc(T); "
+            "print(a, gc.get_threshold() == (T,) + t[1:], T > t[0])")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["(True,", "True)", "True", "True"]
+
+
+async def test_the_balancer_process_collects_its_young_generation_less_often():
+    import gc
+    from common.http import HTTP_GC_THRESHOLD
+    before = gc.get_threshold()
+    try:
+        async with workers(fake_worker("ok", [])) as urls, balancer(urls, processes=1):
+            assert gc.get_threshold() == (HTTP_GC_THRESHOLD,) + before[1:]
+    finally:
+        gc.set_threshold(*before)

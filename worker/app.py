@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import gc
 import logging
 import os
 import secrets
@@ -21,7 +20,7 @@ from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_late
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from common.http import (BODY_BUDGET, EXIT_PORT_IN_USE, MAX_BATCH_BYTES, AppRunner, BodyBudget, json_response,
-                         middlewares, read_body, read_bytes)
+                         middlewares, read_body, read_bytes, settle_gc)
 from common.metrics import RequestMetrics
 from common.openai_http import add_routes
 from common.protocol import MAX_DEPTH, APIError, error_body, loads
@@ -482,7 +481,7 @@ async def _load(app: web.Application) -> None:
         state.tokens_generated += tokens
     serving.on_tokens = on_tokens
     state.serving = serving
-    gc.freeze()      # the model, tokenizer and libraries are permanent: keep them out of every GC pass
+    settle_gc()      # the model, tokenizer and libraries are permanent: keep them out of every GC pass
     state.status = "ready"
     log.info("ready: %s (%s) on %s", state.model_name, engine.family, engine.device)
 
