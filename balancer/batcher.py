@@ -284,7 +284,7 @@ class CentralBatcher:
         """Start every batch that is ready and has a free worker, from the code that filled the batch or freed the
         worker, instead of waking the loop: under load the loop's wake-up waits behind every ready callback of the
         event loop, a few turns a batch while the worker idles. What is not ready is left to the loop's timer."""
-        if self._task is None or self._task.done():
+        if self._task is None or self._task.done() or self._closing:
             return
         while self.queue and not self.paused:
             free = self._free_workers()
