@@ -9,6 +9,8 @@ device (`--simulate-device BASE,PER_ROW`: no model, each batch sleeps BASE + PER
   # (c) the latency the balancer adds (its default settings): open-loop arrivals at fixed rates over 256
   #     connections, through the balancer, through nginx, and straight to the workers (round robin)
   python bench/balancer_bench.py latency --rates 200,1000,3000 --duration 10
+  # (d) /stats answer times while the balancer is loaded (its one-minute window fills)
+  python bench/balancer_bench.py stats --duration 30 --every 2 --compare-tree /tmp/before
   # (b) scaling over 1, 2, 4, 8 workers at saturation on a simulated device (40 ms + 3 ms x rows)
   python bench/balancer_bench.py scaling --counts 1,2,4,8 --cost 0.04,0.003 --batch-size 16
 
@@ -369,6 +371,43 @@ def scaling_bench(args) -> None:
                 procs.stop()
 
 
+def stats_bench(args) -> None:
+    """/stats read every ``--every`` s while wrk keeps the balancer busy: its answer times and the load's latency
+    (the balancer's one-minute window must not cost more as it fills)."""
+    import threading
+    trees = [("this tree", ROOT)] + ([("compare", Path(args.compare_tree).resolve())] if args.compare_tree else [])
+    print(f"2 instant workers, the balancer with its default settings; wrk {args.connections} connections for "
+          f"{args.duration:g} s, /stats read every {args.every:g} s")
+    for name, tree in trees:
+        with tempfile.TemporaryDirectory() as tmpd:
+            tmp = Path(tmpd)
+            procs = Procs(tmp)
+            try:
+                urls = start_workers(procs, 2, "0", 32, 0.0, tree)
+                port = free_port()
+                procs.start([sys.executable, "-m", cli_module(tree), "balancer", "--worker-urls", ",".join(urls),
+                             "--port", str(port), "--log-level", "warning"], "balancer", tree)
+                bal = f"http://127.0.0.1:{port}"
+                wait_http(bal + "/health", check=lambda d: d.get("healthy_workers") == len(urls))
+                res: dict = {}
+                load_thread = threading.Thread(target=lambda: res.update(
+                    load_wrk(bal, args.connections, args.duration, tmp) if shutil.which("wrk")
+                    else load_python(bal, args.connections, args.duration)))
+                load_thread.start()
+                times, t_end = [], time.monotonic() + args.duration - args.every
+                while time.monotonic() < t_end:
+                    time.sleep(args.every)
+                    t = time.perf_counter()
+                    with urllib.request.urlopen(bal + "/stats") as r:
+                        window = json.loads(r.read())["last_minute"]["requests"]
+                    times.append(f"{(time.perf_counter() - t) * 1e3:.1f}")
+                load_thread.join()
+                print(f"{name}: {res['rps']:.0f} req/s, p99 {res['p99_ms']:.1f} ms; window {window} requests; "
+                      f"/stats ms: {', '.join(times)}", flush=True)
+            finally:
+                procs.stop()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="mode", required=True)
@@ -404,8 +443,13 @@ def main() -> None:
     lt.add_argument("--duration", type=float, default=10)
     lt.add_argument("--also", action="append", default=[], metavar="ARGS",
                     help="another balancer with these options beside the default one (e.g. --also=--no-idle-dispatch)")
+    st = sub.add_parser("stats")
+    st.add_argument("--connections", type=int, default=256)
+    st.add_argument("--duration", type=float, default=30)
+    st.add_argument("--every", type=float, default=2.0)
+    st.add_argument("--compare-tree", help="another checkout of this project, run after this one")
     args = ap.parse_args()
-    {"proxy": proxy_bench, "scaling": scaling_bench, "latency": latency_bench}[args.mode](args)
+    {"proxy": proxy_bench, "scaling": scaling_bench, "latency": latency_bench, "stats": stats_bench}[args.mode](args)
 
 
 if __name__ == "__main__":
