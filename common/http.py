@@ -251,7 +251,7 @@ class _Server(web.Server):
 # The balancer's processes allocate tracked objects for every request (its task, request, response, Pending,
 # events), and under load most of them are alive, waiting for a batch, when Python's collector looks at them. With
 # Python's default first threshold (700 allocations) a young-generation pass ran every few requests and each walked
-# the in-flight requests' objects again: about a tenth of a loaded balancer's CPU. At this threshold a pass runs every
+# the in-flight requests' objects again: 6.6% of a loaded balancer's CPU (perf). At this threshold a pass runs every
 # few hundred requests; cyclic garbage still goes within that many allocations, and a pass takes a few milliseconds
 # at most (docs/benchmarks.md, section (c)).
 HTTP_GC_THRESHOLD = 20_000
