@@ -262,16 +262,9 @@ class CentralBatcher:
             if not self._ready(free):
                 await self._wait(self.queue[0].enqueued_at + self.cfg.wait_time - time.monotonic())
                 continue
-            batch = None
-            for worker in self.policy.rank(free):
-                batch = self._take(worker)
-                if batch:
-                    break
-            if not batch:
+            if not self._dispatch_one(free):
                 # every queued request excludes every free worker (it failed there): wait for another to free up
                 await self._wait(0.05)
-                continue
-            self._start_dispatch(worker, batch)
 
     def _ready(self, free: list[Worker]) -> bool:
         """Whether the queue makes a batch now for one of ``free``: full, past its first request's wait, or a free
@@ -288,16 +281,18 @@ class CentralBatcher:
             return
         while self.queue and not self.paused:
             free = self._free_workers()
-            if not free or not self._ready(free):
+            if not free or not self._ready(free) or not self._dispatch_one(free):
                 return
-            batch = None
-            for worker in self.policy.rank(free):
-                batch = self._take(worker)
-                if batch:
-                    break
-            if not batch:
-                return
-            self._start_dispatch(worker, batch)
+
+    def _dispatch_one(self, free: list[Worker]) -> bool:
+        """Send a batch to the first worker of ``free`` in the policy's order that the queue has one for; False
+        when it has none (every queued request excludes every free worker)."""
+        for worker in self.policy.rank(free):
+            batch = self._take(worker)
+            if batch:
+                self._start_dispatch(worker, batch)
+                return True
+        return False
 
     def _start_dispatch(self, worker: Worker, batch: list[Pending]) -> asyncio.Task:
         self.pool.batch_started(worker, len(batch))     # counted now, before the task runs: capacity is exact
