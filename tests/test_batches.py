@@ -44,6 +44,12 @@ def _run_batch(tmp_path, *args, **kw):
                            *args], cwd=ROOT, capture_output=True, text=True, timeout=120, **kw)
 
 
+def _ctrl_c_as_in_a_terminal() -> None:
+    """SIGINT as a command typed in a terminal gets it: a test run started in the background (``cmd &`` in a
+    script) passes SIGINT on ignored, and Python then ignores Ctrl-C, as it should for a backgrounded command."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 @pytest.mark.slow
 def test_run_batch_resumes_and_accounts_for_every_line(tmp_path):
     (tmp_path / "in.jsonl").write_text(_lines(24, BAD))
@@ -58,7 +64,7 @@ def test_run_batch_resumes_and_accounts_for_every_line(tmp_path):
         w.wait_ready()
         p = subprocess.Popen([*DLLM, "run-batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"),
                               "--url", w.url, "--concurrency", "4"], cwd=ROOT, stdout=subprocess.PIPE,
-                             stderr=subprocess.PIPE, text=True)
+                             stderr=subprocess.PIPE, text=True, preexec_fn=_ctrl_c_as_in_a_terminal)
         deadline = time.monotonic() + 30      # interrupted half-way (Ctrl-C)
         while sum(1 for r in _results(tmp_path / "out.jsonl").values() if r["response"]) < 4:
             assert time.monotonic() < deadline and p.poll() is None
