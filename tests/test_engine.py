@@ -180,5 +180,5 @@ def test_the_final_prefix_ends_at_the_first_mask_or_stop_token():
     for _ in range(3000):
         gen = [rng.choice([0, 1, 2, 3, 9, 9, 5]) for _ in range(rng.randrange(0, 16))]
         for stops in ([1, 2], [], [9], [1, 9, 3]):
-            fin.stop_ids = set(stops)
+            fin.stop_ids = frozenset(stops)
             assert fin.final_prefix(row, gen) == by_position(gen, set(stops)), (gen, stops)

@@ -1,8 +1,8 @@
 """How long this worker's denoising steps take, for /health ``step_seconds_max``: the balancer judges a worker that
 holds work and has made no step for a few of its own step times stalled (balancer/pool.py, docs/balancer.md).
 
-The device thread stamps ``engine.last_step_time`` at every denoising step (once per row: several stamps a step) and
-between likelihood-scoring forwards. A sampler on the event loop reads the stamp every ``tick`` seconds; the time
+The device thread stamps ``engine.last_step_time`` after every denoising step (worker/engine/engine.py, ``_Batch.run``)
+and between likelihood-scoring forwards. A sampler on the event loop reads the stamp every ``tick`` seconds; the time
 from one stamp it saw to the next, while the batcher was busy all along, is one step (or a few, when several fit in
 a tick or the loop was late: never less than one). Idle time never counts: a gap starts no earlier than the moment
 the batcher was seen busy. The last ``keep`` gaps are kept (recent steps, not recent seconds: the figure survives an

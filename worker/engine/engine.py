@@ -422,8 +422,8 @@ class Feed(Protocol):
 
 
 class _TimedFinisher(Finisher):
-    """Finisher that also stamps the engine's last-progress time (one update per row per step) and, in a batch with
-    a feed, hands each joining row to its group and each finished row to the feed at once."""
+    """Finisher that, in a batch with a feed, hands each joining row to its group and each finished row to the feed
+    at once (the engine's last-progress time is stamped by the batch after each step, ``_Batch.run``)."""
 
     def __init__(self, engine: Engine, mask_id, stop_ids, early_exit, hooks, feed: Feed | None = None,
                  group: _Group | None = None):
@@ -431,10 +431,6 @@ class _TimedFinisher(Finisher):
         self.engine = engine
         self.feed = feed
         self.group = group
-
-    def update(self, row, gen, schedule_done, settled=None):
-        self.engine.last_step_time = time.monotonic()
-        super().update(row, gen, schedule_done, settled)
 
     def retired(self, row: Row) -> None:
         if self.feed is not None:

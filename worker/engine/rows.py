@@ -106,9 +106,9 @@ class Row:
     state: object = None          # its algorithm's own per-row state: kept on the row, so it goes when the row
     #                               goes (a batch under steady load runs for ever: nothing per row may outlive it)
 
-    @property
-    def params(self) -> GenerationParams:
-        return self.plan.params
+    def __post_init__(self):
+        # plain attributes, not properties: the steps read them for every row, many times a step
+        self.params: GenerationParams = self.plan.params
 
     @property
     def fixed_steps(self) -> bool:
@@ -139,6 +139,9 @@ class StepHooks:
     steps_for: Callable[[int], bool] = lambda index: False
 
 
+_NO_STOPS: frozenset[int] = frozenset()
+
+
 class Finisher:
     """Decides, after every step, which rows are finished, and reports streamed prefixes.
 
@@ -148,27 +151,26 @@ class Finisher:
 
     def __init__(self, mask_id: int, stop_ids: list[int], early_exit: bool, hooks: StepHooks | None):
         self.mask_id = mask_id
-        self.stop_ids = set(stop_ids)
+        self.stop_ids = frozenset(stop_ids)
         self.early_exit = early_exit
         self.hooks = hooks or StepHooks()
 
-    def stops(self, row: Row) -> set[int]:
-        return set() if row.params.ignore_eos else self.stop_ids
+    def stops(self, row: Row) -> frozenset[int]:
+        return _NO_STOPS if row.params.ignore_eos else self.stop_ids
 
     def final_prefix(self, row: Row, gen: list[int]) -> tuple[list[int], bool]:
         """(the final visible prefix, whether it ends at a stop token): the window up to its first mask or first stop
-        token, whichever comes first (found by ``list.index``, a row and a step each)."""
+        token, whichever comes first (found by ``in`` and ``list.index``, a row and a step each: no exception raised
+        for what is not there)."""
         window = gen[: row.plan.gen_length]
-        try:
-            end = window.index(self.mask_id)
-        except ValueError:
-            end = len(window)
+        mask = self.mask_id
+        end = window.index(mask) if mask in window else len(window)
         cut = end
         for s in self.stops(row):
-            try:
-                cut = window.index(s, 0, cut)
-            except ValueError:
-                pass
+            if s in window:
+                i = window.index(s)
+                if i < cut:
+                    cut = i
         return window[:cut], cut < end
 
     def update(self, row: Row, gen: list[int], schedule_done: bool, settled: int | None = None) -> None:

@@ -16,10 +16,7 @@ def candidate_region(row: Row, gen: list[int], mask_id: int) -> tuple[int, int]:
     back to any earlier position still masked (possible only when the model proposed the mask token itself; the
     reference ranks those together with the block)."""
     start, end = row.block_range()
-    try:
-        first = gen.index(mask_id, 0, start)
-    except ValueError:
-        first = start
+    first = gen.index(mask_id) if mask_id in gen else start     # (no exception raised in the usual case)
     return min(first, start), end
 
 
