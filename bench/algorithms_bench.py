@@ -5,6 +5,8 @@
   python bench/algorithms_bench.py --model-path tests/fixtures/tiny-nemotron --only nemotron,basic,dual_cache
   python bench/algorithms_bench.py --model-path tests/fixtures/tiny-sdar --block-length 4    # kv_cache on / off
   python bench/algorithms_bench.py --model-path tests/fixtures/tiny-llada2 --block-length 8  # kv_cache on / off
+  python bench/algorithms_bench.py --model-path tests/fixtures/tiny-llada --mix dual_cache,dinfer_blockwise \\
+      --batch-sizes 24 --gen-length 64 --block-length 8     # rows of two algorithms in one batch / apart
 
 Early exit is off (the whole canvas is decoded, as the reference does), so random-weight models measure the full
 work. ``tok/fwd`` = generated tokens per forward pass of a row (gen_length / nfe); ``fwd tok/row`` = the tokens a
@@ -62,6 +64,10 @@ def main() -> None:
     ap.add_argument("--compile", action="store_true", help="torch.compile the dense half of every block (a warm-up "
                     "run per batch size pays the compile before timing)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--mix", default=None, help="comma-separated algorithms: instead of the table, one batch of the "
+                    "largest --batch-sizes with their rows in turn (threshold 0.9), together and each algorithm's "
+                    "rows apart: forwards, wall time, tokens identical (Algorithm.forward: algorithms that share a "
+                    "forward step take one forward a round together)")
     args = ap.parse_args()
     device = torch.device(args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
@@ -84,6 +90,8 @@ def main() -> None:
     label += " [compiled dense path]" if args.compile else ""
     print(f"{label} on {device} {dtype}; prompt {args.prompt_len}, gen {args.gen_length}, block {args.block_length}, "
           f"steps {args.steps or args.gen_length} for fixed-step algorithms; early exit off")
+    if args.mix:
+        return mix(engine, args, prompts, sync)
     print(f"{'algorithm':<18} {'setting':<16} {'batch':>5} {'tokens/s':>10} {'nfe/row':>8} {'tok/fwd':>8} {'wall s':>8} "
           f"{'fwd tok/row':>11}")
     forwarded = [0]
@@ -116,6 +124,42 @@ def main() -> None:
                   f"{row['tokens_per_forward']:>8.2f} {wall:>8.2f} {forwarded[0] / bs:>11.0f}", flush=True)
     if args.json:
         print(json.dumps(rows))
+
+
+def mix(engine, args, prompts, sync, rounds: int = 3) -> None:
+    """``--mix``: rows of several algorithms in one batch against each algorithm's rows in a batch of their own, one
+    after the other (the engine's groups, before algorithms shared a forward step); the faster of ``rounds``."""
+    from worker.engine import GenerationParams, Request
+    names = args.mix.split(",")
+    bs = max(int(b) for b in args.batch_sizes.split(","))
+    reqs = [Request(prompts[i], GenerationParams(gen_length=args.gen_length, block_length=args.block_length,
+                                                 algorithm=names[i % len(names)], threshold=0.9)) for i in range(bs)]
+    calls = [0]
+    engine.model.register_forward_hook(lambda *a: calls.__setitem__(0, calls[0] + 1))
+
+    def timed(batches):        # -> (each request's result by id, forwards, the best wall time)
+        best = None
+        for _ in range(rounds):
+            calls[0] = 0
+            sync()
+            t = time.perf_counter()
+            out = {id(r): x for b in batches for r, x in zip(b, engine.generate(b, early_exit=False))}
+            sync()
+            wall = time.perf_counter() - t
+            best = wall if best is None else min(best, wall)
+        return out, calls[0] // rounds, best
+
+    engine.generate(reqs[:len(names)], early_exit=False)      # warm-up
+    together, f_t, w_t = timed([reqs])
+    apart, f_a, w_a = timed([[r for r in reqs if r.params.algorithm == n] for n in names])
+    same = all((together[id(r)].token_ids, together[id(r)].nfe) == (apart[id(r)].token_ids, apart[id(r)].nfe)
+               for r in reqs)
+    print(f"mix {','.join(names)}: {bs} rows in turn, threshold 0.9, the faster of {rounds} runs")
+    print(f"{'':<26} {'forwards':>8} {'wall s':>8} {'tokens/s':>10}")
+    for what, f, w in ((f"apart ({len(names)} batches)", f_a, w_a), ("together (1 batch)", f_t, w_t)):
+        print(f"{what:<26} {f:>8} {w:>8.2f} {bs * args.gen_length / w:>10.1f}")
+    print(f"together / apart: {w_a / w_t:.2f}x tokens/s, {f_t / f_a:.2f}x forwards; tokens and nfe "
+          f"{'identical' if same else 'DIFFER'}")
 
 
 if __name__ == "__main__":

@@ -48,6 +48,25 @@ def test_every_peaky_case_batched_is_exact(peaky_engine, peaky_golden):
     assert [i for r, i in zip(res, order) if not same(r, cases[i])] == []
 
 
+@pytest.mark.parametrize("fixture", ["peaky", "llada"])
+def test_dual_cache_cases_sharing_forwards_with_dinfer_rows_are_exact(fixture, request):
+    """dual_cache rows and the dInfer decoders' rows share one loop and its forwards (Algorithm.forward): every
+    dual_cache case, batched with dInfer rows of every kind and phase, still gives the reference's canvas and nfe."""
+    engine = request.getfixturevalue(f"{fixture}_engine")
+    cases = [c for c in request.getfixturevalue(f"{fixture}_golden")["cases"] if c["algorithm"] == "dual_cache"]
+    rng = random.Random(7)
+    reqs, where = [], []
+    for i, c in enumerate(cases):          # a dInfer row first: the group's loop must not take its rule for all
+        alg = ("dinfer_blockwise", "dinfer_hierarchy", "dinfer_credit")[i % 3]
+        reqs.append(Request(c["prompt"][: rng.randrange(1, len(c["prompt"]) + 1)],
+                            GenerationParams(gen_length=rng.choice([8, 16, 24]), block_length=rng.choice([4, 8]),
+                                             algorithm=alg, threshold=0.9)))
+        where.append(len(reqs))
+        reqs.append(Request(c["prompt"], params_of(c)))
+    res = engine.generate(reqs, early_exit=False)
+    assert [i for i, c in enumerate(cases) if not same(res[where[i]], c)] == []
+
+
 def test_reference_batches_are_exact(peaky_engine, peaky_golden):
     for b in peaky_golden["batched"]:
         res = peaky_engine.generate([Request(p, params_of(b)) for p in b["prompts"]], early_exit=False)

@@ -12,6 +12,8 @@ Rows at a block start and rows in the middle of a block run as two forwards of t
 tokens never depend on where the others are."""
 from __future__ import annotations
 
+from typing import Callable, NamedTuple
+
 import torch
 
 from ...models.layers import upload
@@ -37,9 +39,12 @@ def fast_dllm(params):
     return fast_dllm_rule(params, Softmax.FLOAT64, Softmax.FLOAT64)
 
 
-def _full_forward(model, canvas: Canvas, cache, gens, full: list[int], block_only: bool, mask_id: int, out) -> None:
+def _full_forward(model, canvas: Canvas, cache, gens, full: list[int], block_only: list[bool], mask_id: int,
+                  out) -> None:
     """Rows ``full`` (batch indices) at a block start or warm-up: one full forward that refreshes their cache slots;
-    ``out[b]`` = (region, layout, logits) to decide from (Fast-dLLM ranks the whole sequence here)."""
+    ``out[b]`` = (region, layout, logits) to decide from (Fast-dLLM ranks the whole sequence here). ``block_only[b]``:
+    row b's candidates are its block's positions only (dInfer), else the block extended back to any earlier masked
+    position (Fast-dLLM)."""
     active = canvas.rows
     slots = None if len(full) == len(active) else upload(full, model.device)
     sel = slice(None) if slots is None else slots
@@ -48,7 +53,7 @@ def _full_forward(model, canvas: Canvas, cache, gens, full: list[int], block_onl
     regions, spans = [], []
     for b in full:
         r = active[b]
-        s, e = r.block_range() if block_only else candidate_region(r, gens[r.index], mask_id)
+        s, e = r.block_range() if block_only[b] else candidate_region(r, gens[r.index], mask_id)
         regions.append((s, e))
         spans.append((canvas.gen_start(b) + s, canvas.gen_start(b) + e))
     lg = _gather_logits(model, hidden, spans)
@@ -123,12 +128,23 @@ def _commit_all(canvas: Canvas, decided: list, mask_id: int, device, gens: dict[
            mask_counts(canvas.rows, gens, regions, mask_id))
 
 
-def run_cached(engine, rows: list[Row], fin: Finisher, dual: bool, make_rule=fast_dllm, block_only: bool = False,
-               extra_cached_step: bool = True) -> None:
-    """``make_rule(params)``: each row's transfer rule; ``block_only``: a step's candidates are the block's positions
-    only (dInfer), else the block extended back to any earlier masked position (Fast-dLLM); ``extra_cached_step``:
-    the reference runs at least one cached step per block (Fast-dLLM, below). A step: the full forward of the rows
-    at a block start, the window forward of the others, one commit for all, the finisher."""
+class Variant(NamedTuple):
+    """How a row of a cached loop decides, by its algorithm (rows of several variants share one loop and its
+    forwards when their windows are of one kind: ``dual_cache`` and the dInfer decoders)."""
+    rule: Callable         # (params) -> the row's transfer rule
+    block_only: bool       # a step's candidates are the block's positions only (dInfer), else the block extended
+    #                        back to any earlier masked position (Fast-dLLM)
+    extra_cached_step: bool    # the reference runs at least one cached step per block (Fast-dLLM, below)
+
+
+FAST_DLLM = Variant(fast_dllm, block_only=False, extra_cached_step=True)
+
+
+def run_cached(engine, rows: list[Row], fin: Finisher, dual: bool,
+               variant: Callable[[Row], Variant] = lambda r: FAST_DLLM) -> None:
+    """``variant(row)``: how the row decides (:class:`Variant`). A step: the full forward of the rows at a block
+    start, the window forward of the others (the block alone for ``dual``, the block and everything after it
+    otherwise), one commit for all, the finisher."""
     model, mask_id = engine.model, engine.mask_id
     canvas = Canvas(rows, mask_id, engine.pad_id, model.device)
     cache = model.new_cache(len(rows), canvas.x.shape[1])
@@ -136,12 +152,13 @@ def run_cached(engine, rows: list[Row], fin: Finisher, dual: bool, make_rule=fas
 
     def setup(new: list[Row]) -> None:
         for r in new:
-            r.rule = make_rule(r.params)
+            v = r.state = variant(r)       # the row's own state in these loops: its variant
+            r.rule = v.rule(r.params)
             start_block(r, gens[r.index], mask_id)
             # Fast-dLLM's loops run at least one cached step per block, even when the block-start step committed the
             # whole block (that step commits nothing but counts in nfe). Replicated for the reference's nfe without
             # early exit; with early exit a finished block moves on at once (the tokens are the same).
-            r.min_block_steps = 2 if extra_cached_step and not fin.early_exit else 1
+            r.min_block_steps = 2 if v.extra_cached_step and not fin.early_exit else 1
 
     setup(rows)
     while canvas.rows:
@@ -156,7 +173,7 @@ def run_cached(engine, rows: list[Row], fin: Finisher, dual: bool, make_rule=fas
         part = [b for b, r in enumerate(active) if not _full_step(r)]
         decided = [None] * len(active)
         if full:
-            _full_forward(model, canvas, cache, gens, full, block_only, mask_id, decided)
+            _full_forward(model, canvas, cache, gens, full, [r.state.block_only for r in active], mask_id, decided)
         if part:
             _window_forward(model, canvas, cache, part, dual, decided)
         _commit_all(canvas, decided, mask_id, model.device, gens)
@@ -174,11 +191,20 @@ register(Algorithm(
     run=lambda engine, rows, fin: run_cached(engine, rows, fin, dual=False),
     cfg=False,
 ))
+DUAL_VARIANTS: dict[str, Variant] = {"dual_cache": FAST_DLLM}    # the dInfer decoders add theirs (dinfer.py)
+
+
+def run_dual(engine, rows: list[Row], fin: Finisher) -> None:
+    """The dual-cache loop of ``dual_cache`` and the dInfer decoders (``forward="dual_cache"``: one group, one
+    forward of each kind a round), each row deciding by its own algorithm's variant."""
+    return run_cached(engine, rows, fin, dual=True, variant=lambda r: DUAL_VARIANTS[r.params.algorithm])
+
+
 register(Algorithm(
     name="dual_cache",
     description="Fast-dLLM dual KV cache: one full forward per block, then block-only forwards against the cached "
                 "prefix and suffix; with threshold/factor, Fast-dLLM parallel decoding",
     exact=True,
-    run=lambda engine, rows, fin: run_cached(engine, rows, fin, dual=True),
+    run=run_dual, forward="dual_cache",
     cfg=False,
 ))

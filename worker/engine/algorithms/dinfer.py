@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from ...models.layers import upload
 from ..sampling import NEG_INF, Rule, Softmax
 from . import Algorithm, ParamInfo, register
-from .cached import run_cached
+from .cached import DUAL_VARIANTS, Variant, run_dual
 
 
 def select_dinfer_threshold(conf: torch.Tensor, x0: torch.Tensor, masked: torch.Tensor, threshold: float,
@@ -201,13 +201,8 @@ class Credit(DInferThreshold):
 RULES = {"dinfer_blockwise": lambda p: DInferThreshold(p.threshold),
          "dinfer_hierarchy": lambda p: Hierarchy(p.threshold, p.extra["low_threshold"]),
          "dinfer_credit": lambda p: Credit(p.threshold, extra=p.extra)}
-
-
-def run(engine, rows, fin):
-    """The three decoders' shared loop (dual cache, block-only candidates): one group, one forward a round, each row
-    committing with its own algorithm's rule."""
-    return run_cached(engine, rows, fin, dual=True, make_rule=lambda p: RULES[p.algorithm](p), block_only=True,
-                      extra_cached_step=False)
+# the dual-cache loop (cached.run_dual), shared with dual_cache: block-only candidates, no extra cached step
+DUAL_VARIANTS.update({name: Variant(rule, block_only=True, extra_cached_step=False) for name, rule in RULES.items()})
 
 VICINITY = (
     ParamInfo("prefix_look", 0, "positions before the block recomputed at every cached step"),
@@ -220,14 +215,14 @@ register(Algorithm(
     name="dinfer_blockwise",
     description="dInfer block-wise threshold decoding on the dual cache: commit every masked token with confidence "
                 ">= min(threshold, best confidence), so each step commits at least one",
-    exact=False, run=run, forward="dinfer", cfg=False, defaults={"threshold": 0.9},
+    exact=False, run=run_dual, forward="dual_cache", cfg=False, defaults={"threshold": 0.9},
     extra_params=VICINITY,
 ))
 register(Algorithm(
     name="dinfer_hierarchy",
     description="dInfer hierarchical decoding on the dual cache: in each contiguous masked segment the most "
                 "confident token above low_threshold, plus every token above threshold, plus the best one",
-    exact=False, run=run, forward="dinfer", cfg=False,
+    exact=False, run=run_dual, forward="dual_cache", cfg=False,
     defaults={"threshold": 0.9},
     extra_params=(ParamInfo("low_threshold", 0.4, "a segment's best token is committed above this"),) + VICINITY,
 ))
@@ -236,7 +231,7 @@ register(Algorithm(
     description="dInfer credit decoding on the dual cache: credit accumulated across a block's steps for each "
                 "position's top-1 token is fused into the logits (logits + credit_alpha * log(1 + credit)) before "
                 "the threshold rule",
-    exact=False, run=run, forward="dinfer", cfg=False, defaults={"threshold": 0.9},
+    exact=False, run=run_dual, forward="dual_cache", cfg=False, defaults={"threshold": 0.9},
     extra_params=(ParamInfo("credit_alpha", 0.7, "weight of log(1 + credit) added to the logits"),
                   ParamInfo("boost_gamma", 0.2, "a step adds p_top1 ** boost_gamma to its top-1 token's credit"),
                   ParamInfo("decay_beta", 0.8, "credit decay per step")) + VICINITY,
