@@ -335,7 +335,7 @@ class _Group:
 
     def __init__(self, batch: "_Batch", alg, rows: list[Row]):
         self.alg = alg
-        self.fin = _TimedFinisher(batch.engine, batch.engine.mask_id, batch.engine.stop_ids, batch.early_exit,
+        self.fin = _GroupFinisher(batch.engine.mask_id, batch.engine.stop_ids, batch.early_exit,
                                   batch.hooks, batch.feed, self)
         self.inbox: list[Row] = []
         self.running = list(rows)
@@ -421,14 +421,12 @@ class Feed(Protocol):
     def done(self, index: int, result: Result) -> None: ...
 
 
-class _TimedFinisher(Finisher):
+class _GroupFinisher(Finisher):
     """Finisher that, in a batch with a feed, hands each joining row to its group and each finished row to the feed
     at once (the engine's last-progress time is stamped by the batch after each step, ``_Batch.run``)."""
 
-    def __init__(self, engine: Engine, mask_id, stop_ids, early_exit, hooks, feed: Feed | None = None,
-                 group: _Group | None = None):
+    def __init__(self, mask_id, stop_ids, early_exit, hooks, feed: Feed | None = None, group: _Group | None = None):
         super().__init__(mask_id, stop_ids, early_exit, hooks)
-        self.engine = engine
         self.feed = feed
         self.group = group
 

@@ -107,7 +107,7 @@ class Row:
     #                               goes (a batch under steady load runs for ever: nothing per row may outlive it)
 
     def __post_init__(self):
-        # plain attributes, not properties: the steps read them for every row, many times a step
+        # a plain attribute, not a property: the steps read it for every row, many times a step
         self.params: GenerationParams = self.plan.params
 
     @property
