@@ -33,6 +33,7 @@ async def run_jobs(continuous, plan, step=0.002, switch_wait=1.0):
         if sum(kind == "done" for _, kind, _ in done) == len(plan):
             break
         await asyncio.sleep(0.01)
+    await asyncio.wait_for(b.idle(), 30)     # the batch's call counted (rows are answered before it ends)
     await b.close()
     return [i for i, kind, _ in done if kind == "done"], b
 
@@ -144,6 +145,7 @@ async def test_a_batch_that_never_drains_keeps_only_its_running_rows(monkeypatch
         if sum(kind == "done" for _, kind, _ in done) == 31:
             break
         await asyncio.sleep(0.01)
+    await asyncio.wait_for(b.idle(), 30)     # the batch's call counted (rows are answered before it ends)
     await b.close()
     assert sum(kind == "done" for _, kind, _ in done) == 31
     assert b.batches_processed == 1 and b.rows_joined >= 25        # one batch, the short rows joined it

@@ -107,6 +107,7 @@ class RowScheduler:
         self.pending: collections.deque[Job] = collections.deque()
         self._lock = threading.Lock()     # ``pending`` is also taken from by the device thread (joining rows)
         self.running: list[Job] = []
+        self._in_call = False             # a batch's engine call has not returned yet (its rows may all be answered)
         self.rows_joined = 0              # rows that joined a running batch
         self.rows_retired = 0             # rows that finished (every row, joined or not)
         self._per_second: collections.deque[list] = collections.deque()   # [second, joined, retired], last 60 s
@@ -190,8 +191,8 @@ class RowScheduler:
         return bool(self.running)
 
     async def idle(self) -> None:
-        """Wait until nothing is queued or running."""
-        while self.pending or self.running:
+        """Wait until nothing is queued or running, and the last batch's call has returned and been counted."""
+        while self.pending or self.running or self._in_call:
             await asyncio.sleep(0.02)
 
     # ------------------------------------------------------------ scheduling
@@ -222,6 +223,7 @@ class RowScheduler:
             for j in batch:
                 j.queued = False
             self.running = list(batch)
+            self._in_call = True
             t = time.monotonic()
             try:
                 outcome = await asyncio.get_running_loop().run_in_executor(self._executor, self._run, batch)
@@ -230,6 +232,7 @@ class RowScheduler:
                 outcome = [(j, "error", (500, f"internal error: {type(e).__name__}")) for j in batch]
             finally:
                 self.running = []
+                self._in_call = False       # (the statistics below are counted before any other task runs)
             self.batches_processed += 1
             self.rows_processed += len(batch)
             self.histogram[len(batch)] += 1
