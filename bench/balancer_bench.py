@@ -6,6 +6,8 @@ device (`--simulate-device BASE,PER_ROW`: no model, each batch sleeps BASE + PER
   # (a') the same, with a second tree's workers and balancer in the same run (a before/after comparison)
   git worktree add /tmp/before <commit>
   python bench/balancer_bench.py proxy --compare-tree /tmp/before --http-processes 1 --nginx-processes 1 --rounds 6
+  # (a'') the same balancer run by another interpreter too (a venv with the dependencies except torch)
+  python bench/balancer_bench.py proxy --http-processes 1 --nginx-processes 1 --balancer-python /tmp/py312/bin/python
   # (c) the latency the balancer adds (its default settings): open-loop arrivals at fixed rates over 256
   #     connections, through the balancer, through nginx, and straight to the workers (round robin)
   python bench/balancer_bench.py latency --rates 200,1000,3000 --duration 10
@@ -102,9 +104,10 @@ def start_workers(procs: Procs, n: int, cost: str, batch_size: int, max_wait: fl
 
 
 def start_balancer(procs: Procs, urls: list[str], batch_size: int, wait: float, inflight: int,
-                   http_processes: int = 1, tree: Path = ROOT, tag: str = "", extra: list[str] = ()) -> str:
+                   http_processes: int = 1, tree: Path = ROOT, tag: str = "", extra: list[str] = (),
+                   python: str = sys.executable) -> str:
     port = free_port()
-    procs.start([sys.executable, "-m", cli_module(tree), "balancer", "--worker-urls", ",".join(urls), "--port",
+    procs.start([python, "-m", cli_module(tree), "balancer", "--worker-urls", ",".join(urls), "--port",
                  str(port), "--batch-size", str(batch_size), "--batch-wait-time", str(wait), "--max-queue", "100000",
                  "--max-inflight-per-worker", str(inflight), "--http-processes", str(http_processes),
                  "--log-level", "warning", *extra], f"balancer{tag}-{http_processes}-{len(procs.procs)}", tree)
@@ -232,6 +235,11 @@ def proxy_bench(args) -> None:
                 url = start_balancer(procs, urls, args.batch_size, args.batch_wait, args.inflight, 1,
                                      extra=shlex.split(a))
                 rows.append((f"balancer {a}", url, [pid()], wpids))
+            for py in args.balancer_python:
+                version = subprocess.run([py, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
+                                         capture_output=True, text=True, check=True).stdout.strip()
+                url = start_balancer(procs, urls, args.batch_size, args.batch_wait, args.inflight, 1, python=py)
+                rows.append((f"balancer, Python {version}", url, [pid()], wpids))
             if args.compare_tree:
                 tree = Path(args.compare_tree).resolve()
                 first = len(procs.procs)
@@ -428,6 +436,9 @@ def main() -> None:
                    help="another balancer (one HTTP process) with these options added (e.g. --also=--no-idle-dispatch)")
     p.add_argument("--compare-tree", help="another checkout of this project (e.g. a git worktree of an older commit): "
                    "its own workers and balancer join the same interleaved rounds")
+    p.add_argument("--balancer-python", action="append", default=[], metavar="PYTHON",
+                   help="another balancer (one HTTP process) run by this interpreter, e.g. a venv of Python 3.12 with "
+                        "the project's dependencies except torch (the balancer never imports it)")
     s = sub.add_parser("scaling")
     s.add_argument("--counts", default="1,2,4,8")
     s.add_argument("--cost", default="0.04,0.003")
