@@ -160,18 +160,18 @@ class Finisher:
 
     def final_prefix(self, row: Row, gen: list[int]) -> tuple[list[int], bool]:
         """(the final visible prefix, whether it ends at a stop token): the window up to its first mask or first stop
-        token, whichever comes first (found by ``in`` and ``list.index``, a row and a step each: no exception raised
-        for what is not there)."""
+        token, whichever comes first. A row and a step each, so each list is scanned once, up to the first mask, and
+        no exception is raised in the usual case (a mask left, no stop token yet)."""
         window = gen[: row.plan.gen_length]
-        mask = self.mask_id
-        end = window.index(mask) if mask in window else len(window)
-        cut = end
+        try:
+            head = window[: window.index(self.mask_id)]
+        except ValueError:          # no mask left: once, as the row completes
+            head = window
+        cut = len(head)
         for s in self.stops(row):
-            if s in window:
-                i = window.index(s)
-                if i < cut:
-                    cut = i
-        return window[:cut], cut < end
+            if s in head:
+                cut = min(cut, head.index(s))
+        return (head if cut == len(head) else head[:cut]), cut < len(head)
 
     def update(self, row: Row, gen: list[int], schedule_done: bool, settled: int | None = None) -> None:
         """``gen``: the row's generated canvas after this step. Marks the row done when it is finished.

@@ -16,7 +16,10 @@ def candidate_region(row: Row, gen: list[int], mask_id: int) -> tuple[int, int]:
     back to any earlier position still masked (possible only when the model proposed the mask token itself; the
     reference ranks those together with the block)."""
     start, end = row.block_range()
-    first = gen.index(mask_id) if mask_id in gen else start     # (no exception raised in the usual case)
+    try:
+        first = gen.index(mask_id)      # one scan up to the first mask, usually in the block: no exception raised
+    except ValueError:
+        first = start
     return min(first, start), end
 
 
