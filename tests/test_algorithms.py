@@ -87,6 +87,15 @@ def test_every_family_lists_registered_algorithms_its_default_first():
     assert all(a.families for a in REGISTRY.values())          # no algorithm without a family
 
 
+def test_every_algorithm_of_the_dual_cache_loop_has_its_variant():
+    """The dual-cache loop (cached.run_dual) decides each row by its algorithm's Variant: an algorithm registered
+    with ``forward="dual_cache"`` but no variant would fail inside the device loop."""
+    from worker.engine.algorithms import REGISTRY
+    from worker.engine.algorithms.cached import DUAL_VARIANTS, run_dual
+    shared = {n for n, a in REGISTRY.items() if a.forward == "dual_cache" or a.run is run_dual}
+    assert shared == set(DUAL_VARIANTS) >= {"dual_cache", "dinfer_blockwise", "dinfer_hierarchy", "dinfer_credit"}
+
+
 @pytest.mark.parametrize("names, fixture", [(("dinfer_blockwise", "dinfer_hierarchy", "dinfer_credit"), "llada_engine"),
                                             (("dual_cache", "dinfer_blockwise", "dinfer_credit"), "llada_engine"),
                                             (("llada2", "llada21"), "llada2_engine")])

@@ -425,7 +425,7 @@ class _GroupFinisher(Finisher):
     """Finisher that, in a batch with a feed, hands each joining row to its group and each finished row to the feed
     at once (the engine's last-progress time is stamped by the batch after each step, ``_Batch.run``)."""
 
-    def __init__(self, mask_id, stop_ids, early_exit, hooks, feed: Feed | None = None, group: _Group | None = None):
+    def __init__(self, mask_id, stop_ids, early_exit, hooks, feed: Feed | None, group: _Group):
         super().__init__(mask_id, stop_ids, early_exit, hooks)
         self.feed = feed
         self.group = group
@@ -436,8 +436,6 @@ class _GroupFinisher(Finisher):
 
     def admit(self, running: list[Row]) -> list[Row]:
         g = self.group
-        if g is None:
-            return []
         new, g.inbox = g.inbox, []
         g.running = list(running) + new
         return new

@@ -39,12 +39,11 @@ def fast_dllm(params):
     return fast_dllm_rule(params, Softmax.FLOAT64, Softmax.FLOAT64)
 
 
-def _full_forward(model, canvas: Canvas, cache, gens, full: list[int], block_only: list[bool], mask_id: int,
-                  out) -> None:
+def _full_forward(model, canvas: Canvas, cache, gens, full: list[int], mask_id: int, out) -> None:
     """Rows ``full`` (batch indices) at a block start or warm-up: one full forward that refreshes their cache slots;
-    ``out[b]`` = (region, layout, logits) to decide from (Fast-dLLM ranks the whole sequence here). ``block_only[b]``:
-    row b's candidates are its block's positions only (dInfer), else the block extended back to any earlier masked
-    position (Fast-dLLM)."""
+    ``out[b]`` = (region, layout, logits) to decide from (Fast-dLLM ranks the whole sequence here). A row's
+    candidates are its block's positions only when its variant says so (dInfer), else the block extended back to any
+    earlier masked position (Fast-dLLM)."""
     active = canvas.rows
     slots = None if len(full) == len(active) else upload(full, model.device)
     sel = slice(None) if slots is None else slots
@@ -53,7 +52,7 @@ def _full_forward(model, canvas: Canvas, cache, gens, full: list[int], block_onl
     regions, spans = [], []
     for b in full:
         r = active[b]
-        s, e = r.block_range() if block_only[b] else candidate_region(r, gens[r.index], mask_id)
+        s, e = r.block_range() if r.state.block_only else candidate_region(r, gens[r.index], mask_id)
         regions.append((s, e))
         spans.append((canvas.gen_start(b) + s, canvas.gen_start(b) + e))
     lg = _gather_logits(model, hidden, spans)
@@ -169,11 +168,12 @@ def run_cached(engine, rows: list[Row], fin: Finisher, dual: bool,
             gens = canvas.read_gens()
             setup(new)
         active = canvas.rows
-        full = [b for b, r in enumerate(active) if _full_step(r)]
-        part = [b for b, r in enumerate(active) if not _full_step(r)]
+        full, part = [], []
+        for b, r in enumerate(active):
+            (full if _full_step(r) else part).append(b)
         decided = [None] * len(active)
         if full:
-            _full_forward(model, canvas, cache, gens, full, [r.state.block_only for r in active], mask_id, decided)
+            _full_forward(model, canvas, cache, gens, full, mask_id, decided)
         if part:
             _window_forward(model, canvas, cache, part, dual, decided)
         _commit_all(canvas, decided, mask_id, model.device, gens)
