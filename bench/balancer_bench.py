@@ -8,13 +8,13 @@ device (`--simulate-device BASE,PER_ROW`: no model, each batch sleeps BASE + PER
   python bench/balancer_bench.py proxy --compare-tree /tmp/before --http-processes 1 --nginx-processes 1 --rounds 6
   # (a'') the same balancer run by another interpreter too (a venv with the dependencies except torch)
   python bench/balancer_bench.py proxy --http-processes 1 --nginx-processes 1 --balancer-python /tmp/py312/bin/python
+  # (b) scaling over 1, 2, 4, 8 workers at saturation on a simulated device (40 ms + 3 ms x rows)
+  python bench/balancer_bench.py scaling --counts 1,2,4,8 --cost 0.04,0.003 --batch-size 16
   # (c) the latency the balancer adds (its default settings): open-loop arrivals at fixed rates over 256
   #     connections, through the balancer, through nginx, and straight to the workers (round robin)
   python bench/balancer_bench.py latency --rates 200,1000,3000 --duration 10
   # (d) /stats answer times while the balancer is loaded (its one-minute window fills)
   python bench/balancer_bench.py stats --duration 30 --every 2 --compare-tree /tmp/before
-  # (b) scaling over 1, 2, 4, 8 workers at saturation on a simulated device (40 ms + 3 ms x rows)
-  python bench/balancer_bench.py scaling --counts 1,2,4,8 --cost 0.04,0.003 --batch-size 16
 
 Each proxy round also reads the CPU time (user + system, from psutil) that the front process (balancer or nginx,
 with its child processes) and the workers spent during the round, divided by the round's requests: on a shared
@@ -103,14 +103,19 @@ def start_workers(procs: Procs, n: int, cost: str, batch_size: int, max_wait: fl
     return urls
 
 
-def start_balancer(procs: Procs, urls: list[str], batch_size: int, wait: float, inflight: int,
-                   http_processes: int = 1, tree: Path = ROOT, tag: str = "", extra: list[str] = (),
+def batching(batch_size: int, wait: float, inflight: int, http_processes: int = 1) -> list[str]:
+    """The balancer settings the proxy and scaling benches set (the latency and stats benches keep its defaults)."""
+    return ["--batch-size", str(batch_size), "--batch-wait-time", str(wait), "--max-queue", "100000",
+            "--max-inflight-per-worker", str(inflight), "--http-processes", str(http_processes)]
+
+
+def start_balancer(procs: Procs, urls: list[str], settings: list[str] = (), tree: Path = ROOT, tag: str = "",
                    python: str = sys.executable) -> str:
+    """A balancer over ``urls`` with these command-line ``settings`` (none: its defaults), run by ``python`` from
+    ``tree``; returns its URL once it sees every worker and its HTTP processes are ready."""
     port = free_port()
-    procs.start([python, "-m", cli_module(tree), "balancer", "--worker-urls", ",".join(urls), "--port",
-                 str(port), "--batch-size", str(batch_size), "--batch-wait-time", str(wait), "--max-queue", "100000",
-                 "--max-inflight-per-worker", str(inflight), "--http-processes", str(http_processes),
-                 "--log-level", "warning", *extra], f"balancer{tag}-{http_processes}-{len(procs.procs)}", tree)
+    procs.start([python, "-m", cli_module(tree), "balancer", "--worker-urls", ",".join(urls), "--port", str(port),
+                 "--log-level", "warning", *settings], f"balancer{tag}-{len(procs.procs)}", tree)
     url = f"http://127.0.0.1:{port}"
     wait_http(url + "/health", check=lambda d: d.get("healthy_workers") == len(urls))
     wait_http(url + "/stats", check=lambda d: all(p["status"] == "ready" for p in d["http_processes"]))
@@ -229,16 +234,17 @@ def proxy_bench(args) -> None:
                 url = start_nginx(procs, urls, tmp, n)
                 rows.append((f"nginx, {n} process{'es' if n > 1 else ''}", url, [pid()], wpids))
             for n in http_counts:
-                url = start_balancer(procs, urls, args.batch_size, args.batch_wait, args.inflight, n)
+                url = start_balancer(procs, urls, batching(args.batch_size, args.batch_wait, args.inflight, n))
                 rows.append((f"balancer, --http-processes {n}", url, [pid()], wpids))
             for a in args.also:
-                url = start_balancer(procs, urls, args.batch_size, args.batch_wait, args.inflight, 1,
-                                     extra=shlex.split(a))
+                url = start_balancer(procs, urls, batching(args.batch_size, args.batch_wait, args.inflight)
+                                     + shlex.split(a))
                 rows.append((f"balancer {a}", url, [pid()], wpids))
             for py in args.balancer_python:
                 version = subprocess.run([py, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
                                          capture_output=True, text=True, check=True).stdout.strip()
-                url = start_balancer(procs, urls, args.batch_size, args.batch_wait, args.inflight, 1, python=py)
+                url = start_balancer(procs, urls, batching(args.batch_size, args.batch_wait, args.inflight),
+                                     python=py)
                 rows.append((f"balancer, Python {version}", url, [pid()], wpids))
             if args.compare_tree:
                 tree = Path(args.compare_tree).resolve()
@@ -246,7 +252,8 @@ def proxy_bench(args) -> None:
                 other = start_workers(procs, args.workers, "0", args.worker_batch_size, args.worker_wait, tree, "-b")
                 opids = [p.pid for p in procs.procs[first:]]
                 for n in http_counts:
-                    url = start_balancer(procs, other, args.batch_size, args.batch_wait, args.inflight, n, tree, "-b")
+                    url = start_balancer(procs, other, batching(args.batch_size, args.batch_wait, args.inflight, n),
+                                         tree, "-b")
                     rows.append((f"{tree.name}: balancer, -h-p {n}", url, [pid()], opids))
             print(f"{args.workers} instant workers (--simulate-device 0, worker batch {args.worker_batch_size}, "
                   f"wait {args.worker_wait}); balancer batch {args.batch_size}, wait {args.batch_wait}, in-flight/"
@@ -329,12 +336,7 @@ def latency_bench(args) -> None:
             urls = start_workers(procs, args.workers, "0", 32, 0.0)     # the workers `serve` starts: 2x batch, no wait
             targets = [("workers direct", urls)]
             for name, extra in [("balancer (defaults)", [])] + [(f"balancer {a}", shlex.split(a)) for a in args.also]:
-                port = free_port()
-                procs.start([sys.executable, "-m", "dllm_serve", "balancer", "--worker-urls", ",".join(urls),
-                             "--port", str(port), "--log-level", "warning", *extra], f"balancer{len(targets)}")
-                bal = f"http://127.0.0.1:{port}"
-                wait_http(bal + "/health", check=lambda d: d.get("healthy_workers") == len(urls))
-                targets.append((name, [bal]))
+                targets.append((name, [start_balancer(procs, urls, extra)]))
             if shutil.which("nginx") or Path("/usr/sbin/nginx").exists():
                 targets.append(("nginx, 1 process", [start_nginx(procs, urls, tmp, 1)]))
             print(f"{args.workers} instant workers (--simulate-device 0, batch 32, no wait); balancer with its default "
@@ -368,7 +370,7 @@ def scaling_bench(args) -> None:
             procs = Procs(tmp)
             try:
                 urls = start_workers(procs, n, args.cost, args.batch_size * args.inflight, 0.0)
-                bal = start_balancer(procs, urls, args.batch_size, args.batch_wait, args.inflight)
+                bal = start_balancer(procs, urls, batching(args.batch_size, args.batch_wait, args.inflight))
                 r = load(bal, args.per_worker_connections * n, args.duration, tmp)
                 with urllib.request.urlopen(bal + "/stats") as s:
                     avg = json.loads(s.read())["centralized_batching"]["avg_batch_size"]
@@ -392,17 +394,13 @@ def stats_bench(args) -> None:
             procs = Procs(tmp)
             try:
                 urls = start_workers(procs, 2, "0", 32, 0.0, tree)
-                port = free_port()
-                procs.start([sys.executable, "-m", cli_module(tree), "balancer", "--worker-urls", ",".join(urls),
-                             "--port", str(port), "--log-level", "warning"], "balancer", tree)
-                bal = f"http://127.0.0.1:{port}"
-                wait_http(bal + "/health", check=lambda d: d.get("healthy_workers") == len(urls))
+                bal = start_balancer(procs, urls, tree=tree)
                 res: dict = {}
                 load_thread = threading.Thread(target=lambda: res.update(
                     load_wrk(bal, args.connections, args.duration, tmp) if shutil.which("wrk")
                     else load_python(bal, args.connections, args.duration)))
                 load_thread.start()
-                times, t_end = [], time.monotonic() + args.duration - args.every
+                times, window, t_end = [], None, time.monotonic() + args.duration - args.every
                 while time.monotonic() < t_end:
                     time.sleep(args.every)
                     t = time.perf_counter()
