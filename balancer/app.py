@@ -65,8 +65,12 @@ class BalancerConfig:
     health: HealthConfig = setting(default_factory=HealthConfig, cli=False)
     request_timeout: float = setting(1800.0, "Seconds before a request is answered 504.",
                                      type=click.FloatRange(0, min_open=True))
-    drain_timeout: float = setting(60.0, "Seconds SIGTERM waits for queued and in-flight requests before exiting.",
+    drain_timeout: float = setting(60.0, "Seconds SIGTERM waits for queued and in-flight requests; then those left "
+                                         "get 503 and the process exits within 5 s.",
                                    type=click.FloatRange(0))
+    weight_load_timeout: float = setting(600.0, "Seconds one worker may take to load new weights (POST "
+                                                "/v1/load_weights, or a worker brought onto them when it comes back) "
+                                                "once its batches have finished.", type=click.FloatRange(1))
     http_processes: int = setting(1, "Processes accepting client connections on --port (SO_REUSEPORT): the balancer "
                                      "itself plus N-1 front processes that read and validate requests and hand them "
                                      "to its one queue over a Unix socket. Raise it when one core of HTTP work is "
@@ -115,7 +119,8 @@ class BalancerState:
         self.batcher = CentralBatcher(self.pool, lambda: self.session, cfg.batch, headers)
         self.metrics = BalancerMetrics()
         self.batcher.on_batch = self.metrics.batch_size.observe
-        self.weights = WeightUpdates(self.pool, self.batcher, lambda: self.session, headers)
+        self.weights = WeightUpdates(self.pool, self.batcher, lambda: self.session, headers, cfg.weight_load_timeout,
+                                     cfg.request_timeout)
         self.batcher.routable, self.batcher.servable = self.weights.routable, self.weights.servable
         self.batcher.allowed_versions = self.weights.allowed_versions
         self.window = Window(60.0)
@@ -203,7 +208,8 @@ JOBS = web.AppKey("jobs", BatchJobs)
 
 async def to_a_worker(request: web.Request) -> web.Response:
     """POST /tokenize, /detokenize: not batched; the body (read in the one JSON language) goes to the least-loaded
-    healthy worker, whose answer is returned as it is (another worker is tried if the connection fails)."""
+    healthy worker, whose answer is returned as it is (another worker is tried if the connection fails, the call
+    takes longer than --worker-call-timeout, or the worker refuses the balancer's --worker-api-key)."""
     state = request.app[STATE]
     body = await read_body(request)
     loads(body)
@@ -213,7 +219,10 @@ async def to_a_worker(request: web.Request) -> web.Response:
         try:
             async with state.session.post(w.url + path, data=body,
                                           headers={**state.pool.headers, "Content-Type": "application/json"},
-                                          timeout=aiohttp.ClientTimeout(total=60)) as r:
+                                          timeout=aiohttp.ClientTimeout(total=state.cfg.batch.call_timeout)) as r:
+                if r.status in (401, 403):      # the balancer's key, not the client's: never the client's 401
+                    tried.append(f"worker {w.index}: refused the balancer's --worker-api-key ({r.status})")
+                    continue
                 return web.Response(body=await r.read(), status=r.status, content_type="application/json")
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             tried.append(f"worker {w.index}: {type(e).__name__}")
@@ -286,7 +295,7 @@ async def model_from_a_worker(request: web.Request) -> web.Response:
 
 async def _ask_workers(state: BalancerState, path: str) -> web.Response:
     """The first healthy worker's answer to GET ``path`` (already percent-encoded; sent as it is, never normalised),
-    cached 30 s (every worker serves the same model)."""
+    cached 30 s (every worker serves the same model); each worker asked may take --worker-call-timeout."""
     now = time.monotonic()
     hit = state._from_workers.get(path)
     if hit and now - hit[0] < 30:
@@ -294,13 +303,15 @@ async def _ask_workers(state: BalancerState, path: str) -> web.Response:
     for w in state.pool.healthy() + [w for w in state.pool.workers if not w.healthy]:
         try:
             async with state.session.get(yarl.URL(w.url + path, encoded=True), headers=state.pool.headers,
-                                         timeout=aiohttp.ClientTimeout(total=5)) as r:
+                                         timeout=aiohttp.ClientTimeout(total=state.cfg.batch.call_timeout)) as r:
                 if r.status == 200:
                     data = await r.json(content_type=None)
                     state._from_workers[path] = (now, data)
                     return json_response(data)
-                if r.status == 404:             # the worker's own answer (e.g. an unknown model id)
-                    return web.Response(body=await r.read(), status=404, content_type="application/json")
+                if r.status == 404:             # the worker's own answer (e.g. an unknown model id), if it is one
+                    data = await r.json(content_type=None)
+                    if isinstance(data, dict) and isinstance(data.get("error"), dict):
+                        return json_response(data, 404)
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
             continue
     raise APIError(503, f"no worker could answer {path}")
@@ -532,7 +543,12 @@ async def drain(app: web.Application) -> None:
             while state.live or state.batcher.queue_depth or state.batcher.in_flight:
                 await asyncio.sleep(0.05)
     except TimeoutError:
-        log.warning("drain timeout: stopping with %d requests unfinished", len(state.live))
+        unfinished = [p for p in state.live.values() if not p.done]
+        log.warning("drain timeout: %d requests unfinished get 503", len(unfinished))
+        for p in unfinished:            # answered, not dropped: a client can retry on another server
+            state.batcher.cancel(p)     # (its worker is told)
+            p.fail(503, f"the balancer is shutting down: --drain-timeout ({state.cfg.drain_timeout:g} s) passed "
+                        "before this request was answered", "service_unavailable")
 
 
 def run(cfg: BalancerConfig) -> int:

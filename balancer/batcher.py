@@ -114,6 +114,14 @@ class BatchConfig:
     connect_timeout: float = setting(5.0, "Seconds to open a connection to a worker.", type=click.FloatRange(0.1))
     no_worker_grace: float = setting(30.0, "Seconds queued requests wait for a healthy worker before 503.",
                                      type=click.FloatRange(0))
+    busy_backoff_max: float = setting(5.0, "Most seconds a worker that answered a batch 429 or 503 (its queue full, "
+                                           "draining, loading) is left out of the routing: its Retry-After, else 1 s. "
+                                           "The batch goes back to the queue without using a retry.",
+                                      type=click.FloatRange(0))
+    call_timeout: float = setting(30.0, "Seconds one of the balancer's own short calls to a worker may take: "
+                                        "/worker/cancel, /tokenize, /detokenize, /v1/models, /generation/algorithms, "
+                                        "/tokenizer_info.", flag="--worker-call-timeout",
+                                  type=click.FloatRange(0.1))
     max_batch_bytes: int = setting(MAX_BATCH_BYTES // 2, cli=False)   # well under the worker's body limit
     routing_policy: str = setting(DEFAULT_POLICY, "Which free worker gets the next batch (balancer/policy.py): "
                                                   "least_loaded = fewest requests in flight, then fewest batches, "
@@ -128,6 +136,7 @@ class Dispatch:
     task: asyncio.Task | None = None
     started: bool = False          # the task ran its first step (it does its own accounting from there)
     aborted: str | None = None     # why the pool aborted the worker ("stalled", ...); None: not aborted
+    ended_early: bool = False      # closed because none of its requests waits for an answer any more
 
 
 class CentralBatcher:
@@ -151,6 +160,7 @@ class CentralBatcher:
         self._closing = False
         self._no_worker_since: float | None = None
         self._dispatches: set[Dispatch] = set()      # in flight, on every worker
+        self._cancels: set[asyncio.Task] = set()      # /worker/cancel calls under way (held until they end)
         # weight updates (balancer/weights.py): which workers may take batches, which required weights (a request's
         # model_version) can still be served, and a pause that holds the queue
         self.routable = lambda w: not w.updating
@@ -185,7 +195,9 @@ class CentralBatcher:
         p.enqueued_at = time.monotonic()
         if (self.cfg.idle_dispatch and not self.queue and not (p.excluded or p.solo or p.version or self.paused)
                 and self._task is not None and not self._task.done()):
-            idle = [w for w in self.pool.workers if w.healthy and w.inflight_batches == 0 and self.routable(w)]
+            now = time.monotonic()
+            idle = [w for w in self.pool.workers
+                    if w.healthy and w.inflight_batches == 0 and w.busy_until <= now and self.routable(w)]
             if idle:               # straight to an idle worker: no hop through the batching loop
                 self._start_dispatch(self.policy.rank(idle)[0], [p])
                 return
@@ -201,22 +213,49 @@ class CentralBatcher:
         p.cancelled = True
         p.done = True
         if p.worker is not None:
-            asyncio.create_task(self._cancel_on_worker(p.worker, p.id))
+            self._send_cancel(p.worker, [p.id])
+            self._end_answered_dispatch(p)
         self._wake.set()
 
-    async def _cancel_on_worker(self, w: Worker, rid: str) -> None:
+    def _send_cancel(self, w: Worker, ids: list[str]) -> None:
+        t = asyncio.create_task(self._cancel_on_worker(w, ids))
+        self._cancels.add(t)
+        t.add_done_callback(self._cancels.discard)
+
+    async def _cancel_on_worker(self, w: Worker, ids: list[str]) -> None:
         try:
-            async with self._session_factory().post(w.url + "/worker/cancel", json={"ids": [rid]},
+            async with self._session_factory().post(w.url + "/worker/cancel", json={"ids": ids},
                                                     headers=self.headers,
-                                                    timeout=aiohttp.ClientTimeout(total=5)) as r:
+                                                    timeout=aiohttp.ClientTimeout(total=self.cfg.call_timeout)) as r:
                 await r.read()
         except (aiohttp.ClientError, asyncio.TimeoutError):
             pass
 
+    def _end_answered_dispatch(self, p: Pending) -> None:
+        """When ``p``'s cancellation leaves its batch with no request waiting for an answer (every other one answered
+        or cancelled too: a --request-timeout sweep, clients gone), close that batch's stream: its place on the
+        worker is free at once, whatever the worker does with the stream (the worker drops the cancelled rows)."""
+        for d in self._dispatches:
+            if d.started and d.task is not None and not d.task.done() and p in d.batch:
+                if all(q.done for q in d.batch):
+                    d.aborted = "closed: every request of the batch is answered or cancelled"
+                    d.ended_early = True
+                    d.task.cancel()
+                return
+
     # ------------------------------------------------------------ forming and dispatching batches
     def _free_workers(self) -> list[Worker]:
+        now = time.monotonic()
         return [w for w in self.pool.healthy()
-                if w.inflight_batches < self.cfg.max_inflight_per_worker and self.routable(w)]
+                if w.inflight_batches < self.cfg.max_inflight_per_worker and w.busy_until <= now
+                and self.routable(w)]
+
+    def _backoff_left(self) -> float:
+        """Seconds until the first healthy worker backing off (it answered 429/503) may take batches again, at most
+        1 (the loop's wait when no worker is free)."""
+        now = time.monotonic()
+        left = [w.busy_until - now for w in self.pool.healthy() if w.busy_until > now]
+        return min([1.0] + left)
 
     def versions_changed(self) -> None:
         """Workers' weights changed (or an update started or ended): queued requests that require weights no worker
@@ -251,12 +290,13 @@ class CentralBatcher:
         while True:
             self._drop_cancelled()
             if not self.queue:
+                self._no_worker_since = None        # the grace is counted for requests that wait
                 await self._wait(None)
                 continue
             free = [] if self.paused else self._free_workers()
             if not free:
                 self._check_no_workers()
-                await self._wait(1.0)
+                await self._wait(self._backoff_left())
                 continue
             self._no_worker_since = None
             if not self._ready(free):
@@ -357,10 +397,12 @@ class CentralBatcher:
                 if not p.cancelled:
                     p.fail(503, f"no healthy worker for {self.cfg.no_worker_grace:g} s", "service_unavailable")
             self.queue.clear()
+            self._no_worker_since = None            # the next outage has its own grace
 
     async def _dispatch(self, d: Dispatch) -> None:
         d.started = True
-        w, batch = d.worker, d.batch
+        w = d.worker
+        batch = [p for p in d.batch if not p.done]     # a request cancelled before this step is not sent
         attempts = {}
         for p in batch:
             p.attempt += 1
@@ -368,6 +410,31 @@ class CentralBatcher:
             p.worker = w
             attempts[p.id] = p.attempt
         open_ = {p.id: p for p in batch}
+        failure = None
+        try:
+            if batch:
+                failure = await self._send(w, batch, open_, attempts)
+        except asyncio.CancelledError:
+            if self._closing:
+                raise
+            failure = f"worker {d.aborted}" if d.aborted else "dispatch cancelled"
+        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, ValueError) as e:
+            failure = f"{type(e).__name__}: {e}"
+            self.pool.batch_failed(w, failure, consecutive=True, refused=isinstance(e, aiohttp.ClientConnectorError))
+        except Exception as e:           # a malformed stream (or a bug) must fail over, not leave rows hanging
+            log.exception("batch on worker %d: unexpected error", w.index)
+            failure = f"bad batch stream: {type(e).__name__}: {e}"
+            self.pool.batch_failed(w, failure)
+        finally:
+            self.pool.batch_ended(w, len(d.batch))
+        if failure and open_ and not d.ended_early:
+            self._failover(w, list(open_.values()), attempts, failure)
+        self._dispatch_ready()              # the freed place takes the next batch now
+        self._wake.set()
+
+    async def _send(self, w: Worker, batch: list[Pending], open_: dict, attempts: dict) -> str | None:
+        """POST the batch to ``w`` and deliver its events; the failure that leaves ``open_``'s requests to fail
+        over, or None."""
         self.batches += 1
         self.rows += len(batch)
         self.histogram[len(batch)] += 1
@@ -381,51 +448,39 @@ class CentralBatcher:
                       p.body, b"}")
         parts.append(b"]}")
         payload = b"".join(parts)
-        failure = None
-        try:
-            async with self._session_factory().post(
-                    w.url + "/worker/batch", data=payload,
-                    headers={**self.headers, "Content-Type": "application/json"},
-                    timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout)) as r:
-                if r.status in REJECTED:
-                    self._rejected(w, batch, r.status, await r.read())
-                    open_.clear()
-                elif r.status == 409:          # its weights are not the ones we took it for: it did nothing
-                    self._wrong_weights(w, batch, await r.read())
-                    open_.clear()
-                elif r.status != 200:
-                    text = (await r.read())[:300].decode(errors="replace")
-                    failure = f"worker answered {r.status}: {text}"
-                    if r.status not in (429, 503):
-                        self.pool.batch_failed(w, failure)
-                else:
-                    buf = b""
-                    async for data in r.content.iter_any():
-                        buf += data
-                        if b"\n" in data:
-                            *lines, buf = buf.split(b"\n")
-                            self.pool.batch_progress(w)
-                            self._lines(w, lines, open_, attempts)
-                    self._lines(w, [buf], open_, attempts)        # a last line without its newline
-                    if open_:
-                        failure = "the worker closed the batch stream early"
-        except asyncio.CancelledError:
-            if self._closing:
-                raise
-            failure = f"worker {d.aborted}" if d.aborted else "dispatch cancelled"
-        except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, ValueError) as e:
-            failure = f"{type(e).__name__}: {e}"
-            self.pool.batch_failed(w, failure, consecutive=True, refused=isinstance(e, aiohttp.ClientConnectorError))
-        except Exception as e:           # a malformed stream (or a bug) must fail over, not leave rows hanging
-            log.exception("batch on worker %d: unexpected error", w.index)
-            failure = f"bad batch stream: {type(e).__name__}: {e}"
-            self.pool.batch_failed(w, failure)
-        finally:
-            self.pool.batch_ended(w, len(batch))
-        if failure and open_:
-            self._failover(w, list(open_.values()), attempts, failure)
-        self._dispatch_ready()              # the freed place takes the next batch now
-        self._wake.set()
+        async with self._session_factory().post(
+                w.url + "/worker/batch", data=payload,
+                headers={**self.headers, "Content-Type": "application/json"},
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout)) as r:
+            # the worker answers once it holds every row: a cancel sent while the batch was on its way may have
+            # found none of them, so the requests cancelled by now are cancelled again
+            late = [p.id for p in batch if p.cancelled]
+            if late:
+                self._send_cancel(w, late)
+            if r.status in REJECTED:
+                self._rejected(w, batch, r.status, await r.read())
+                open_.clear()
+            elif r.status == 409 and self._wrong_weights(w, batch, await r.read()):
+                open_.clear()           # its weights are not the ones we took it for: it did nothing
+            elif r.status in (429, 503):
+                self._busy(w, batch, r.status, r.headers.get("Retry-After"), await r.read())
+                open_.clear()
+            elif r.status != 200:
+                failure = f"worker answered {r.status}: {(await r.read())[:300].decode(errors='replace')}"
+                self.pool.batch_failed(w, failure)
+                return failure
+            else:
+                buf = b""
+                async for data in r.content.iter_any():
+                    buf += data
+                    if b"\n" in data:
+                        *lines, buf = buf.split(b"\n")
+                        self.pool.batch_progress(w)
+                        self._lines(w, lines, open_, attempts)
+                self._lines(w, [buf], open_, attempts)        # a last line without its newline
+                if open_:
+                    return "the worker closed the batch stream early"
+        return None
 
     def _lines(self, w: Worker, lines: list[bytes], open_: dict, attempts: dict) -> None:
         for line in lines:
@@ -444,22 +499,46 @@ class CentralBatcher:
                 p.worker = None
             p.deliver(attempts[p.id], kind, ev.get("status", 200), ev.get("data"), end)
 
-    def _wrong_weights(self, w: Worker, batch: list[Pending], body: bytes) -> None:
-        """The worker holds other weights than the batch allows (changed since its last /health: a load the balancer
-        did not make): learn them and put the batch back at the front of the queue (not a failure of anyone)."""
+    def _wrong_weights(self, w: Worker, batch: list[Pending], body: bytes) -> bool:
+        """A 409 for the batch: the worker holds other weights than the batch allows (changed since its last /health:
+        a load the balancer did not make). Learn them and put the batch back at the front of the queue (not a
+        failure of anyone); True. A 409 that does not say which weights it holds is a failure of the worker (False:
+        the caller fails the batch over), so a confused worker cannot send the batch round without end."""
         try:
             actual = orjson.loads(body).get("model_version")
         except (ValueError, AttributeError):
             actual = None
+        believed = (w.last_health.get("model_version") or {}).get("hash")
+        if not (isinstance(actual, dict) and isinstance(actual.get("hash"), str)) or actual["hash"] == believed:
+            return False
         log.warning("worker %d holds other weights (%s) than the batch allows: re-queued", w.index, actual)
-        if isinstance(actual, dict):
-            w.last_health = {**w.last_health, "model_version": actual}
+        w.last_health = {**w.last_health, "model_version": actual}
         for p in batch:
             p.worker = None
             p.tries -= 1
             p.attempt += 1
         self.queue.extendleft(reversed([p for p in batch if not (p.cancelled or p.done)]))
         self.versions_changed()
+        return True
+
+    def _busy(self, w: Worker, batch: list[Pending], status: int, retry_after: str | None, body: bytes) -> None:
+        """The worker refused the whole batch with 429 (its queue is full) or 503 (draining, loading, updating): it did
+        nothing. It takes no batch for its Retry-After (else 1 s, at most --busy-backoff-max) and the batch goes back
+        to the front of the queue, without using a retry (the requests wait for a worker up to --request-timeout)."""
+        try:
+            delay = float(retry_after) if retry_after is not None else 1.0
+        except ValueError:
+            delay = 1.0
+        delay = min(max(delay, 0.0), self.cfg.busy_backoff_max)
+        w.busy_until = time.monotonic() + delay
+        log.info("worker %d answered a batch %d (%s): no batches for %.2f s, %d requests back in the queue", w.index,
+                 status, body[:200].decode(errors="replace"), delay, len(batch))
+        for p in batch:
+            p.worker = None
+            p.tries -= 1            # not a failure of the request
+            p.attempt += 1
+        self.queue.extendleft(reversed([p for p in batch if not p.done]))
+        self.pool.notify()
 
     def _rejected(self, w: Worker, batch: list[Pending], status: int, body: bytes) -> None:
         """The worker rejected the whole batch (a 4xx for the batch, not for a row): split it, or answer the row."""
@@ -489,6 +568,9 @@ class CentralBatcher:
         self.queue.extendleft(reversed([p for p in batch if not (p.cancelled or p.done)]))
 
     def _failover(self, w: Worker, unfinished: list[Pending], attempts: dict, why: str) -> None:
+        unfinished = [p for p in unfinished if not (p.cancelled or p.done)]
+        if not unfinished:
+            return
         log.warning("batch on worker %d failed (%s): %d requests unfinished", w.index, why, len(unfinished))
         requeue = []
         for p in unfinished:

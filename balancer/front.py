@@ -10,7 +10,7 @@ Every other path (/health, /stats, /metrics, /worker-status, /v1/models, 404s) i
 socket to the central, so those answers are the central's own.
 
 Frames: 8 bytes (header length, body length; little-endian u32), an orjson header, raw body bytes. Front to
-central: ``r`` (a request: n, kind, stream; body = the client's JSON), ``d`` (n's answer is over: path, status,
+central: ``r`` (a request: n, kind, stream, the model_version it requires; body = the client's JSON), ``d`` (n's answer is over: path, status,
 seconds; the central releases it and records the metrics), ``ready``. Central to front: one event per frame
 (n, attempt, event, status, data, end). Frames written in one loop iteration go out in one write.
 
@@ -182,7 +182,8 @@ class FrontLink(Link):
         if t == "r":
             n = h["n"]
             try:
-                self.live[n] = state.admit(h["k"], body, h["s"], time.monotonic(), cls=RemotePending, link=self, n=n)
+                self.live[n] = state.admit(h["k"], body, h["s"], time.monotonic(), cls=RemotePending,
+                                           version=h.get("v"), link=self, n=n)
             except APIError as e:
                 self.send({"n": n, "a": None, "e": "error", "st": e.status, "d": e.body(), "end": True})
         elif t == "d":
@@ -240,7 +241,7 @@ class Fronts:
         env = {**os.environ, "DLLM_FRONT": json.dumps({
             "fd": theirs.fileno(), "host": self.host, "port": self.port, "central": self.central_socket,
             "api_key": self.api_key, "index": i, "log_level": logging.getLogger().getEffectiveLevel(),
-            "max_body_bytes_in_flight": self.state.cfg.max_body_bytes_in_flight})}
+            "max_body_bytes_in_flight": self.state.cfg.max_body_bytes_in_flight, "connect_timeout": self.timeout})}
         proc = None
         try:
             proc = await asyncio.create_subprocess_exec(
@@ -337,7 +338,7 @@ class FrontConfig:
     api_key: str | None = None
     index: int = 0
     log_level: int = logging.INFO
-    proxy_timeout: float = 30.0
+    connect_timeout: float = 10.0        # seconds to open a connection to the central's socket (--front-timeout)
     max_body_bytes_in_flight: int = MAX_BODY_BYTES_IN_FLIGHT     # this front's own bound (the balancer's setting)
 
 
@@ -387,7 +388,7 @@ class FrontDoor:
             raise APIError(503, "the balancer is shutting down or restarting")
         n = request["n"] = next(front.ids)
         box = front.live[n] = EventBox()
-        link.send({"t": "r", "n": n, "k": kind, "s": req.stream}, body)
+        link.send({"t": "r", "n": n, "k": kind, "s": req.stream, "v": req.model_version}, body)
         return box
 
     def close(self, request: web.Request, box, status: int, seconds: float) -> None:
@@ -398,6 +399,7 @@ class FrontDoor:
 
 
 DOOR = web.AppKey("door", FrontDoor)
+PROXY_CHUNK = 1 << 16       # bytes: a proxied answer up to this size is read whole, a larger one streamed in these
 
 
 async def proxy(request: web.Request) -> web.Response:
@@ -405,15 +407,26 @@ async def proxy(request: web.Request) -> web.Response:
     (never decoded or normalised here: the central routes, checks the key and refuses what it would refuse)."""
     front = request.app[FRONT]
     headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type", "accept")}
-    body = await read_bytes(request) if request.can_read_body else None
+    # the body goes through as it arrives, never held here: the central applies its own limits to it (a
+    # /v1/files upload may be far larger than an OpenAI request)
+    body = request.content if request.can_read_body else None
     try:
-        # a weight update takes as long as its workers take to drain and load (the central bounds it)
-        limit = aiohttp.ClientTimeout(total=None) if request.path == "/v1/load_weights" else None
         async with front.session.request(request.method, yarl.URL("http://central" + request.path_qs, encoded=True),
-                                         headers=headers, data=body, timeout=limit) as r:
-            body = await r.read()
+                                         headers=headers, data=body) as r:
             keep = {k: v for k, v in r.headers.items() if k.lower() in ("content-type", "retry-after", "allow")}
-            return web.Response(body=body, status=r.status, headers=keep)
+            if r.content_length is not None and r.content_length <= PROXY_CHUNK:
+                return web.Response(body=await r.read(), status=r.status, headers=keep)
+            resp = web.StreamResponse(status=r.status, headers=keep)    # a large answer (a file) goes through too
+            if r.content_length is not None:
+                resp.content_length = r.content_length
+            await resp.prepare(request)
+            try:
+                async for chunk in r.content.iter_chunked(PROXY_CHUNK):
+                    await resp.write(chunk)
+            except (aiohttp.ClientError, asyncio.TimeoutError) as e:      # cut off: the client must see it is
+                raise ConnectionResetError(f"the central's answer broke off: {type(e).__name__}") from e
+            await resp.write_eof()
+            return resp
     except (aiohttp.ClientError, asyncio.TimeoutError) as e:
         raise APIError(503, f"the balancer's central process did not answer: {type(e).__name__}")
 
@@ -430,8 +443,10 @@ async def serve_front(cfg: FrontConfig) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: None)          # the central decides when fronts stop
+    # no total: a proxied call takes as long as the central takes, and the central bounds its own work (its calls
+    # to workers, a weight update); an upload goes at its client's pace
     front.session = aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=cfg.central),
-                                          timeout=aiohttp.ClientTimeout(total=cfg.proxy_timeout))
+                                          timeout=aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout))
     link = front.link = CentralLink(front)
     await loop.create_connection(lambda: link, sock=socket.socket(fileno=cfg.fd))
     runner = AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=4.0)

@@ -74,6 +74,7 @@ class Worker:
     launch_id: str | None = None     # when set, only a worker whose /health shows it is ours (the supervisor's)
     instance_id: str | None = None   # the worker process last seen on /health
     updating: bool = False           # out of the routing while it loads new weights (balancer/weights.py)
+    busy_until: float = 0.0          # no batches before this (monotonic): it answered one 429/503 (the batcher's)
 
     @property
     def status(self) -> str:
@@ -104,6 +105,7 @@ class Worker:
             "last_activity_seconds_ago": None if self.last_activity is None else round(now - self.last_activity, 3),
             "seconds_since_progress": round(now - self.last_progress, 3),
             "stall_after_seconds": None if self.stall_after is None else round(self.stall_after, 3),
+            "backoff_seconds": round(max(0.0, self.busy_until - now), 3),
             "model_version": self.last_health.get("model_version"),
             "worker_health": self.last_health,
         }

@@ -66,11 +66,18 @@ class ServeConfig:
     min_workers: int = setting(1, "Ready workers needed before the balancer serves.", type=click.IntRange(1))
     startup_timeout: float = setting(1800.0, "Seconds for the first --min-workers to become ready.",
                                      type=click.FloatRange(1))
-    restart_backoff: float = setting(1.0, cli=False)     # first restart delay, doubled per crash up to the max
-    restart_backoff_max: float = setting(60.0, cli=False)
-    crash_loop: int = setting(3, cli=False)              # this many crashes within crash_window s is a crash loop
-    crash_window: float = setting(120.0, cli=False)
-    stop_timeout: float = setting(30.0, cli=False)       # seconds workers get to exit after SIGTERM before SIGKILL
+    restart_backoff: float = setting(1.0, "Seconds before a crashed worker is restarted, doubled per crash in a row "
+                                          "up to --restart-backoff-max.", type=click.FloatRange(0))
+    restart_backoff_max: float = setting(60.0, "Longest wait before a crashed worker is restarted.",
+                                         type=click.FloatRange(0))
+    crash_loop: int = setting(3, "Crashes of one worker within --crash-window seconds that make a crash loop "
+                                 "(logged with its log's last lines; restarts go on with the back-off, but when "
+                                 "every worker is in one before any was ready, serve gives up).",
+                              type=click.IntRange(1))
+    crash_window: float = setting(120.0, "Seconds over which --crash-loop crashes are counted.",
+                                  type=click.FloatRange(0, min_open=True))
+    stop_timeout: float = setting(30.0, "Seconds workers get to exit after SIGTERM (after the balancer's drain) "
+                                        "before SIGKILL.", type=click.FloatRange(0))
 
     def __post_init__(self):
         if self.log_dir is None:

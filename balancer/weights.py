@@ -44,8 +44,11 @@ def hash_of(w: Worker) -> str | None:
 
 
 class WeightUpdates:
-    def __init__(self, pool: WorkerPool, batcher, session_factory, headers: dict):
+    def __init__(self, pool: WorkerPool, batcher, session_factory, headers: dict, load_timeout: float = 600.0,
+                 drain_timeout: float = 1800.0):
         self.pool, self.batcher, self._session, self.headers = pool, batcher, session_factory, headers
+        self.load_timeout = load_timeout      # seconds one worker may take to load, once drained (--weight-load-timeout)
+        self.drain_timeout = drain_timeout    # a put-back's and a sync's wait for batches (--request-timeout)
         self.target: dict | None = None      # the weights of the last update that succeeded
         self.current: dict | None = None     # the update running: {"path", "mode", "started", "done": [...]}
         self.toward: str | None = None       # the hash a running update brings (known once its first load succeeds)
@@ -177,7 +180,7 @@ class WeightUpdates:
             async with self._session().post(w.url + "/worker/load_weights", json={"model_path": path,
                                                                                   "timeout": timeout},
                                             headers=self.headers,
-                                            timeout=aiohttp.ClientTimeout(total=timeout + 60)) as r:
+                                            timeout=aiohttp.ClientTimeout(total=timeout + self.load_timeout)) as r:
                 data = await r.json(content_type=None)
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
             raise APIError(502, f"worker {w.index} ({w.url}) did not answer the load: {type(e).__name__}: {e}")
@@ -196,8 +199,8 @@ class WeightUpdates:
                 continue
             w.updating = True
             try:
-                await self._drained([w], 600)
-                await self._load_one(w, old["path"], 600)
+                await self._drained([w], self.drain_timeout)
+                await self._load_one(w, old["path"], self.drain_timeout)
                 log.info("worker %d put back on %s", w.index, old["path"])
             except APIError as e:
                 log.error("worker %d could not be put back on %s: %s", w.index, old["path"], e.message)
@@ -232,8 +235,8 @@ class WeightUpdates:
                         w.updating = True
                         self.batcher.versions_changed()
                         try:
-                            await self._drained([w], 600)
-                            await self._load_one(w, self.target["path"], 600)
+                            await self._drained([w], self.drain_timeout)
+                            await self._load_one(w, self.target["path"], self.drain_timeout)
                         except APIError as e:      # not retried for this process (it gets no batch either)
                             self._sync_failed.add(w.instance_id)
                             log.error("worker %d could not load the update's weights: %s", w.index, e.message)

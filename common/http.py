@@ -266,9 +266,19 @@ def settle_gc(young_threshold: int | None = None) -> None:
         gc.set_threshold(young_threshold, *gc.get_threshold()[1:])
 
 
+# Seconds a server's shutdown gives its handlers, once its drain is over (answered, or past --drain-timeout), to
+# finish writing before they are cancelled (aiohttp's own default is 60 s, which --drain-timeout would not bound).
+SHUTDOWN_GRACE = 5.0
+
+
 class AppRunner(web.AppRunner):
     """aiohttp's AppRunner whose connections answer malformed HTTP in the OpenAI error shape (:class:`_Connection`);
-    every server here (balancer, front processes, worker, supervisor) runs its app with it."""
+    every server here (balancer, front processes, worker, supervisor) runs its app with it. Its cleanup waits at
+    most :data:`SHUTDOWN_GRACE` for the handlers still running."""
+
+    def __init__(self, app: web.Application, **kwargs):
+        kwargs.setdefault("shutdown_timeout", SHUTDOWN_GRACE)
+        super().__init__(app, **kwargs)
 
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()

@@ -131,7 +131,9 @@ class WorkerConfig:
                                      "+ Retry-After.", type=click.IntRange(1))
     request_timeout: float = setting(1800.0, "Seconds before a request is abandoned with 504.",
                                      type=click.FloatRange(0, min_open=True))
-    drain_timeout: float = setting(60.0, "Seconds SIGTERM waits for running work before exiting.",
+    drain_timeout: float = setting(60.0, "Seconds SIGTERM waits for running work; then the connections still "
+                                         "open are closed (a balancer re-dispatches what it had not streamed yet) "
+                                         "and the process exits within 5 s.",
                                    type=click.FloatRange(0))
     load_timeout: float = setting(600.0, "Seconds POST /worker/load_weights waits for queued and running rows to "
                                          "finish on the old weights before it gives up (503, weights unchanged).",

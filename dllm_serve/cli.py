@@ -340,7 +340,8 @@ SERVE_WORKER = ("default_algorithm", "default_max_tokens", "dtype", "score_mc_nu
     "api_key": {"help": "Clients must send this Bearer key on /v1 (status endpoints stay open); the workers then get "
                         "a generated key of their own unless --worker-api-key is given."}})
 @options(ServeConfig, only=("worker_api_key", "log_dir", "server_info_file", "stagger", "min_workers",
-                            "startup_timeout"))
+                            "startup_timeout", "restart_backoff", "restart_backoff_max", "crash_loop", "crash_window",
+                            "stop_timeout"))
 @options(BalancerConfig, only=("request_timeout", "max_body_bytes_in_flight"))
 @options(HealthConfig, only=("stall_timeout", "stall_steps", "stall_floor", "interval"))
 @options(BalancerConfig, only=("drain_timeout",))

@@ -10,14 +10,25 @@ from aiohttp.test_utils import TestServer
 CHUNK = {"id": "c", "object": "text_completion", "created": 1, "model": "m"}
 
 
-def fake_worker(mode: str, seen: list, cancelled: list | None = None, delay: float = 0.0):
+def fake_worker(mode: str, seen: list, cancelled: list | None = None, delay: float = 0.0,
+                version: str | None = None):
     """mode: ok (answers), die (drops the connection after a stream's first chunk / before a plain answer),
-    hang (never answers), garbage (a well-formed HTTP stream of lines that are JSON but not events)."""
+    hang (never answers), garbage (a well-formed HTTP stream of lines that are JSON but not events).
+    ``version``: the hash of the weights it says it holds (/health's model_version, stamped on its answers; a batch
+    that allows other weights gets the worker's 409, as a real worker's)."""
+    held = {"hash": version, "path": f"/weights/{version}"} if version else None
+
     async def health(request):
-        return web.json_response({"status": "ready", "busy": False, "seconds_since_last_step": 0.0})
+        return web.json_response({"status": "ready", "busy": False, "seconds_since_last_step": 0.0,
+                                  "model_version": held})
 
     async def batch(request):
         body = await request.json()
+        allowed = body.get("model_versions")
+        if held and isinstance(allowed, list) and version not in allowed:
+            return web.json_response({"error": {"message": "other weights", "type": "conflict_error", "param": None,
+                                                "code": "model_version_unavailable"}, "model_version": held},
+                                     status=409)
         seen.extend((mode, item["id"]) for item in body["requests"])
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
         await resp.prepare(request)
@@ -43,6 +54,8 @@ def fake_worker(mode: str, seen: list, cancelled: list | None = None, delay: flo
                     request.transport.abort()
                     return resp
                 data = dict(CHUNK, choices=[{"index": 0, "text": f"{mode}-{item['kind']}", "finish_reason": "length"}])
+                if held:
+                    data["model_version"] = held
                 await resp.write(orjson.dumps({"id": rid, "event": "response", "data": data, "end": True}) + b"\n")
         await resp.write_eof()
         return resp

@@ -311,3 +311,220 @@ async def test_a_worker_bounds_its_request_body_bytes(aiohttp_client):
             break
         await asyncio.sleep(0.02)
     assert r.status == 400          # read, then refused for what it says (no requests), not for its size
+
+
+def _scripted_worker(answers: list, seen: list, cancelled: list | None = None, read_delay: float = 0.0,
+                     run_for: float = 0.0):
+    """A fake worker (test double) whose /worker/batch answers come from ``answers`` in turn: (status, headers, body)
+    for a whole-batch answer, or "ok" to answer every row (after ``run_for`` seconds unless all its rows were
+    cancelled). ``read_delay``: seconds before it reads a batch (a large body on its way); ``seen``: (time, ids)."""
+    runs = {}
+
+    async def health(request):
+        return web.json_response({"status": "ready", "busy": False, "seconds_since_last_step": 0.0})
+
+    async def batch(request):
+        await asyncio.sleep(read_delay)
+        ids = [item["id"] for item in (await request.json())["requests"]]
+        seen.append((time.monotonic(), ids))
+        answer = answers.pop(0) if len(answers) > 1 else answers[0]
+        if answer != "ok":
+            status, headers, body = answer
+            return web.json_response(body, status=status, headers=headers)
+        for rid in ids:
+            runs[rid] = False
+        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await resp.prepare(request)
+        t = time.monotonic()
+        while time.monotonic() - t < run_for and not all(runs[rid] for rid in ids):
+            await asyncio.sleep(0.01)
+        for rid in ids:
+            data = {"object": "text_completion", "choices": [{"index": 0, "text": "cancelled" if runs[rid] else "done",
+                                                               "finish_reason": "length"}]}
+            await resp.write(orjson.dumps({"id": rid, "event": "response", "data": data, "end": True}) + b"\n")
+        await resp.write_eof()
+        return resp
+
+    async def cancel(request):
+        for rid in (await request.json())["ids"]:
+            if rid in runs:           # as a real worker: an id it does not hold (yet) is ignored
+                runs[rid] = True
+                if cancelled is not None:
+                    cancelled.append(rid)
+        return web.json_response({"cancelled": 1})
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_post("/worker/batch", batch)
+    app.router.add_post("/worker/cancel", cancel)
+    return app
+
+
+BUSY = {"error": {"message": "the worker is draining", "type": "service_unavailable", "param": None, "code": None}}
+
+
+async def test_a_busy_or_draining_worker_backs_off_without_using_retries(aiohttp_client):
+    """A whole batch answered 429 or 503 did nothing: it goes back to the queue without using a retry, and that
+    worker takes no batch for its Retry-After (a reviewer found a 503 used up every retry within milliseconds)."""
+    seen = []
+    answers = [(503, {"Retry-After": "0.3"}, BUSY), (429, {"Retry-After": "0.2"}, BUSY), (503, {}, BUSY), "ok"]
+    async with workers(_scripted_worker(answers, seen)) as urls:
+        client = await _balancer(aiohttp_client, urls, max_retries=0, idle_dispatch=True, busy_backoff_max=0.5)
+        t = time.monotonic()
+        r = await client.post("/v1/completions", json={"prompt": "a"})
+        assert r.status == 200 and (await r.json())["choices"][0]["text"] == "done"
+        times = [when for when, _ in seen]
+        assert len(times) == 4
+        gaps = [b - a for a, b in zip(times, times[1:])]
+        assert gaps[0] >= 0.3 and gaps[1] >= 0.2 and gaps[2] >= 0.5       # Retry-After, then the 1 s default cut
+        assert time.monotonic() - t < 3                                       # to --busy-backoff-max (0.5 s)
+        stats = await (await client.get("/stats")).json()
+        assert stats["redispatched_requests"] == 0
+
+
+async def test_a_409_without_the_workers_weights_is_a_failure_not_a_loop(aiohttp_client):
+    seen = []
+    conflict = (409, {}, {"error": {"message": "no", "type": "conflict_error", "param": None, "code": None}})
+    async with workers(_scripted_worker([conflict], seen)) as urls:
+        client = await _balancer(aiohttp_client, urls, max_retries=2, idle_dispatch=True)
+        r = await client.post("/v1/completions", json={"prompt": "a"})
+        assert r.status == 502 and "failed on 3 workers" in (await r.json())["error"]["message"]
+        assert len(seen) == 3
+
+
+async def test_a_cancel_reaches_the_worker_however_early_it_comes():
+    """A request cancelled before its batch's dispatch has begun is not sent; one cancelled while its batch is on
+    its way is cancelled again once the worker holds the batch (a cancel that arrives first finds nothing there)."""
+    import aiohttp
+    from balancer.batcher import CentralBatcher, Pending
+    from balancer.pool import WorkerPool
+    for read_delay in (0.0, 0.3):
+        seen, cancelled = [], []
+        async with workers(_scripted_worker(["ok"], seen, cancelled, read_delay=read_delay, run_for=0.5)) as urls:
+            async with aiohttp.ClientSession() as session:
+                pool = WorkerPool(urls, lambda: session, HealthConfig(interval=0.05))
+                b = CentralBatcher(pool, lambda: session, BatchConfig(idle_dispatch=not read_delay, wait_time=0.05))
+                pool.start()
+                b.start()
+                try:
+                    while not pool.any_healthy():
+                        await asyncio.sleep(0.01)
+                    gone = Pending(id="gone", kind="completion", body=b'{"prompt":"a"}', stream=False)
+                    kept = Pending(id="kept", kind="completion", body=b'{"prompt":"b"}', stream=False)
+                    b.submit(gone)           # idle dispatch: its dispatch task exists now, not yet begun
+                    if read_delay:           # one batch, on its way to the worker, which reads it at 0.35 s
+                        b.submit(kept)
+                        await asyncio.sleep(0.15)
+                        assert gone.worker is not None
+                    b.cancel(gone)
+                    if not read_delay:
+                        b.submit(kept)
+                    async with asyncio.timeout(5):
+                        ev = await kept.__anext__()
+                    assert ev.data["choices"][0]["text"] == "done"
+                    if read_delay:
+                        assert [ids for _, ids in seen] == [["gone", "kept"]] and cancelled == ["gone"]
+                    else:
+                        assert [ids for _, ids in seen] == [["kept"]] and not cancelled
+                    assert pool.workers[0].inflight_batches == 0
+                finally:
+                    await b.close()
+                    await pool.close()
+
+
+async def test_a_batch_whose_requests_all_ended_frees_its_place(aiohttp_client):
+    """After --request-timeout every request of a batch on a worker that holds its stream open: the batch's place on
+    the worker is free at once (it used to stay taken until the worker closed the stream)."""
+    seen, cancelled = [], []
+    async with workers(fake_worker("hang", seen, cancelled)) as urls:
+        cfg = BalancerConfig(worker_urls=urls, request_timeout=0.4,
+                             batch=BatchConfig(batch_size=8, wait_time=0.01, max_inflight_per_worker=1),
+                             health=HealthConfig(interval=0.05, timeout=1, stall_timeout=60))
+        client = await aiohttp_client(make_app(cfg))
+        for _ in range(200):
+            if (await (await client.get("/health")).json())["healthy_workers"] == 1:
+                break
+            await asyncio.sleep(0.02)
+        r = await client.post("/v1/completions", json={"prompt": "a"})
+        assert r.status == 504
+        for _ in range(100):
+            stats = await (await client.get("/stats")).json()
+            if stats["workers"][0]["in_flight_batches"] == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert stats["workers"][0]["in_flight_batches"] == 0 and stats["in_flight"] == 0
+        r = await client.post("/v1/completions", json={"prompt": "b"})       # dispatched, not left in the queue
+        assert r.status == 504 and len(seen) == 2
+
+
+async def test_the_no_worker_grace_starts_anew_for_each_outage(aiohttp_client):
+    """Requests that wait for a healthy worker get 503 after --no-worker-grace, in every outage (the grace's clock
+    was left running after the first one)."""
+    state = {"health": "ready"}
+
+    async def health(request):
+        return web.json_response({"status": state["health"], "busy": False, "seconds_since_last_step": 0.0})
+
+    async def batch(request):
+        return web.json_response({}, status=500)
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_post("/worker/batch", batch)
+    async with workers(app) as urls:
+        cfg = BalancerConfig(worker_urls=urls, batch=BatchConfig(no_worker_grace=0.5, max_retries=5),
+                             health=HealthConfig(interval=0.05, timeout=1, healthy_threshold=1))
+        client = await aiohttp_client(make_app(cfg))
+
+        async def healthy(n):
+            while (await (await client.get("/health")).json())["healthy_workers"] != n:
+                await asyncio.sleep(0.02)
+        for outage in range(2):
+            await healthy(1)
+            state["health"] = "failed"         # (a worker once ready that says "failed" is down)
+            await healthy(0)
+            state["health"] = "ready"          # it comes back only after the request waited its grace
+            t = time.monotonic()
+            waiting = asyncio.ensure_future(client.post("/v1/completions", json={"prompt": "a"}))
+            await asyncio.sleep(0.05)
+            state["health"] = "failed"
+            r = await waiting
+            assert r.status == 503 and "no healthy worker" in (await r.json())["error"]["message"]
+            assert time.monotonic() - t >= 0.5, f"outage {outage}: no grace"
+            state["health"] = "ready"
+
+
+async def test_the_drain_timeout_bounds_shutdown():
+    """SIGTERM with a request on a worker that never answers: after --drain-timeout the request gets 503 (it is not
+    dropped) and the balancer exits within SHUTDOWN_GRACE (aiohttp's own shutdown waited 60 s)."""
+    import aiohttp
+    from balancer.app import serve
+    from common.http import SHUTDOWN_GRACE
+    from tests.helpers import free_port
+    seen, cancelled = [], []
+    async with workers(fake_worker("hang", seen, cancelled)) as urls:
+        port = free_port()
+        cfg = BalancerConfig(worker_urls=urls, port=port, drain_timeout=0.5,
+                             health=HealthConfig(interval=0.05, timeout=1, stall_timeout=60))
+        stop = asyncio.Event()
+        server = asyncio.create_task(serve(cfg, stop))
+        async with aiohttp.ClientSession() as s:
+            for _ in range(200):
+                try:
+                    async with s.get(f"http://127.0.0.1:{port}/health") as r:
+                        if (await r.json())["healthy_workers"] == 1:
+                            break
+                except aiohttp.ClientError:
+                    pass
+                await asyncio.sleep(0.02)
+            waiting = asyncio.ensure_future(s.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "a"}))
+            while not seen:
+                await asyncio.sleep(0.01)
+            t = time.monotonic()
+            stop.set()
+            r = await waiting
+            assert r.status == 503 and r.headers["Retry-After"]
+            assert "--drain-timeout" in (await r.json())["error"]["message"]
+            await asyncio.wait_for(server, SHUTDOWN_GRACE + 5)
+            assert 0.5 <= time.monotonic() - t < SHUTDOWN_GRACE + 2
+        assert cancelled == [seen[0][1]]            # and its worker was told

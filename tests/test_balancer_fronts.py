@@ -117,6 +117,23 @@ async def test_fronts_share_the_port_and_the_one_queue():
         assert 'dllm_balancer_requests_total{endpoint="/v1/chat/completions",status="200"} 16.0' in text
 
 
+async def test_model_version_pins_hold_through_fronts():
+    """A request that requires weights (model_version) goes only to the worker holding them, or gets the central's
+    409, whichever process took its connection (a front once dropped the pin)."""
+    seen = []
+    async with workers(fake_worker("ok", seen, version="aaa"), fake_worker("ok", seen, version="bbb")) as urls, \
+            balancer(urls, processes=3) as base:
+        pinned = await asyncio.gather(*(post(base, "/v1/completions", {"prompt": f"p{i}", "model_version": "bbb"})
+                                        for i in range(24)))
+        assert all(status == 200 and body["model_version"]["hash"] == "bbb" for status, body in pinned), pinned
+        nowhere = await asyncio.gather(*(post(base, "/v1/completions", {"prompt": "p", "model_version": "zzz"})
+                                         for _ in range(12)))
+        assert all(status == 409 and body["error"]["code"] == "model_version_unavailable"
+                   and "no worker serves" in body["error"]["message"] for status, body in nowhere), nowhere
+        procs = (await get(base + "/stats"))[1]["http_processes"]
+        assert all(p["requests"] > 0 for p in procs[1:]), procs       # the fronts took some of them
+
+
 @pytest.mark.slow
 async def test_failover_disconnects_and_timeouts_through_fronts():
     seen, cancelled = [], []
