@@ -14,6 +14,7 @@ Field policy (documented in docs/api.md):
 from __future__ import annotations
 
 import itertools
+import re
 import secrets
 import time
 from typing import Any, Literal, Union
@@ -140,6 +141,8 @@ class CommonFields(DiffusionFields):
             raise ValueError("stream_mode 'steps' streams: it needs stream true")
         if self.stream_canvas and self.stream_mode != "steps":
             raise ValueError("stream_canvas goes with stream_mode 'steps'")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
         return self
 
     @field_validator("stop")
@@ -361,8 +364,8 @@ RESPONSES_NEUTRAL = {
     "top_p": (_is(1), "1"),
     "top_logprobs": (_is(0), "null or 0"),
     "background": (lambda v: v is None or v is False, "false"),
-    "text": (lambda v: v is None or (isinstance(v, dict) and (v.get("format") or {"type": "text"}).get("type")
-                                     == "text"), '{"format": {"type": "text"}}'),
+    "text": (lambda v: v is None or (isinstance(v, dict) and v.get("format") in (None, {"type": "text"})),
+             '{"format": {"type": "text"}}'),
     "reasoning": (_empty(dict), "null"),
 }
 
@@ -464,11 +467,34 @@ def parse_request(kind: Literal["chat", "completion", "responses"], data: Any
         raise APIError(400, "the request body must be a JSON object")
     if kind == "responses":
         r = _validate(ResponsesRequest, data, RESPONSES_NEUTRAL)
-        _validate(ChatCompletionRequest, r.chat_body(), CHAT_NEUTRAL)
+        try:
+            _validate(ChatCompletionRequest, r.chat_body(), CHAT_NEUTRAL)
+        except APIError as e:
+            raise as_responses_error(e) from None
         return r
     if kind == "chat":
         return _validate(ChatCompletionRequest, data, CHAT_NEUTRAL)
     return _validate(CompletionRequest, data, COMPLETION_NEUTRAL)
+
+
+# a Responses request is answered as the chat completion it becomes: an error about that request names the Responses
+# fields the client sent
+_RESPONSES_NAMES = {"max_tokens": "max_output_tokens", "max_completion_tokens": "max_output_tokens",
+                    "messages": "input"}
+
+
+def as_responses_error(e: APIError) -> APIError:
+    """``e`` (about the chat request a Responses request becomes) with the Responses fields' names."""
+    if e.param is None:
+        return e
+    head, _, rest = e.param.partition(".")
+    if head not in _RESPONSES_NAMES:
+        return e
+    new = _RESPONSES_NAMES[head] + ("." + rest if rest and head != "messages" else "")
+    message = e.message
+    for old, name in _RESPONSES_NAMES.items():
+        message = re.sub(rf"\b{old}\b", name, message)
+    return APIError(e.status, message, param=new, type=e.type, code=e.code, headers=e.headers)
 
 
 def _validate(cls, data: dict, neutral: dict):

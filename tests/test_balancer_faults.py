@@ -459,20 +459,31 @@ async def test_a_batch_whose_requests_all_ended_frees_its_place(aiohttp_client):
 
 async def test_the_no_worker_grace_starts_anew_for_each_outage(aiohttp_client):
     """Requests that wait for a healthy worker get 503 after --no-worker-grace, in every outage (the grace's clock
-    was left running after the first one)."""
-    state = {"health": "ready"}
+    was left running after the first one, so in the next outage they got 503 at once)."""
+    state = {"health": "ready", "hang": True}
+    drop = asyncio.Event()
 
     async def health(request):
         return web.json_response({"status": state["health"], "busy": False, "seconds_since_last_step": 0.0})
 
     async def batch(request):
-        return web.json_response({}, status=500)
+        body = await request.json()
+        if state["hang"]:                     # held until the test drops the connection (the worker "dies")
+            await drop.wait()
+            request.transport.abort()
+            return web.Response()
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        for item in body["requests"]:
+            await resp.write(orjson.dumps({"id": item["id"], "event": "response", "data": {"choices": []},
+                                           "end": True}) + b"\n")
+        return resp
 
     app = web.Application()
     app.router.add_get("/health", health)
     app.router.add_post("/worker/batch", batch)
     async with workers(app) as urls:
-        cfg = BalancerConfig(worker_urls=urls, batch=BatchConfig(no_worker_grace=0.5, max_retries=5),
+        cfg = BalancerConfig(worker_urls=urls, batch=BatchConfig(no_worker_grace=0.5, max_inflight_per_worker=1),
                              health=HealthConfig(interval=0.05, timeout=1, healthy_threshold=1))
         client = await aiohttp_client(make_app(cfg))
 
@@ -481,17 +492,21 @@ async def test_the_no_worker_grace_starts_anew_for_each_outage(aiohttp_client):
                 await asyncio.sleep(0.02)
         for outage in range(2):
             await healthy(1)
-            state["health"] = "failed"         # (a worker once ready that says "failed" is down)
+            state["hang"] = True
+            held = asyncio.ensure_future(client.post("/v1/completions", json={"prompt": "a"}))
+            await asyncio.sleep(0.1)
+            state["health"] = "failed"         # a worker once ready that says "failed" is down
             await healthy(0)
-            state["health"] = "ready"          # it comes back only after the request waited its grace
             t = time.monotonic()
-            waiting = asyncio.ensure_future(client.post("/v1/completions", json={"prompt": "a"}))
-            await asyncio.sleep(0.05)
-            state["health"] = "failed"
-            r = await waiting
-            assert r.status == 503 and "no healthy worker" in (await r.json())["error"]["message"]
+            drop.set()                         # its batch breaks: the request goes back to wait for a worker
+            r = await held
+            assert r.status == 503 and "no healthy worker for" in (await r.json())["error"]["message"]
             assert time.monotonic() - t >= 0.5, f"outage {outage}: no grace"
-            state["health"] = "ready"
+            drop.clear()
+            state.update(health="ready", hang=False)
+            await healthy(1)
+            await asyncio.sleep(0.6)           # served meanwhile, straight to the idle worker (never queued)
+            assert (await client.post("/v1/completions", json={"prompt": "b"})).status == 200
 
 
 async def test_the_drain_timeout_bounds_shutdown():

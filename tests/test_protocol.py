@@ -22,6 +22,7 @@ from common.protocol import APIError, parse_request
     ({"prompt": "x", "remasking": "sideways"}, "remasking"),
     ({"prompt": "x", "stop": [""]}, "stop"),
     ({"prompt": "x", "stream": "yes"}, "stream"),
+    ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),      # without stream (vLLM's)
     ({}, "prompt"),
 ])
 def test_completion_errors_name_the_parameter(body, param):
@@ -90,6 +91,9 @@ def test_request_metrics_exposition():
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input.0.content"),
     ({"input": "x", "max_output_tokens": 0}, "max_output_tokens"),
     ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "text"),
+    ({"input": "x", "text": {"format": "text"}}, "text"),          # not an object: was a 500
+    ({"input": "x", "text": {"format": 5}}, "text"),
+    ({"input": "x", "text": "plain"}, "text"),
 ])
 def test_responses_errors(body, param):
     with pytest.raises(APIError) as e:

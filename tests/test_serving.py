@@ -88,10 +88,11 @@ def test_stop_strings_cut_text_and_count_only_its_tokens(demo_tokenizer):
     c = _Choice(decode, ["8"])
     c.finish(Result(ids, "length", 3, ids, 1))
     assert c.text == decode(ids)[:decode(ids).index("8")] and c.finish_reason == "stop"
-    # the tokens of the text returned: the longest prefix of ids within it (" 8" holds the stop string's "8")
+    # the tokens of the text returned: the shortest prefix of ids that covers it (" 8" holds the stop string's "8"
+    # and the returned text's last space)
     n = len(c.token_ids)
-    assert c.token_ids == ids[:n] and c.text.startswith(decode(c.token_ids)) and len(decode(ids[:n + 1])) > len(c.text)
-    assert decode(c.token_ids) == "sort 1 2"
+    assert c.token_ids == ids[:n] and decode(c.token_ids).startswith(c.text) and len(decode(ids[:n - 1])) < len(c.text)
+    assert decode(c.token_ids) == "sort 1 2 8"
     plain = _Choice(decode, [])
     plain.finish(Result(ids, "length", 3, ids, 1))
     assert plain.text == decode(ids) and plain.token_ids == ids and plain.finish_reason == "length"
@@ -172,3 +173,51 @@ def test_an_answered_request_is_freed_at_once_not_by_the_garbage_collector(servi
             [type(r).__name__ for r in gc.get_referrers(ref())])
     finally:
         gc.enable()
+
+
+def test_the_prompt_size_limit_is_per_prompt(serving):
+    """Each prompt of a list is its own row: many prompts that each fit are not refused together."""
+    one = "a" * (serving.max_prompt_chars // 8 + 1)         # a few tokens on this tokenizer; 9 of them pass the
+    prep = serving.prepare("completion", {"prompt": [one] * 9, "max_tokens": 1})      # limit together
+    assert len(prep.prompts) == 9
+    with pytest.raises(APIError) as e:
+        serving.prepare("completion", {"prompt": ["a", "a" * (serving.max_prompt_chars + 1)], "max_tokens": 1})
+    assert e.value.status == 400 and e.value.param == "prompt"
+
+
+def test_responses_errors_name_the_responses_fields(serving, engine):
+    for body, param in [({"input": "x", "max_output_tokens": 10 ** 6}, "max_output_tokens"),
+                        ({"input": "x" * (serving.max_prompt_chars + 1)}, "input")]:
+        with pytest.raises(APIError) as e:
+            serving.prepare("responses", body)
+        assert e.value.status == 400 and e.value.param == param, (body, e.value.body())
+        assert "max_tokens" not in e.value.message and "messages" not in e.value.message
+
+
+@pytest.mark.parametrize("fixture", ["demo", "tiny-llada2"])
+def test_logprob_tokens_are_their_text_in_context(fixture, demo_tokenizer):
+    """Each token's string is its share of the answer's text: they join to it, text_offset points into it, and a
+    character split over byte tokens has its bytes on the token that completes it (a byte-level vocabulary,
+    tiny-llada2's; the demo model's is SentencePiece-like, words with their leading space)."""
+    from pathlib import Path
+    from types import SimpleNamespace
+    from worker.tokenizer import load_tokenizer, text_decoder, token_pieces
+    tok = demo_tokenizer if fixture == "demo" else load_tokenizer(str(Path(__file__).parent / "fixtures" / fixture))
+    decode = text_decoder(tok)
+    text = "sort 1 2 8 4" if fixture == "demo" else "h\u00e9llo w\u00f6rld \u4e2d\u6587 ok"
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    pieces, alts = token_pieces(decode, ids, [[t] for t in ids])
+    assert "".join(pieces) == decode(ids)
+    assert [a for [a], p in zip(alts, pieces) if p] == [p for p in pieces if p]    # the same text in the same place
+    if fixture != "demo":
+        assert any(p == "" for p in pieces)          # a byte that only begins a character
+        assert b"".join(p.encode() for p in pieces) == decode(ids).encode()
+    # through Serving.logprobs, both shapes
+    srv = SimpleNamespace(decode=decode, token_text=lambda t: tok.decode([t]), tok=tok)
+    st = SimpleNamespace(token_ids=ids, logprobs=[(t, -0.5, [(t, -0.5), (ids[0], -2.0)]) for t in ids])
+    out = Serving.logprobs(srv, "completion", st)
+    assert "".join(out["tokens"]) == decode(ids)
+    assert [decode(ids)[o:o + len(s)] for o, s in zip(out["text_offset"], out["tokens"])] == out["tokens"]
+    assert all(top[s] == -0.5 for s, top in zip(out["tokens"], out["top_logprobs"]))    # the chosen one's value
+    chat = Serving.logprobs(srv, "chat", st)["content"]
+    assert bytes(b for e in chat for b in e["bytes"]) == decode(ids).encode()

@@ -237,9 +237,11 @@ def test_the_demo_model_ships_no_custom_code_reference():
     assert "auto_map" not in json.loads((DEMO_MODEL / "config.json").read_text())
 
 
-@pytest.mark.parametrize("stop, text, ids", [("8", "1 2 5 ", [1, 2, 3]), (" 8", "1 2 5", [1, 2, 3]),
-                                             ("2 5", "1 ", [1]), ("1", "", [])])
+@pytest.mark.parametrize("stop, text, ids", [("8", "1 2 5 ", [1, 2, 3, 4]), (" 8", "1 2 5", [1, 2, 3]),
+                                             ("2 5", "1 ", [1, 2]), ("1", "", []), ("5 8", "1 2 ", [1, 2, 3])])
 def test_stop_strings_count_the_tokens_of_the_text_returned(stop, text, ids):
+    """The fewest tokens whose text covers the text returned: a token the stop string begins inside counts (part of
+    its text is returned: it once had text returned and no token), one wholly in the stop string does not."""
     from types import SimpleNamespace
 
     from worker.serving import _Choice

@@ -8,15 +8,16 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from common.protocol import (MAX_ROWS, APIError, DetokenizeRequest, ResponsesRequest, TokenizeRequest, parse_body, ChatCompletionRequest, CompletionRequest, chunk, completion_choice, new_id,
-                             parse_request, response, usage, usage_chunk)
+from common.protocol import (MAX_ROWS, APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                             ResponsesRequest, TokenizeRequest, as_responses_error, chunk, completion_choice, new_id,
+                             parse_body, parse_request, response, usage, usage_chunk)
 from common.openai_http import Event, EventBox
 from worker.engine import Engine, GenerationParams, ParamError
 from worker.engine.likelihood import cost as score_cost
 from worker.engine.params import Plan, row_cost, with_seed
 from worker.responses import ResponsesEvents
 from worker.scheduler import Job, RowScheduler
-from worker.tokenizer import apply_chat_template, max_token_chars, text_decoder
+from worker.tokenizer import apply_chat_template, max_token_chars, text_decoder, token_pieces
 
 log = logging.getLogger("dllm.worker.serving")
 
@@ -88,7 +89,10 @@ class Serving:
         """``req``: the body already validated by parse_request(kind, body), when the caller has it."""
         if kind == "responses":
             r = req or parse_request("responses", body)
-            prep = self.prepare("chat", r.chat_body())
+            try:
+                prep = self.prepare("chat", r.chat_body())
+            except APIError as e:
+                raise as_responses_error(e) from None
             prep.responses, prep.rid = r, new_id("resp")
             return prep
         req = req or parse_request(kind, body)
@@ -96,8 +100,9 @@ class Serving:
         if req.model is not None and req.model not in self.names:
             raise APIError(404, f"The model {req.model!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
+        # chat: the messages make one prompt; completions: each prompt is its own row
         chars = (sum(len(m.text()) for m in req.messages) if kind == "chat"
-                 else sum(len(p) for p in req.prompts() if isinstance(p, str)))
+                 else max((len(p) for p in req.prompts() if isinstance(p, str)), default=0))
         if chars > self.max_prompt_chars:
             raise APIError(400, f"the prompt ({chars} characters) cannot fit the model's maximum sequence length "
                                 f"({self.engine.max_sequence_length} tokens)",
@@ -231,25 +236,30 @@ class Serving:
     def logprobs(self, kind: str, st: "_Choice") -> dict | None:
         """A choice's ``logprobs`` in the OpenAI shape of ``kind`` for its answer tokens (cut at a stop string as
         its text is): each token's log-probability at the denoising step that committed it, and the top
-        alternatives of that same step (docs/api.md). None when the engine has none (a row cancelled unstarted)."""
+        alternatives of that same step (docs/api.md). Each token's string is its text in context
+        (:func:`worker.tokenizer.token_pieces`), so the tokens join to the answer's text, ``text_offset`` points into
+        it and a chat token's ``bytes`` join to its UTF-8; an alternative's string is its text in the same place (a
+        special token's, its own name). None when the engine has none (a row cancelled unstarted)."""
         entries = st.logprobs
         if entries is None or len(entries) < len(st.token_ids):
             return None
         entries = entries[:len(st.token_ids)]
-        text = self.token_text
+        pieces, alts = token_pieces(self.decode, [t for t, _, _ in entries], [[a for a, _ in top]
+                                                                               for _, _, top in entries])
+        alts = [[p or self.token_text(a) for p, (a, _) in zip(row, top)] for row, (_, _, top) in zip(alts, entries)]
         if kind == "chat":
-            def item(t: int, lp: float) -> dict:
-                s = text(t)
+            def item(s: str, lp: float) -> dict:
                 return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8", "replace"))}
-            return {"content": [{**item(t, lp), "top_logprobs": [item(a, alp) for a, alp in top]}
-                                for t, lp, top in entries], "refusal": None}
-        tokens = [text(t) for t, _, _ in entries]
+            return {"content": [{**item(s, lp), "top_logprobs": [item(a, alp) for a, (_, alp) in zip(row, top)]}
+                                for s, (_, lp, top), row in zip(pieces, entries, alts)], "refusal": None}
         offsets, at = [], 0
-        for s in tokens:
+        for s in pieces:
             offsets.append(at)
             at += len(s)
-        tops = [{text(t): lp, **{text(a): alp for a, alp in top}} for t, lp, top in entries]
-        return {"tokens": tokens, "token_logprobs": [lp for _, lp, _ in entries], "top_logprobs": tops,
+        # the chosen token last: another id whose text is the same never hides its value
+        tops = [{**{a: alp for a, (_, alp) in zip(row, top)}, s: lp}
+                for s, (_, lp, top), row in zip(pieces, entries, alts)]
+        return {"tokens": pieces, "token_logprobs": [lp for _, lp, _ in entries], "top_logprobs": tops,
                 "text_offset": offsets}
 
     # ------------------------------------------------------------ tokenizer endpoints (vLLM's shapes)
@@ -498,7 +508,8 @@ def score_choice(serving: Serving, index: int, req: CompletionRequest, sr, res) 
     whose value is null where the reference's greedy check fails (lm-eval's is_greedy test reads exactly that)."""
     tok, ids = serving.tok, sr.ids
     n = len(ids)
-    strs = tok.batch_decode([[t] for t in ids])
+    every = ids + [res.next_token] if sr.next_token else ids
+    strs = token_pieces(tok.decode, every)[0]       # each token's text in context: they join to tok.decode(ids)
     values: list = [None] * n
     greedy: list = [None] * n
     bounds = sorted(sr.splits) + [n]
@@ -512,9 +523,9 @@ def score_choice(serving: Serving, index: int, req: CompletionRequest, sr, res) 
             greedy[p] = g if p == a else True
     top = [None if values[p] is None else {strs[p]: values[p] if greedy[p] else None} for p in range(n)]
     text = req.prompt if isinstance(req.prompt, str) else tok.decode(ids)
-    tokens, token_logprobs = list(strs), values
+    tokens, token_logprobs = strs[:n], values
     if sr.next_token:
-        t = tok.decode([res.next_token])
+        t = strs[n]
         tokens.append(t)
         token_logprobs = values + [res.next_logprob]
         top.append({t: res.next_logprob})
@@ -560,15 +571,18 @@ class _Choice:
             self.text, self.token_ids = text, list(ids)
 
     def _ids_for(self, ids: list[int], nchars: int) -> list[int]:
-        """The longest prefix of ids whose text lies within the first nchars characters: the tokens of the text
-        returned, never the token that holds (part of) the stop string."""
-        lo, hi = 0, len(ids)
+        """The shortest prefix of ids whose text covers the first nchars characters: the tokens of the text returned,
+        with the token a stop string begins inside (part of its text is returned), never a token that lies wholly
+        in the stop string or after it."""
+        if nchars <= 0:
+            return []
+        lo, hi = 1, len(ids)
         while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if len(self._decode(ids[:mid])) <= nchars:
-                lo = mid
+            mid = (lo + hi) // 2
+            if len(self._decode(ids[:mid])) >= nchars:
+                hi = mid
             else:
-                hi = mid - 1
+                lo = mid + 1
         return ids[:lo]
 
     def _delta(self, upto: int) -> str:

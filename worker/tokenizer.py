@@ -105,6 +105,32 @@ def text_decoder(tokenizer):
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
 
 
+def token_pieces(decode, ids: list[int], alternatives: list[list[int]] | None = None
+                 ) -> tuple[list[str], list[list[str]]]:
+    """Each token's share of ``decode(ids)``, as vLLM's incremental detokenizer gives it: its text in the context of
+    the tokens before it (a SentencePiece or byte-level word keeps its leading space; a byte that only begins a
+    character gets "", the token that completes the character gets all of it), so the pieces join to the text and
+    their lengths give each token's offset in it. ``alternatives[k]``: other ids for position k, whose pieces in the
+    same context come back too (a logprobs' top alternatives)."""
+    pieces: list[str] = []
+    alt_pieces: list[list[str]] = []
+    prefix = read = 0           # the context begins at ids[prefix]; the text of ids[:read] is given out
+    for k, t in enumerate(ids):
+        context = ids[prefix:k]
+        before = decode(ids[prefix:read])
+        full = decode(context + [t])
+        if alternatives is not None:
+            alt_pieces.append([decode(context + [a])[len(before):] for a in alternatives[k]])
+        if len(full) > len(before) and not full.endswith("\ufffd"):
+            pieces.append(full[len(before):])
+            prefix, read = read, k + 1
+        else:
+            pieces.append("")           # held: it ends inside a character (or has no text)
+    if read < len(ids):                 # the text ends inside a character: the last token has what is left
+        pieces[-1] = decode(ids[prefix:])[len(decode(ids[prefix:read])):]
+    return pieces, alt_pieces
+
+
 def max_token_chars(tokenizer) -> int:
     """The most characters any one token's text can span (its vocabulary string: byte-level BPE writes one
     character per byte, SentencePiece one per character, special tokens their literal text). A text of C characters
