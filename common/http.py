@@ -148,9 +148,27 @@ def malformed_http(message: str | None, status: int = 400) -> web.Response:
 @web.middleware
 async def errors_middleware(request: web.Request, handler):
     """Every 4xx/5xx body in the OpenAI shape; an unexpected exception is a logged 500, never a crash. Also where a
-    request's body bytes go back to the :class:`BodyBudget` once its answer is over."""
+    request's body bytes go back to the :class:`BodyBudget` once its answer is over. An error once the handler's
+    own answer has begun (a stream) is not answered again: aiohttp closes the connection (a second HTTP response
+    inside the first would corrupt it)."""
     try:
         return await handler(request)
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        if getattr(request.writer, "output_size", 0):
+            raise
+        return _error_answer(request)
+    finally:
+        budget = request.app.get(BODY_BUDGET)
+        if budget is not None:
+            budget.release(request)
+
+
+def _error_answer(request: web.Request) -> web.StreamResponse:
+    """The OpenAI-shaped answer to the exception being handled (errors_middleware)."""
+    try:
+        raise
     except APIError as e:
         return json_response(e.body(), e.status, e.headers or retry_headers(e.status))
     except web.HTTPException as e:
@@ -164,15 +182,9 @@ async def errors_middleware(request: web.Request, handler):
                              {k: v for k, v in e.headers.items() if k.lower() in ("allow", "retry-after")})
     except (HttpProcessingError, RequestPayloadError) as e:      # the body's HTTP framing broke while it was read
         return malformed_http(getattr(e, "message", None) or str(e))
-    except (asyncio.CancelledError, ConnectionResetError):
-        raise
     except Exception as e:
         log.exception("unhandled error on %s %s", request.method, request.path)
         return json_response(error_body(f"internal error: {type(e).__name__}", "server_error"), 500)
-    finally:
-        budget = request.app.get(BODY_BUDGET)
-        if budget is not None:
-            budget.release(request)
 
 
 def auth_middleware(key: str, guarded: Callable[[str], bool]):

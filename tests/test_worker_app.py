@@ -206,6 +206,59 @@ async def test_a_row_cancelled_before_scheduling_is_not_computed():
     assert got[0][1].nfe == got[2][1].nfe == 1
 
 
+class SlowEngine(FakeEngine):
+    """A FakeEngine whose batch takes ``seconds`` on the device thread."""
+
+    def __init__(self, seconds):
+        super().__init__(limit=100)
+        self.seconds = seconds
+
+    def generate(self, reqs, hooks=None, feed=None):
+        import time
+        time.sleep(self.seconds)
+        return super().generate(reqs, hooks, feed)
+
+
+@pytest.mark.parametrize("continuous", [True, False])
+async def test_a_queued_row_cancelled_while_a_batch_runs_is_answered_at_once(continuous):
+    """Its terminal event comes at once, not when the running batch ends (under steady load, never)."""
+    import time
+    b = RowScheduler(SlowEngine(1.5), batch_size=1, max_wait_time=0.0, continuous=continuous)
+    b.start()
+    got = {}
+    jobs = [Job([i], GenerationParams(), sink=lambda i, kind, payload: got.setdefault(i, (kind, payload, time.monotonic())),
+                index=i) for i in range(2)]
+    for j in jobs:
+        b.submit(j)
+    while not b.running:
+        await asyncio.sleep(0.01)
+    t = time.monotonic()
+    b.cancel(jobs[1])
+    assert b.queue_depth == 0
+    await asyncio.sleep(0.1)
+    assert got[1][:2] == ("done", Result([], "cancelled", 0, [], 1)) and got[1][2] - t < 0.1
+    assert 0 not in got                  # the running row is still running
+    await b.idle()
+    await b.close()
+    assert got[0][0] == "done" and b.dropped_before_start == 1
+
+
+async def test_a_batch_past_the_request_timeout_ends_its_stream_with_504_lines(aiohttp_client):
+    """The requests still open get a 504 line each and the NDJSON stream ends properly (a second HTTP response was
+    once written into it, and the connection left open)."""
+    client, _ = await ready_client(aiohttp_client, request_timeout=0.5)
+    body = {"requests": [{"id": "long", "kind": "completion",
+                          "body": {"prompt": [5, 6], "max_tokens": 2048, "block_length": 2048, "ignore_eos": True}},
+                         {"id": "short", "kind": "completion", "body": {"prompt": [5, 6], "max_tokens": 2}}]}
+    r = await asyncio.wait_for(client.post("/worker/batch", json=body), 30)
+    assert r.status == 200
+    events = [orjson.loads(line) for line in (await asyncio.wait_for(r.read(), 30)).splitlines()]
+    ends = {e["id"]: e for e in events if e.get("end")}
+    assert set(ends) == {"long", "short"} and len(events) == 2
+    assert ends["long"]["event"] == "error" and ends["long"]["status"] == 504
+    assert "--request-timeout" in ends["long"]["data"]["error"]["message"]
+
+
 async def test_the_default_id_is_the_checkpoint_path_and_its_name_an_alias(aiohttp_client):
     """As vLLM: a client on this machine resolves the id to the tokenizer (AutoTokenizer.from_pretrained(id)) with
     its defaults, offline; the directory's name, the id before, still works in requests."""

@@ -262,6 +262,41 @@ def test_queue_limit_disconnect_and_drain(tmp_path):
         w.stop()
 
 
+def test_the_drain_timeout_bounds_a_workers_shutdown(tmp_path):
+    """SIGTERM with batches that outlast --drain-timeout: their rows are dropped and their connections closed at the
+    timeout (a balancer re-dispatches what it had not streamed), and the process exits within SHUTDOWN_GRACE (it
+    waited out aiohttp's shutdown after the drain: 11 s with --drain-timeout 1)."""
+    from common.http import SHUTDOWN_GRACE
+    w = start_worker(tmp_path, TINY_LLADA, "--simulate-device", "0.05,0", "--simulate-per-step", "--batch-size", "2",
+                     "--drain-timeout", "1")
+    try:
+        w.wait_ready()
+        body = {"requests": [{"id": f"r{i}", "kind": "completion", "body": {"prompt": "hi", "max_tokens": 1200}}
+                             for i in range(2)]}
+        answers = []
+
+        def call():
+            req = urllib.request.Request(w.url + "/worker/batch", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=120) as r:
+                    answers.append(r.read())
+            except Exception as e:          # noqa: BLE001  (the connection closed mid-stream)
+                answers.append(e)
+        th = threading.Thread(target=call)
+        th.start()
+        while not get_json(w.url + "/health")[1]["busy"]:
+            time.sleep(0.02)
+        t = time.monotonic()
+        w.signal(signal.SIGTERM)
+        assert w.p.wait(1 + SHUTDOWN_GRACE + 2) == 0
+        assert time.monotonic() - t < 1 + SHUTDOWN_GRACE
+        th.join(10)
+        assert len(answers) == 1 and not isinstance(answers[0], bytes), answers     # cut off, not completed
+    finally:
+        w.stop()
+
+
 def test_tokenizer_endpoints(worker):
     """vLLM's /tokenize, /detokenize and /tokenizer_info, as lm-eval's remote tokenizer calls them."""
     from worker.tokenizer import apply_chat_template, load_tokenizer

@@ -69,6 +69,7 @@ class WorkerState:
     started: float = field(default_factory=time.time)
     runs: dict = field(default_factory=dict)     # balancer request id -> Run (for /worker/cancel)
     active: int = 0                              # requests being answered
+    streams: set = field(default_factory=set)    # the tasks answering them (a drain past its timeout cancels them)
     error: str | None = None
     metrics: WorkerMetrics | None = None
     steps: object = None                         # worker.stepclock.StepClock, once loaded (/health step_seconds_max)
@@ -129,12 +130,14 @@ class WorkerDoor:
         require_ready(state)
         run = state.serving.submit(state.serving.prepare(kind, body, req))
         state.active += 1
+        state.streams.add(asyncio.current_task())
         return run
 
     def close(self, request: web.Request, run, status: int, seconds: float) -> None:
         if run is not None:
             run.cancel()
             self.state.active -= 1
+            self.state.streams.discard(asyncio.current_task())
         self.state.metrics.requests.observe(request.path, status, seconds)
 
 
@@ -166,19 +169,20 @@ async def worker_batch(request: web.Request) -> web.StreamResponse:
                               "model_version": have}, 409)
     lines: list[bytes] = []           # NDJSON lines not yet written
     wake = asyncio.Event()
-    open_ = len(items)                # requests without their last line yet
+    unanswered = set(ids)             # requests without their last line yet
     metrics = state.metrics
 
     def emitter(rid: str):
         def emit(kind: str, data, last: bool) -> None:
-            nonlocal open_
+            if rid not in unanswered:     # (after the timeout's error line: nothing more for it)
+                return
             if kind == "error":
                 line = {"id": rid, "event": "error", "status": data[0], "data": data[1]}
             else:
                 line = {"id": rid, "event": kind, "data": data}
             if last:
                 line["end"] = True
-                open_ -= 1
+                unanswered.discard(rid)
             lines.append(orjson.dumps(line))
             wake.set()
         return emit
@@ -201,20 +205,30 @@ async def worker_batch(request: web.Request) -> web.StreamResponse:
     state.runs.update(runs)
     state.active += 1
     resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+    task = asyncio.current_task()
+    state.streams.add(task)           # a drain past --drain-timeout cancels it
     try:
         await resp.prepare(request)
-        async with asyncio.timeout(state.config.request_timeout):
-            while open_ or lines:
-                if not lines:
-                    wake.clear()
-                    await wake.wait()
-                    continue
-                out = b"\n".join(lines) + b"\n"        # whatever is ready, in one write
-                lines.clear()
-                await resp.write(out)
+        try:
+            async with asyncio.timeout(state.config.request_timeout):
+                while unanswered or lines:
+                    if not lines:
+                        wake.clear()
+                        await wake.wait()
+                        continue
+                    out = b"\n".join(lines) + b"\n"        # whatever is ready, in one write
+                    lines.clear()
+                    await resp.write(out)
+        except TimeoutError:          # the requests still open end with a 504 line each; the stream ends properly
+            body = error_body(f"no answer within --request-timeout ({state.config.request_timeout:g} s)", "timeout")
+            lines += [orjson.dumps({"id": rid, "event": "error", "status": 504, "data": body, "end": True})
+                      for rid in ids if rid in unanswered]
+            unanswered.clear()
+            await resp.write(b"\n".join(lines) + b"\n")
         await resp.write_eof()
         return resp
     finally:
+        state.streams.discard(task)
         for rid, run in runs.items():
             run.cancel()
             state.runs.pop(rid, None)
@@ -555,7 +569,12 @@ async def serve(config: WorkerConfig) -> int:
                 while state.active or (state.batcher and (state.batcher.pending or state.batcher.running)):
                     await asyncio.sleep(0.05)
         except TimeoutError:
-            log.warning("drain timeout: stopping with work in flight")
+            # what is left is dropped now, not after the shutdown's grace: its rows are cancelled and its
+            # connections closed (a balancer re-dispatches the requests it had not streamed yet)
+            log.warning("drain timeout: %d requests still open are dropped", len(state.streams))
+            for task in list(state.streams):
+                task.cancel()
+            await asyncio.sleep(0)
     await runner.cleanup()
     return code
 

@@ -120,7 +120,6 @@ class RowScheduler:
         self.rows_processed = 0
         self.dropped_before_start = 0
         self.histogram: collections.Counter[int] = collections.Counter()
-        self._cancelled_queued = 0      # cancelled rows still in ``pending`` (dropped at the next scheduling)
         self.on_batch = None    # optional callback(batch_size, seconds) for metrics
 
     # ------------------------------------------------------------ public
@@ -155,17 +154,26 @@ class RowScheduler:
         self._wake.set()
 
     def cancel(self, job: Job) -> None:
-        """Drop a row: before it is scheduled it is never computed; while running, at the next denoising step."""
+        """Drop a row: one still queued leaves the queue at once and gets its terminal event (never computed, nfe
+        0) on the next turn of the event loop, whatever the batch running does meanwhile; a running one stops at its
+        next denoising step."""
         if job.cancelled:
             return
         job.cancelled = True
-        if job.queued:
-            self._cancelled_queued += 1
-            self._wake.set()
+        if not job.queued:
+            return
+        with self._lock:                  # (the device thread may be taking it into the running batch right now)
+            try:
+                self.pending.remove(job)
+            except ValueError:            # taken: it runs, and stops at its next step
+                return
+        job.queued = False
+        self.dropped_before_start += 1
+        self._loop.call_soon(job.sink, job.index, "done", Result([], "cancelled", 0, [], len(job.prompt_ids)))
 
     @property
     def queue_depth(self) -> int:
-        return len(self.pending) - self._cancelled_queued
+        return len(self.pending)
 
     def rates(self, window: int = 60) -> dict:
         """Rows running now, and rows joined / retired per second over the last ``window`` seconds (up to 60)."""
@@ -201,9 +209,6 @@ class RowScheduler:
             while not self.pending:
                 self._wake.clear()
                 await self._wake.wait()
-            self._drop_cancelled()
-            if not self.pending:
-                continue
             deadline = self.pending[0].start_by
             while len(self.pending) < self.batch_size:
                 left = deadline - time.monotonic()
@@ -214,8 +219,8 @@ class RowScheduler:
                     await asyncio.wait_for(self._wake.wait(), left)
                 except asyncio.TimeoutError:
                     break
-                self._drop_cancelled()
-            self._drop_cancelled()
+                if not self.pending:        # every row waiting was cancelled
+                    break
             with self._lock:
                 batch = self._take(0, 0, 0, first=True)
             if not batch:
@@ -295,18 +300,6 @@ class RowScheduler:
             except Exception:       # noqa: BLE001  (an invalid row: the engine reports it when it runs)
                 return None
         return share.key(job.prompt_ids, job.plan)
-
-    def _drop_cancelled(self) -> None:
-        """Drop rows cancelled while waiting; each still gets its terminal event (never computed, nfe 0)."""
-        if self._cancelled_queued:
-            with self._lock:
-                dropped = [j for j in self.pending if j.cancelled]
-                self.pending = collections.deque(j for j in self.pending if not j.cancelled)
-                self._cancelled_queued = 0
-            for j in dropped:
-                j.queued = False
-                self.dropped_before_start += 1
-                j.sink(j.index, "done", Result([], "cancelled", 0, [], len(j.prompt_ids)))
 
     # ------------------------------------------------------------ device thread
     def _emit(self, job: Job, kind: str, payload) -> None:
