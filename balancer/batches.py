@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import secrets
 import time
 from pathlib import Path
@@ -29,6 +30,13 @@ from common.protocol import APIError, loads, parse_request
 log = logging.getLogger("dllm.balancer.batches")
 
 RUNNING = ("validating", "in_progress", "finalizing", "cancelling")
+FILE_ID = re.compile(r"file-[0-9a-f]{24}")
+BATCH_ID = re.compile(r"batch_[0-9a-f]{24}")
+
+
+def public(b: dict) -> dict:
+    """A batch record as the API shows it (without the fields kept for resuming it)."""
+    return {k: v for k, v in b.items() if not k.startswith("_")}
 
 
 def _now() -> int:
@@ -82,7 +90,7 @@ class BatchJobs:
         await asyncio.gather(*self.tasks.values(), return_exceptions=True)
 
     def _file(self, fid: str) -> dict:
-        if not fid.startswith("file-") or "/" in fid or not (self.files_dir / f"{fid}.json").is_file():
+        if not FILE_ID.fullmatch(fid) or not (self.files_dir / f"{fid}.json").is_file():
             raise APIError(404, f"No such File object: {fid}", param="file_id", code="file_not_found")
         return orjson.loads((self.files_dir / f"{fid}.json").read_bytes())
 
@@ -90,7 +98,7 @@ class BatchJobs:
         return self.files_dir / f"{fid}.data"
 
     def _batch(self, bid: str) -> dict:
-        if not bid.startswith("batch_") or "/" in bid or not (self.batches_dir / f"{bid}.json").is_file():
+        if not BATCH_ID.fullmatch(bid) or not (self.batches_dir / f"{bid}.json").is_file():
             raise APIError(404, f"No such Batch object: {bid}", param="batch_id", code="batch_not_found")
         return orjson.loads((self.batches_dir / f"{bid}.json").read_bytes())
 
@@ -107,10 +115,10 @@ class BatchJobs:
     async def upload(self, request: web.Request) -> web.Response:
         if not (request.content_type or "").startswith("multipart/"):
             raise APIError(400, "upload a file as multipart/form-data with the fields purpose and file", param="file")
-        reader = await request.multipart()
         purpose, fid, filename, size = None, "file-" + secrets.token_hex(12), None, 0
         data = self._data(fid)
         try:
+            reader = await request.multipart()
             while (part := await reader.next()) is not None:
                 if part.name == "purpose":
                     purpose = (await part.text()).strip()
@@ -128,6 +136,9 @@ class BatchJobs:
                                param="purpose")
             if filename is None:
                 raise APIError(400, "no file part in the upload", param="file")
+        except ValueError as e:           # a body that is not multipart/form-data after all, a field not UTF-8
+            data.unlink(missing_ok=True)
+            raise APIError(400, f"the upload is not a valid multipart/form-data body: {e}", param="file") from None
         except BaseException:
             data.unlink(missing_ok=True)
             raise
@@ -164,7 +175,7 @@ class BatchJobs:
         fid, endpoint = body.get("input_file_id"), body.get("endpoint")
         if not isinstance(fid, str):
             raise APIError(400, "input_file_id must be a file id", param="input_file_id")
-        if endpoint not in BATCH_URLS:
+        if not isinstance(endpoint, str) or endpoint not in BATCH_URLS:
             raise APIError(400, f"endpoint must be one of {sorted(BATCH_URLS)}, got {endpoint!r}", param="endpoint")
         window = body.get("completion_window", "24h")
         if window != "24h":
@@ -187,10 +198,10 @@ class BatchJobs:
              "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": metadata}
         self._save_batch(b)
         self.tasks[b["id"]] = asyncio.create_task(self._run(b["id"]), name=f"batch {b['id']}")
-        return json_response(b)
+        return json_response(public(b))
 
     async def get_batch(self, request: web.Request) -> web.Response:
-        return json_response(self._batch(request.match_info["batch_id"]))
+        return json_response(public(self._batch(request.match_info["batch_id"])))
 
     async def list_batches(self, request: web.Request) -> web.Response:
         batches = _load_all(self.batches_dir, "batch_*.json")
@@ -203,7 +214,7 @@ class BatchJobs:
             limit = max(1, min(100, int(request.query.get("limit", 20))))
         except ValueError:
             raise APIError(400, "limit must be an integer", param="limit")
-        page = batches[:limit]
+        page = [public(b) for b in batches[:limit]]
         return json_response({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
                               "last_id": page[-1]["id"] if page else None, "has_more": len(batches) > limit})
 
@@ -217,7 +228,7 @@ class BatchJobs:
             if task is None or task.done():          # nothing runs it (it never will): cancelled now
                 b["status"], b["cancelled_at"] = "cancelled", _now()
                 self._save_batch(b)
-        return json_response(b)
+        return json_response(public(b))
 
     # ------------------------------------------------------------ running a batch
     async def _run(self, bid: str) -> None:
@@ -235,8 +246,9 @@ class BatchJobs:
 
     async def _run_lines(self, bid: str) -> None:
         b = self._batch(bid)
-        out_id, err_id = b["output_file_id"] or "file-" + secrets.token_hex(12), \
-            b["error_file_id"] or "file-" + secrets.token_hex(12)
+        # the result files' ids are kept for a restart; the API shows them once the batch has ended (as OpenAI's)
+        out_id = b.get("_output_file_id") or b["output_file_id"] or "file-" + secrets.token_hex(12)
+        err_id = b.get("_error_file_id") or b["error_file_id"] or "file-" + secrets.token_hex(12)
         out_path, err_path = self._data(out_id), self._data(err_id)
         done = set()
         for path in (out_path, err_path):          # resuming: what is final stays, the rest is sent again
@@ -262,7 +274,7 @@ class BatchJobs:
                 line.kind, line.error = None, {"code": "invalid_url", "message": f"line {line.number}: url "
                                                f"{line.url!r} is not the batch's endpoint {b['endpoint']!r}"}
         b.update(status="in_progress" if b["status"] != "cancelling" else "cancelling",
-                 in_progress_at=b["in_progress_at"] or _now(), output_file_id=out_id, error_file_id=err_id)
+                 in_progress_at=b["in_progress_at"] or _now(), _output_file_id=out_id, _error_file_id=err_id)
         b["request_counts"]["total"] = len(lines)
         self._save_batch(b)
         counts = {"completed": len(out_path.read_bytes().splitlines()) if out_path.exists() else 0,
@@ -286,8 +298,8 @@ class BatchJobs:
                         continue
                     if self._cancelling(bid) or self.state.draining:
                         return
-                    status, data = await self._answer(line)
-                    if status is None:        # the balancer is stopping: the line is left for its restart
+                    status, data = await self._answer(line, lambda: self._cancelling(bid))
+                    if status is None:        # stopping or cancelled: the line is left (for a restart)
                         return
                     record(result_line(line.custom_id, status, data), 200 <= status < 300)
             await asyncio.gather(*(lane() for _ in range(self.concurrency)))
@@ -306,6 +318,7 @@ class BatchJobs:
         for fid, path in ((out_id, out_path), (err_id, err_path)):
             self._new_file(fid, f"{bid}_{'output' if fid == out_id else 'error'}.jsonl", "batch_output",
                            path.stat().st_size)
+        b["output_file_id"], b["error_file_id"] = out_id, err_id
         self._save_batch(b)
         log.info("batch %s %s: %s", bid, b["status"], b["request_counts"])
 
@@ -317,10 +330,10 @@ class BatchJobs:
     def _cancelling(self, bid: str) -> bool:
         return bid in self._cancel
 
-    async def _answer(self, line) -> tuple[int | None, object]:
+    async def _answer(self, line, cancelled) -> tuple[int | None, object]:
         """One line through the balancer's queue, as its door would take it: (status, body); a line the balancer
         cannot admit now (queue full, no healthy worker) waits and tries again; (None, None) when the balancer is
-        shutting down (the line is not answered)."""
+        shutting down or the batch is ``cancelled()`` meanwhile (the line is not answered)."""
         body = orjson.dumps(line.body)
         try:
             req = parse_request(line.kind, body)
@@ -332,7 +345,7 @@ class BatchJobs:
                 p = state.admit(line.kind, body, False, time.monotonic(), version=req.model_version)
                 break
             except APIError as e:
-                if state.draining:
+                if state.draining or cancelled():
                     return None, None
                 if e.status not in (429, 503):
                     return e.status, e.body()

@@ -184,8 +184,14 @@ class Supervisor:
         tmp.write_text("".join(f'{k}="{v}"\n' for k, v in info.items()))
         os.replace(tmp, path)
 
+    def worker_address(self) -> str:
+        """Where this machine reaches its own workers (``--worker-host``; loopback when they listen on every
+        address), in URL form (an IPv6 address bracketed)."""
+        host = self.cfg.worker_host if self.cfg.worker_host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+        return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
     def worker_urls(self) -> list[str]:
-        host = self.cfg.worker_host if self.cfg.worker_host not in ("0.0.0.0", "::") else "127.0.0.1"
+        host = self.worker_address()
         return [f"http://{host}:{w.port}" for w in self.workers] + self.cfg.extra_worker_urls
 
     # ------------------------------------------------------------ workers
@@ -222,7 +228,7 @@ class Supervisor:
     async def _probe(self, session: aiohttp.ClientSession, w: WorkerProc) -> bool:
         try:
             headers = {"Authorization": f"Bearer {self.cfg.worker_api_key}"} if self.cfg.worker_api_key else {}
-            async with session.get(f"http://127.0.0.1:{w.port}/health", headers=headers,
+            async with session.get(f"http://{self.worker_address()}:{w.port}/health", headers=headers,
                                    timeout=aiohttp.ClientTimeout(total=2)) as r:
                 data = await r.json(content_type=None)
             if data.get("launch_id") != w.launch_id:       # another server on our port: never "ready"
@@ -352,6 +358,7 @@ class Supervisor:
         self.stopping = True
         if self.status != "failed":
             self.status = "stopping"
+            self.write_info()
         log.info("stopping: draining the balancer, then the workers")
         if self.app is not None:
             await drain(self.app)

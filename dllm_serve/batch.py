@@ -119,7 +119,11 @@ def run(input_path: str, output_path: str, url: str | None, model_path: str | No
                                        "--log-dir", tmp, "--stagger", "0", *serve_args],
                                       stdout=open(Path(tmp) / "serve.log", "wb"), stderr=subprocess.STDOUT,
                                       start_new_session=True, cwd=ROOT, env={**os.environ, "DLLM_API_KEY": ""})
-            _wait_ready(url, server, startup_timeout)
+            try:
+                _wait_ready(url, server, startup_timeout)
+            except RuntimeError as e:
+                tail = (Path(tmp) / "serve.log").read_text(errors="replace").splitlines()[-15:]
+                raise RuntimeError(f"{e}; the last lines of {Path(tmp) / 'serve.log'}:\n" + "\n".join(tail)) from None
         url = (url or "http://127.0.0.1:8000").rstrip("/")
         with Progress(TextColumn("[bold]run-batch"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                       disable=not sys.stderr.isatty()) as bar:

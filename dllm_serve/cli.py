@@ -315,7 +315,7 @@ SERVE_WORKER = ("default_algorithm", "default_max_tokens", "dtype", "score_mc_nu
               help="N CPU workers. Without --gpus/--gpu-ids/--workers: one worker per visible GPU, or one CPU worker "
                    "when there is no GPU.")
 @options(ServeConfig, only=("host", "port", "worker_host", "worker_base_port"))
-@options(BatchConfig, only=("batch_size", "wait_time"), overrides={
+@options(BatchConfig, only=("batch_size", "wait_time", "max_queue", "call_timeout"), overrides={
     "batch_size": {"help": "Balancer batch size (each worker takes twice that: two batches in flight)."},
     "wait_time": {"help": "Balancer batch wait time in seconds.", "flags": ("--max-wait-time", "--batch-wait-time")}})
 @options(WorkerConfig, only=SERVE_WORKER, prefix="worker_", overrides={
@@ -342,7 +342,8 @@ SERVE_WORKER = ("default_algorithm", "default_max_tokens", "dtype", "score_mc_nu
 @options(ServeConfig, only=("worker_api_key", "log_dir", "server_info_file", "stagger", "min_workers",
                             "startup_timeout", "restart_backoff", "restart_backoff_max", "crash_loop", "crash_window",
                             "stop_timeout"))
-@options(BalancerConfig, only=("request_timeout", "max_body_bytes_in_flight"))
+@options(BalancerConfig, only=("request_timeout", "max_body_bytes_in_flight", "files_dir", "max_file_bytes",
+                               "batch_concurrency", "weight_load_timeout"))
 @options(HealthConfig, only=("stall_timeout", "stall_steps", "stall_floor", "interval"))
 @options(BalancerConfig, only=("drain_timeout",))
 @options(ServeConfig, only=("extra_worker_urls", "no_balancer"))
@@ -488,8 +489,14 @@ def run_batch(input_path, output_path, url, model_path, serve_args, api_key, con
     from dllm_serve.batch import run
     if url and model_path:
         raise click.UsageError("give --url or --model-path, not both")
-    sys.exit(run(input_path, output_path, url, model_path, shlex.split(serve_args), api_key, concurrency, timeout,
-                 startup_timeout, lambda m: click.echo(m, err=True)))
+    if model_path and Path(model_path).exists():     # the server for the run starts in the project's directory
+        model_path = str(Path(model_path).resolve())
+    try:
+        code = run(input_path, output_path, url, model_path, shlex.split(serve_args), api_key, concurrency, timeout,
+                   startup_timeout, lambda m: click.echo(m, err=True))
+    except RuntimeError as e:                        # the server for the run did not start: its log says why
+        raise click.ClickException(str(e))
+    sys.exit(code)
 
 
 @main.command("load-weights")

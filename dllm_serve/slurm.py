@@ -16,16 +16,19 @@ def submit(script: str | None, argv: list[str]) -> int:
     if sbatch is None:
         print("dllm-serve: sbatch not found. Run on this machine with --local, or submit from a SLURM login node.")
         return 2
-    flags = [a for a in argv if a not in ("--local",)]
+    flags = []
+    for a in argv:                        # --flag=value as --flag value: the flags read here and in the scripts
+        if a == "--local":
+            continue
+        if a.startswith("--") and "=" in a:
+            flags += a.split("=", 1)
+        else:
+            flags.append(a)
     nodes = 1
     for i, a in enumerate(flags):         # --nodes is sbatch's, not the job's `serve --local`
         if a == "--nodes" and i + 1 < len(flags):
             nodes = int(flags[i + 1])
             del flags[i:i + 2]
-            break
-        if a.startswith("--nodes="):
-            nodes = int(a.split("=", 1)[1])
-            del flags[i]
             break
     default = "serve_multi_node.sbatch" if nodes > 1 else "serve_single_node.sbatch"
     script_path = Path(script) if script else ROOT / "slurm" / default

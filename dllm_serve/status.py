@@ -103,6 +103,7 @@ def main(url: str, monitor: bool, interval: float, as_json: bool) -> int:
     tty = sys.stdout.isatty()
     console = Console() if tty else Console(width=140)
     if monitor and not tty:         # rich's live view draws nothing without a terminal: one plain line per poll
+        data = {"error": "interrupted before the first answer"}
         try:
             while True:
                 data = fetch(url)

@@ -165,3 +165,53 @@ def test_the_batch_api_with_the_openai_client_survives_a_balancer_restart(tmp_pa
     finally:
         w.stop()
         b.stop()
+
+
+async def test_files_and_batches_refuse_bad_input_and_cancel_while_waiting(aiohttp_client, tmp_path):
+    """Bad uploads and ids are 4xx, never a 500; a batch whose lines wait for a worker (none is healthy) is
+    cancelled at once (it stayed "cancelling"); its result files show only once it has ended (as OpenAI's)."""
+    import asyncio
+
+    import aiohttp as _aiohttp
+    from balancer.app import BalancerConfig, make_app
+    from balancer.pool import HealthConfig
+    cfg = BalancerConfig(worker_urls=["http://127.0.0.1:9"], files_dir=str(tmp_path / "files"),
+                         health=HealthConfig(interval=0.05, timeout=0.2))
+    client = await aiohttp_client(make_app(cfg))
+    bad = [
+        (b"x", {"Content-Type": "multipart/form-data"}),                                      # no boundary
+        (b"garbage", {"Content-Type": "multipart/form-data; boundary=zz"}),
+        (b'--zz\r\nContent-Disposition: form-data; name="purpose"\r\n\r\n\xff\xfe\r\n--zz--\r\n',
+         {"Content-Type": "multipart/form-data; boundary=zz"}),                                # not UTF-8
+    ]
+    for body, headers in bad:
+        r = await client.post("/v1/files", data=body, headers=headers)
+        assert 400 <= r.status < 500 and "error" in await r.json(), (body, r.status)
+    for path in ("/v1/files/file-" + "a" * 300, "/v1/batches/batch_" + "a" * 300, "/v1/files/file-..%2f"):
+        r = await client.get(path)
+        assert r.status == 404 and "error" in await r.json(), path
+    form = _aiohttp.FormData()
+    form.add_field("purpose", "batch")
+    form.add_field("file", _lines(3).encode(), filename="in.jsonl")
+    fid = (await (await client.post("/v1/files", data=form)).json())["id"]
+    for body in ({"input_file_id": fid, "endpoint": ["/v1/completions"], "completion_window": "24h"},
+                 {"input_file_id": "file-" + "0" * 300, "endpoint": "/v1/completions", "completion_window": "24h"}):
+        r = await client.post("/v1/batches", json=body)
+        assert 400 <= r.status < 500 and "error" in await r.json(), body
+    b = await (await client.post("/v1/batches", json={"input_file_id": fid, "endpoint": "/v1/completions",
+                                                        "completion_window": "24h"})).json()
+    for _ in range(100):
+        cur = await (await client.get(f"/v1/batches/{b['id']}")).json()
+        if cur["status"] == "in_progress":
+            break
+        await asyncio.sleep(0.02)
+    assert cur["status"] == "in_progress" and cur["output_file_id"] is None and "_output_file_id" not in cur
+    r = await client.post(f"/v1/batches/{b['id']}/cancel")
+    assert (await r.json())["status"] == "cancelling"
+    for _ in range(100):
+        cur = await (await client.get(f"/v1/batches/{b['id']}")).json()
+        if cur["status"] == "cancelled":
+            break
+        await asyncio.sleep(0.05)
+    assert cur["status"] == "cancelled" and cur["output_file_id"] and cur["error_file_id"]
+    assert (await client.get(f"/v1/files/{cur['output_file_id']}/content")).status == 200

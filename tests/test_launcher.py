@@ -328,3 +328,49 @@ def test_last_minute_rate_in_the_first_minute(monkeypatch):
     now[0] += 100
     w.add(0.1, 200)
     assert w.summary()["requests_per_second"] == round(1 / 60, 3)
+
+
+async def test_the_supervisor_probes_its_workers_where_they_listen(tmp_path):
+    """A multi-node job's other nodes run `serve --no-balancer --worker-host ADDR`: their supervisor must find its
+    workers ready at ADDR (it probed 127.0.0.1 and gave them up after --startup-timeout)."""
+    import aiohttp
+    from aiohttp import web
+    from balancer.supervisor import ServeConfig, Supervisor
+    port = free_port()
+    cfg = ServeConfig(model_path="x", worker_host="127.0.0.2", worker_base_port=port, no_balancer=True,
+                      log_dir=tmp_path)
+    sup = Supervisor(cfg)
+    w = sup.workers[0]
+
+    async def health(request):
+        return web.json_response({"status": "ready", "launch_id": w.launch_id})
+    app = web.Application()
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.2", port).start()
+    try:
+        async with aiohttp.ClientSession() as s:
+            assert await sup._probe(s, w)
+        assert sup.worker_urls() == [f"http://127.0.0.2:{port}"]
+    finally:
+        await runner.cleanup()
+    assert Supervisor(ServeConfig(model_path="x", worker_host="::1", log_dir=tmp_path)).worker_urls()[0].startswith(
+        "http://[::1]:")
+
+
+def test_slurm_mode_reads_flags_written_with_an_equals_sign(tmp_path, monkeypatch, capsys):
+    """`serve --gpus=8 --worker-base-port=9000 --nodes=2` asks sbatch for the GPUs and hands the job the same flags
+    as `--gpus 8 ...` (with `=` the job had no GPUs and the balancer the wrong worker ports)."""
+    import stat
+    from dllm_serve.slurm import submit
+    fake = tmp_path / "sbatch"
+    fake.write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$0.args"\nprintf "%s" "$DLLM_SERVE_ARGS" > "$0.env"\n'
+                    'echo 123\n')
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.setenv("DLLM_SERVER_INFO_DIR", str(tmp_path / "info"))
+    assert submit(None, ["--gpus=8", "--worker-base-port=9000", "--nodes=2", "--model-path", "/m"]) == 0
+    args = (tmp_path / "sbatch.args").read_text().split("\n")
+    assert "--nodes=2" in args and "--gres=gpu:8" in args and args[-2].endswith("serve_multi_node.sbatch")
+    assert (tmp_path / "sbatch.env").read_text() == "--gpus 8 --worker-base-port 9000 --model-path /m"
