@@ -141,8 +141,8 @@ class CommonFields(DiffusionFields):
             raise ValueError("stream_mode 'steps' streams: it needs stream true")
         if self.stream_canvas and self.stream_mode != "steps":
             raise ValueError("stream_canvas goes with stream_mode 'steps'")
-        if self.stream_options is not None and not self.stream:
-            raise ValueError("stream_options is only allowed when stream is true")
+        if self.stream_options is not None and self.stream_options.model_fields_set and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")     # (vLLM's rule: {} passes)
         return self
 
     @field_validator("stop")

@@ -48,6 +48,10 @@ def test_chat_errors(body, param):
     assert e.value.param == param
 
 
+def test_an_empty_stream_options_passes_without_stream():
+    assert parse_request("completion", {"prompt": "x", "stream_options": {}}).include_usage is False
+
+
 def test_accepted_forms():
     r = parse_request("completion", {"prompt": [[1, 2], [3]], "stop": "x", "top_p": 1, "logprobs": None,
                                      "unknown_field": 1, "steps": 4, "block_length": 2})
