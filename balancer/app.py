@@ -25,6 +25,7 @@ import yarl
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.metrics_core import CounterMetricFamily
 
 import click
 
@@ -96,6 +97,23 @@ class BalancerConfig:
 
 
 
+class _BatcherCounters:
+    """The batcher's failure counters, read when /metrics is scraped (Prometheus counters: ``..._total``)."""
+
+    def __init__(self):
+        self.batcher = None
+
+    def collect(self):
+        b = self.batcher
+        for name, doc, value in (
+                ("dllm_balancer_redispatched", "Requests re-dispatched after a worker failure", "retries"),
+                ("dllm_balancer_failed_midstream", "Streams ended with an error event after their worker failed",
+                 "failed_midstream"),
+                ("dllm_balancer_split_batches", "Batches a worker rejected as a whole, re-sent one request at a time",
+                 "split_batches")):
+            yield CounterMetricFamily(name, doc, value=getattr(b, value, 0) if b is not None else 0)
+
+
 class BalancerMetrics:
     def __init__(self):
         r = self.registry = CollectorRegistry()
@@ -106,8 +124,8 @@ class BalancerMetrics:
         self.queue_depth = Gauge("dllm_balancer_queue_depth", "Requests waiting for a batch", registry=r)
         self.in_flight = Gauge("dllm_balancer_in_flight", "Requests on workers", registry=r)
         self.workers = Gauge("dllm_balancer_workers", "Workers by status", ["status"], registry=r)
-        self.retries = Gauge("dllm_balancer_redispatched", "Requests re-dispatched after a worker failure (total)",
-                             registry=r)
+        self.failures = _BatcherCounters()          # its batcher is set by BalancerState
+        r.register(self.failures)
 
 
 class BalancerState:
@@ -118,6 +136,7 @@ class BalancerState:
         self.pool = WorkerPool(cfg.worker_urls, lambda: self.session, cfg.health, headers, cfg.worker_launch_ids)
         self.batcher = CentralBatcher(self.pool, lambda: self.session, cfg.batch, headers)
         self.metrics = BalancerMetrics()
+        self.metrics.failures.batcher = self.batcher
         self.batcher.on_batch = self.metrics.batch_size.observe
         self.weights = WeightUpdates(self.pool, self.batcher, lambda: self.session, headers, cfg.weight_load_timeout,
                                      cfg.request_timeout)
@@ -384,7 +403,7 @@ async def stats(request: web.Request) -> web.Response:
             "batch_size_histogram": {str(k): v for k, v in sorted(b.histogram.items())},
         },
         "continuous_batching": _rows_summary(state.pool.workers),
-        "tokens_generated": sum(int(w.last_health.get("tokens_generated") or 0) for w in state.pool.workers),
+        "tokens_generated": sum(w.tokens_generated for w in state.pool.workers),     # across worker restarts
         "http_processes": [{"role": "central", "pid": os.getpid(), "status": "ready",
                             "requests": state.local_requests}] + (state.fronts.snapshot() if state.fronts else []),
         "last_minute": state.window.summary(),
@@ -422,7 +441,6 @@ async def metrics(request: web.Request) -> web.Response:
     m = state.metrics
     m.queue_depth.set(state.batcher.queue_depth)
     m.in_flight.set(state.batcher.in_flight)
-    m.retries.set(state.batcher.retries)
     counts = {s: 0 for s in STATUSES}
     for w in state.pool.workers:
         counts[w.status] += 1

@@ -137,6 +137,7 @@ class Dispatch:
     started: bool = False          # the task ran its first step (it does its own accounting from there)
     aborted: str | None = None     # why the pool aborted the worker ("stalled", ...); None: not aborted
     ended_early: bool = False      # closed because none of its requests waits for an answer any more
+    answered: int = 0              # its rows answered so far (each left the worker's rows in flight as it ended)
 
 
 class CentralBatcher:
@@ -413,7 +414,7 @@ class CentralBatcher:
         failure = None
         try:
             if batch:
-                failure = await self._send(w, batch, open_, attempts)
+                failure = await self._send(d, batch, open_, attempts)
         except asyncio.CancelledError:
             if self._closing:
                 raise
@@ -426,15 +427,16 @@ class CentralBatcher:
             failure = f"bad batch stream: {type(e).__name__}: {e}"
             self.pool.batch_failed(w, failure)
         finally:
-            self.pool.batch_ended(w, len(d.batch))
+            self.pool.batch_ended(w, len(d.batch) - d.answered)
         if failure and open_ and not d.ended_early:
             self._failover(w, list(open_.values()), attempts, failure)
         self._dispatch_ready()              # the freed place takes the next batch now
         self._wake.set()
 
-    async def _send(self, w: Worker, batch: list[Pending], open_: dict, attempts: dict) -> str | None:
-        """POST the batch to ``w`` and deliver its events; the failure that leaves ``open_``'s requests to fail
+    async def _send(self, d: Dispatch, batch: list[Pending], open_: dict, attempts: dict) -> str | None:
+        """POST the batch to its worker and deliver its events; the failure that leaves ``open_``'s requests to fail
         over, or None."""
+        w = d.worker
         self.batches += 1
         self.rows += len(batch)
         self.histogram[len(batch)] += 1
@@ -476,13 +478,14 @@ class CentralBatcher:
                     if b"\n" in data:
                         *lines, buf = buf.split(b"\n")
                         self.pool.batch_progress(w)
-                        self._lines(w, lines, open_, attempts)
-                self._lines(w, [buf], open_, attempts)        # a last line without its newline
+                        self._lines(d, lines, open_, attempts)
+                self._lines(d, [buf], open_, attempts)        # a last line without its newline
                 if open_:
                     return "the worker closed the batch stream early"
         return None
 
-    def _lines(self, w: Worker, lines: list[bytes], open_: dict, attempts: dict) -> None:
+    def _lines(self, d: Dispatch, lines: list[bytes], open_: dict, attempts: dict) -> None:
+        w = d.worker
         for line in lines:
             if not line or line.isspace():
                 continue
@@ -494,7 +497,8 @@ class CentralBatcher:
             end = ev.get("end", False) or kind == "end"
             if end:
                 del open_[p.id]
-                self.pool.row_served(w)
+                self.pool.row_served(w)         # (no longer in flight there: the worker answers rows as they end)
+                d.answered += 1
                 p.done = True
                 p.worker = None
             p.deliver(attempts[p.id], kind, ev.get("status", 200), ev.get("data"), end)

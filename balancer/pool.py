@@ -75,6 +75,12 @@ class Worker:
     instance_id: str | None = None   # the worker process last seen on /health
     updating: bool = False           # out of the routing while it loads new weights (balancer/weights.py)
     busy_until: float = 0.0          # no batches before this (monotonic): it answered one 429/503 (the batcher's)
+    tokens_before: int = 0           # tokens_generated of the earlier processes in this place (restarts)
+
+    @property
+    def tokens_generated(self) -> int:
+        """Completion tokens this place's worker processes have answered, as far as their last /health said."""
+        return self.tokens_before + int(self.last_health.get("tokens_generated") or 0)
 
     @property
     def status(self) -> str:
@@ -218,6 +224,7 @@ class WorkerPool:
             if w.instance_id is not None:
                 log.warning("worker %d (%s) is a new process (instance %s, was %s)", w.index, w.url, inst,
                             w.instance_id)
+                w.tokens_before = w.tokens_generated      # the old process's count, which the new one restarts
             w.instance_id = inst
         w.last_health = data
         status = data.get("status")
@@ -285,9 +292,11 @@ class WorkerPool:
     def batch_progress(w: Worker) -> None:
         w.last_activity = w.last_progress = time.monotonic()
 
-    @staticmethod
-    def row_served(w: Worker) -> None:
+    def row_served(self, w: Worker) -> None:
+        """One row of a batch in flight on ``w`` is answered: it no longer counts in ``inflight_rows`` (its batch's
+        :meth:`batch_ended` takes only the rows left)."""
         w.requests_served += 1
+        w.inflight_rows -= 1
 
     def batch_failed(self, w: Worker, why: str, consecutive: bool = False, refused: bool = False) -> None:
         """A batch failed by ``w``'s fault (an error status, a broken connection, a malformed stream).

@@ -72,10 +72,12 @@ def render(data: dict, url: str):
         t.add_row(str(w["worker_id"]), w["url"], Text(w["status"], style=COLOURS.get(w["status"], "")), _device(h),
                   (v.get("hash") or "-")[:8], str(w["in_flight"]), str(w.get("in_flight_batches", 0)), str(w["requests_served"]),
                   str(w["errors"]), _ago(w.get("last_activity_seconds_ago")),
-                  _ago(h.get("seconds_since_last_step")) if h.get("busy") else "-")
+                  # the balancer's own clock of the worker's progress (a /health answer is not aged: a dead or
+                  # stopped worker's last one still says "0 s")
+                  _ago(w.get("seconds_since_progress")) if w["status"] in ("busy", "stalled") else "-")
     cb, lm = st["centralized_batching"], st["last_minute"]
     legend = Text("weights: the start of its model_version hash; rows/batches: in flight; active: since the last "
-                  "event; step: since the device's last denoising step (- while its device runs no batch)", style="dim")
+                  "event; step: since the balancer last saw its device make progress (- unless busy or stalled)", style="dim")
     foot = Text(f"batching: max {cb['max_batch_size']}, wait {cb['max_wait_time']}s, batches "
                 f"{cb['total_batches_processed']}, avg size {cb['avg_batch_size']}  |  last minute: "
                 f"{lm['requests']} requests, {lm['requests_per_second']} req/s, p50 {_secs(lm['latency_p50'])}, "

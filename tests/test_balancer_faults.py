@@ -543,3 +543,43 @@ async def test_the_drain_timeout_bounds_shutdown():
             await asyncio.wait_for(server, SHUTDOWN_GRACE + 5)
             assert 0.5 <= time.monotonic() - t < SHUTDOWN_GRACE + 2
         assert cancelled == [seen[0][1]]            # and its worker was told
+
+
+async def test_rows_answered_leave_the_in_flight_count_before_their_batch_ends(aiohttp_client):
+    """A worker answers each row as it ends: /stats in_flight (and the least-loaded routing) counts the rows still
+    to come, not the whole batch until its stream closes; the failure counters are Prometheus counters."""
+    release = asyncio.Event()
+
+    async def health(request):
+        return web.json_response({"status": "ready", "busy": False, "seconds_since_last_step": 0.0})
+
+    async def batch(request):
+        items = (await request.json())["requests"]
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        for i, item in enumerate(items):
+            if i == 1:
+                await release.wait()       # the first row is answered, the others wait
+            await resp.write(orjson.dumps({"id": item["id"], "event": "response", "end": True,
+                                           "data": {"choices": [{"index": 0, "text": "x"}]}}) + b"\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_post("/worker/batch", batch)
+    async with workers(app) as urls:
+        client = await _balancer(aiohttp_client, urls, batch_size=3, wait_time=0.05)
+        calls = [asyncio.ensure_future(client.post("/v1/completions", json={"prompt": p})) for p in "abc"]
+        for _ in range(200):
+            stats = await (await client.get("/stats")).json()
+            if stats["workers"][0]["requests_served"] == 1:
+                break
+            await asyncio.sleep(0.02)
+        assert stats["in_flight"] == 2 and stats["workers"][0]["in_flight"] == 2
+        assert stats["workers"][0]["in_flight_batches"] == 1
+        release.set()
+        assert [r.status for r in await asyncio.gather(*calls)] == [200] * 3
+        stats = await (await client.get("/stats")).json()
+        assert stats["in_flight"] == 0 and stats["workers"][0]["requests_served"] == 3
+        text = await (await client.get("/metrics")).text()
+        assert "# TYPE dllm_balancer_redispatched_total counter" in text and "dllm_balancer_in_flight 0.0" in text

@@ -156,8 +156,9 @@ async def test_load_the_batcher_reports():
         w.last_progress = 0.0
         pool.batch_progress(w)
         assert w.last_progress >= before and w.last_activity == w.last_progress
-        pool.row_served(w)
-        pool.batch_ended(w, 2)
+        pool.row_served(w)              # one row of the batch answered: no longer in flight there
+        assert w.inflight_rows == 1
+        pool.batch_ended(w, 1)          # (the batch takes the rows left)
         snap = w.snapshot()
         assert (snap["status"], snap["in_flight"], snap["requests_served"]) == ("idle", 0, 1)
 
@@ -318,3 +319,19 @@ def test_the_step_clock_measures_steps_while_busy_and_never_idle_time():
     engine.last_step_time = 201.5          # one slow step
     clock.sample(201.5)
     assert clock.step_seconds_max == 1.5 and len(clock.gaps) == 3
+
+
+async def test_tokens_generated_survive_a_worker_restart():
+    """/stats tokens_generated adds up each place's worker processes: a restarted worker starts its own count from
+    0, which made the total fall."""
+    answer = {"body": {**READY, "instance_id": "a", "tokens_generated": 100}}
+    async with pool_with(answer) as (pool, _):
+        w = pool.workers[0]
+        await pool.probe_once()
+        assert w.tokens_generated == 100
+        answer["body"] = {**READY, "instance_id": "b", "tokens_generated": 7}       # a new process
+        await pool.probe_once()
+        assert w.tokens_generated == 107
+        answer["body"] = {**READY, "instance_id": "b", "tokens_generated": 9}
+        await pool.probe_once()
+        assert w.tokens_generated == 109

@@ -302,3 +302,18 @@ def test_stop_strings_count_the_tokens_of_the_text_returned(stop, text, ids):
     c = _Choice(lambda toks: "".join(pieces[t] for t in toks), [stop])
     c.finish(SimpleNamespace(nfe=5, token_ids=[1, 2, 3, 4, 5], finish_reason="length"))
     assert (c.text, c.token_ids, c.finish_reason) == (text, ids, "stop")
+
+
+async def test_streamed_answers_count_their_tokens(aiohttp_client):
+    """/health tokens_generated and the completion-tokens counter count every answer, a stream whose client did not
+    ask for usage too (they counted only answers that carried usage)."""
+    client, _ = await ready_client(aiohttp_client)
+    r = await client.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 4, "stream": True,
+                                                    "return_token_ids": True, "ignore_eos": True})
+    chunks = [orjson.loads(line[6:]) for line in (await r.text()).split("\n")
+              if line.startswith("data: {")]
+    ids = [c["choices"][0]["token_ids"] for c in chunks if c["choices"] and "token_ids" in c["choices"][0]]
+    assert ids and len(ids[0]) == 4
+    assert (await (await client.get("/health")).json())["tokens_generated"] == 4
+    text = await (await client.get("/metrics")).text()
+    assert "dllm_worker_completion_tokens_total 4.0" in text

@@ -398,7 +398,8 @@ async def batch_stats(request: web.Request) -> web.Response:
         "max_batch_size": c.batch_size, "max_wait_time": c.max_wait_time, "max_queue": c.max_queue,
         "pending_requests": b.queue_depth if b else 0, "running_batch_size": len(b.running) if b else 0,
         "batches_processed": n, "requests_processed": b.rows_processed if b else 0,
-        "avg_batch_size": round(b.rows_processed / n, 3) if n else 0.0,
+        # the rows each batch started with (rows that joined a running batch are in requests_processed only)
+        "avg_batch_size": round(sum(k * v for k, v in b.histogram.items()) / n, 3) if n else 0.0,
         "batch_size_histogram": {str(k): v for k, v in sorted(b.histogram.items())} if b else {},
         "dropped_before_start": b.dropped_before_start if b else 0,
         "continuous_batching": c.continuous_batching, "max_batch_tokens": c.max_batch_tokens,

@@ -303,24 +303,8 @@ class Serving:
                 "stop_token_ids": list(self.engine.stop_ids), "mask_token_id": self.engine.mask_id}
 
     # ------------------------------------------------------------ rows -> events
-    on_tokens = None        # optional callback(completion tokens, nfe) per answered request (metrics)
-
-    def _counted(self, emit):
-        """``emit`` that also reports each answer's tokens (a response, or a stream's usage event) to on_tokens."""
-        on_tokens = self.on_tokens
-        if on_tokens is None:
-            return emit
-
-        def counted(kind: str, data, last: bool) -> None:
-            if last or kind == "response":         # usage comes with a response or a stream's last events
-                u = data.get("usage") if kind != "error" else None
-                if u is None and kind == "chunk" and "response" in data:    # a Responses stream's completion
-                    u = data["response"].get("usage")
-                if u:
-                    on_tokens(u.get("completion_tokens", u.get("output_tokens")) or 0,
-                              sum(c.get("nfe", 0) for c in data.get("choices", ())))
-            emit(kind, data, last)
-        return counted
+    on_tokens = None        # optional callback(completion tokens, nfe) per answered request (metrics), streamed
+                            # or not, whether or not its client asked for usage
 
     def submit(self, prep: Prepared, emit=None, wait: bool = True) -> "Run":
         """Queue the request's rows; raises APIError(429) when the queue is full (nothing is queued then).
@@ -329,7 +313,7 @@ class Serving:
         ``emit(kind, data, last)`` receives the request's events on the event loop as they happen (see :class:`Run`);
         without it, iterate the Run (common/openai_http.py events)."""
         run = Run(self, prep, emit)
-        run.emit = self._counted(self._versioned(run.emit))
+        run.emit = self._versioned(run.emit)
         if prep.responses is not None:
             run.emit = ResponsesEvents(prep.responses, prep.rid, self.model_name, prep.created, run.emit)
         progress = prep.req.stream or bool(prep.req.stop)
@@ -453,6 +437,8 @@ class Run:
         self._answered()
         states = self.states
         use = usage(sum(len(p) for p in prep.prompts[::prep.req.n]), sum(len(s.token_ids) for s in states))
+        if serving.on_tokens is not None:
+            serving.on_tokens(use["completion_tokens"], sum(s.nfe for s in states))
         if stream:
             if req.include_usage:
                 self.emit("chunk", usage_chunk(kind, prep.rid, name, prep.created, use), True)
@@ -498,6 +484,8 @@ class Run:
         prep, serving = self.prep, self.serving
         choices = [score_choice(serving, i, prep.req, prep.scores[i], r) for i, r in enumerate(self.states)]
         use = usage(sum(len(p) for p in prep.prompts), sum(1 for s in prep.scores if s.next_token))
+        if serving.on_tokens is not None:
+            serving.on_tokens(use["completion_tokens"], 0)
         self.emit("response", response("completion", prep.rid, serving.model_name, choices, use, prep.created), True)
 
 
