@@ -60,6 +60,9 @@ def test_every_algorithm_batched_equals_single(llada_engine, early_exit):
     (dict(algorithm="dinfer_credit", extra={"bogus": 1}), "algorithm_params"),
     (dict(algorithm="dinfer_hierarchy", extra={"low_threshold": -1}), "algorithm_params"),
     (dict(algorithm="dinfer_blockwise", extra={"prefix_look": 1.5}), "algorithm_params"),
+    (dict(algorithm="dinfer_blockwise", factor=1.0), "factor"),      # no factor rule: was a 500 at the first step
+    (dict(algorithm="dinfer_credit", factor=1.0), "factor"),
+    (dict(algorithm="dinfer_hierarchy", factor=1.0), "factor"),    # (was silently ignored)
 ])
 def test_algorithm_parameter_errors(llada_engine, params, param):
     with pytest.raises(ParamError) as e:
@@ -125,3 +128,37 @@ def test_algorithms_sharing_a_forward_take_one_forward_a_round(names, fixture, r
     assert [(r.token_ids, r.nfe) for r in together] == [(r.token_ids, r.nfe) for r in alone]
     # dInfer: 19 against 16 + 17 + 16; dual_cache with two of them: 16 against 16 + 16 + 16; LLaDA2: 22 against 12 + 22
     assert max(apart) <= shared < sum(apart)
+
+
+def test_a_temperature_below_the_sampling_epsilon_is_greedy(llada2_engine, dream_engine, sdar_engine):
+    """1e-300 divided float32 logits into inf and nan (a 500 for the whole batch): below 1e-5 (vLLM's epsilon) a
+    temperature is greedy, the same tokens as temperature 0."""
+    for engine, alg in ((llada2_engine, "llada2"), (dream_engine, "dream"), (sdar_engine, "sdar")):
+        ids = [5, 6, 7, 8]
+        kw = dict(gen_length=8, block_length=4, algorithm=alg)
+        greedy = engine.generate([Request(ids, GenerationParams(**kw))])[0]
+        tiny = engine.generate([Request(ids, GenerationParams(**kw, temperature=1e-300, seed=1))])[0]
+        assert tiny.token_ids == greedy.token_ids and tiny.nfe == greedy.nfe
+        assert engine.plan(ids, GenerationParams(**kw, temperature=1e-6)).params.temperature == 0.0
+        assert engine.plan(ids, GenerationParams(**kw, temperature=1e-5)).params.temperature == 1e-5
+
+
+def test_dream_alg_temp_never_commits_an_unmasked_position(dream_engine):
+    """A small alg_temp leaves fewer positions than a step commits with any probability: drawing without
+    replacement then took unmasked ones (token -1: a 500, or an embedding out of range). Its limit, the top ones,
+    is taken instead; alg_temp is bounded."""
+    for alg in ("dream", "dream_cache", "dream_dual_cache"):
+        for alg_temp in (1e-3, 1e-30):
+            r = dream_engine.generate([Request([5, 6], GenerationParams(
+                gen_length=16, block_length=4, steps=4, algorithm=alg, seed=1, extra={"alg_temp": alg_temp}))])[0]
+            assert len(r.token_ids) <= 16 and all(0 <= t < len(dream_engine.tokenizer) for t in r.token_ids)
+        with pytest.raises(ParamError) as e:
+            dream_engine.plan([5, 6], GenerationParams(gen_length=8, algorithm=alg, extra={"alg_temp": 1e300}))
+        assert e.value.param == "algorithm_params"
+
+
+def test_llada21_num_to_transfer_is_at_most_the_block(llada2_engine):
+    with pytest.raises(ParamError) as e:
+        llada2_engine.plan([5, 6], GenerationParams(gen_length=8, block_length=32, algorithm="llada21",
+                                                    extra={"num_to_transfer": 33}))
+    assert e.value.param == "algorithm_params" and "block_length" in e.value.message

@@ -15,6 +15,7 @@ class ParamError(ValueError):
 
 
 REMASKING = ("low_confidence", "random")
+MIN_TEMPERATURE = 1e-5      # a temperature below it is greedy (vLLM's _SAMPLING_EPS): logits / 1e-300 is inf
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,8 @@ def plan(params: GenerationParams, prompt_length: int, max_sequence_length: int)
         raise ParamError("steps", f"steps must be a positive integer, got {p.steps!r}")
     if not (isinstance(p.temperature, (int, float)) and 0 <= p.temperature <= 100 and math.isfinite(p.temperature)):
         raise ParamError("temperature", f"temperature must be between 0 and 100, got {p.temperature!r}")
+    if 0 < p.temperature < MIN_TEMPERATURE:     # logits / 1e-300 overflow to inf and nan: greedy, as vLLM's rule
+        p = replace(p, temperature=0.0)
     if p.remasking not in REMASKING:
         raise ParamError("remasking", f"remasking must be one of {', '.join(REMASKING)}, got {p.remasking!r}")
     if not (isinstance(p.cfg_scale, (int, float)) and 0 <= p.cfg_scale <= 100 and math.isfinite(p.cfg_scale)):

@@ -106,7 +106,11 @@ class Algorithm:
         changes = {k: v for k, v in self.defaults.items() if getattr(p, k) is None and
                    not (k == "threshold" and p.factor is not None)}
         p = replace(p, extra=extra, **changes)
-        return self.check(p) if self.check is not None else p
+        p = self.check(p) if self.check is not None else p
+        if p.factor is not None and "factor" not in {i.name for i in self.params}:
+            raise ParamError("factor", f"{self.name} has no factor rule (its parameters: "
+                                       f"{', '.join(i.name for i in self.params)})")
+        return p
 
     def describe(self, defaults: dict | None = None) -> dict:
         """For /generation/algorithms; ``defaults``: the checkpoint's own defaults for ``algorithm_params``."""

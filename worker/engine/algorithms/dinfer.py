@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from ...models.layers import upload
 from ..sampling import NEG_INF, Rule, Softmax
-from . import Algorithm, ParamInfo, register
+from . import COMMON_PARAMS, Algorithm, ParamInfo, register
 from .cached import DUAL_VARIANTS, Variant, run_dual
 
 
@@ -204,6 +204,8 @@ RULES = {"dinfer_blockwise": lambda p: DInferThreshold(p.threshold),
 # the dual-cache loop (cached.run_dual), shared with dual_cache: block-only candidates, no extra cached step
 DUAL_VARIANTS.update({name: Variant(rule, block_only=True, extra_cached_step=False) for name, rule in RULES.items()})
 
+# dInfer's rules decide by threshold: no factor (Fast-dLLM's dynamic rule)
+DINFER_PARAMS = tuple(p for p in COMMON_PARAMS if p.name != "factor")
 VICINITY = (
     ParamInfo("prefix_look", 0, "positions before the block recomputed at every cached step"),
     ParamInfo("after_look", 0, "positions after the block recomputed at every cached step"),
@@ -216,14 +218,14 @@ register(Algorithm(
     description="dInfer block-wise threshold decoding on the dual cache: commit every masked token with confidence "
                 ">= min(threshold, best confidence), so each step commits at least one",
     exact=False, run=run_dual, forward="dual_cache", cfg=False, defaults={"threshold": 0.9},
-    extra_params=VICINITY,
+    params=DINFER_PARAMS, extra_params=VICINITY,
 ))
 register(Algorithm(
     name="dinfer_hierarchy",
     description="dInfer hierarchical decoding on the dual cache: in each contiguous masked segment the most "
                 "confident token above low_threshold, plus every token above threshold, plus the best one",
     exact=False, run=run_dual, forward="dual_cache", cfg=False,
-    defaults={"threshold": 0.9},
+    defaults={"threshold": 0.9}, params=DINFER_PARAMS,
     extra_params=(ParamInfo("low_threshold", 0.4, "a segment's best token is committed above this"),) + VICINITY,
 ))
 register(Algorithm(
@@ -232,6 +234,7 @@ register(Algorithm(
                 "position's top-1 token is fused into the logits (logits + credit_alpha * log(1 + credit)) before "
                 "the threshold rule",
     exact=False, run=run_dual, forward="dual_cache", cfg=False, defaults={"threshold": 0.9},
+    params=DINFER_PARAMS,
     extra_params=(ParamInfo("credit_alpha", 0.7, "weight of log(1 + credit) added to the logits"),
                   ParamInfo("boost_gamma", 0.2, "a step adds p_top1 ** boost_gamma to its top-1 token's credit"),
                   ParamInfo("decay_beta", 0.8, "credit decay per step")) + VICINITY,

@@ -144,10 +144,15 @@ def decide(p: GenerationParams, g: torch.Generator | None, logits: torch.Tensor,
     full = torch.full((1, length), float("-inf"), dtype=conf.dtype, device=conf.device)
     full[0, where] = conf
     alg_temp = p.extra["alg_temp"]
-    if alg_temp is None or alg_temp == 0:
+    probs = None
+    if alg_temp:
+        probs = F.softmax(full / alg_temp, dim=-1)
+        if int((probs > 0).sum()) < n:      # a small alg_temp leaves fewer than n positions any probability:
+            probs = None                    # its limit, the top ones (drawing would take unmasked positions)
+    if probs is None:
         pick = torch.topk(full, n)[1][0]
     else:
-        pick = torch.multinomial(F.softmax(full / alg_temp, dim=-1), num_samples=n, generator=g)[0]
+        pick = torch.multinomial(probs, num_samples=n, generator=g)[0]
     token = torch.full((length,), -1, dtype=torch.long, device=x0.device)
     token[where] = x0
     return pick, token[pick]
@@ -289,6 +294,9 @@ def run(engine, rows: list[Row], fin: Finisher) -> None:
         yield      # a step is done: the engine may run other groups' steps (continuous batching)
 
 
+MAX_ALG_TEMP = 1e4      # beyond it confidence / alg_temp is 0 and -inf / alg_temp nan in float32 (1e300 is inf)
+
+
 def check_sampling(p: GenerationParams) -> None:
     """``top_p``, ``top_k`` and ``eps`` of the Dream algorithms (after the generic algorithm_params checks)."""
     e = p.extra
@@ -298,6 +306,9 @@ def check_sampling(p: GenerationParams) -> None:
         raise ParamError("algorithm_params", f"{p.algorithm}: top_k must be at least 1, got {e['top_k']!r}")
     if not 0 < e["eps"] < 1:
         raise ParamError("algorithm_params", f"{p.algorithm}: eps must be in (0, 1), got {e['eps']!r}")
+    if e["alg_temp"] is not None and not 0 <= e["alg_temp"] <= MAX_ALG_TEMP:
+        raise ParamError("algorithm_params", f"{p.algorithm}: alg_temp must be in [0, {MAX_ALG_TEMP:g}], got "
+                                             f"{e['alg_temp']!r}")
 
 
 def check(p: GenerationParams) -> GenerationParams:

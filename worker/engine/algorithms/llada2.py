@@ -248,6 +248,9 @@ def check21(p: GenerationParams) -> GenerationParams:
     e = p.extra
     if e["num_to_transfer"] < 1:
         raise ParamError("algorithm_params", f"llada21: num_to_transfer must be at least 1, got {e['num_to_transfer']!r}")
+    if e["num_to_transfer"] > p.block_length:
+        raise ParamError("algorithm_params", f"llada21: num_to_transfer ({e['num_to_transfer']}) cannot be more than "
+                                             f"block_length ({p.block_length}): a step commits within its block")
     return replace(p, threshold=0.95 if p.threshold is None else p.threshold)
 
 
