@@ -302,3 +302,41 @@ def test_every_denoising_step_is_progress_for_health(engine, golden, monkeypatch
     c = max(golden["cases"], key=lambda c: c["decoder_forwards"])
     r = engine.generate([Request(c["prompt"], params(c))])[0]
     assert r.nfe == c["decoder_forwards"] and len(stamps) >= r.nfe
+
+
+def test_a_schedule_below_the_sampling_epsilon_is_refused(engine):
+    """t_max 1e-40 divided the float32 logits into inf (a 500 for every row of the batch): the lowest step
+    temperature must be at least 1e-5."""
+    for extra in ({"t_min": 0, "t_max": 1e-40}, {"t_min": 1e-45, "t_max": 2e-45}, {"t_min": 0, "t_max": 1e-4}):
+        with pytest.raises(ParamError) as e:
+            engine.plan([5, 6], GenerationParams(gen_length=8, block_length=8, algorithm="diffusion_gemma",
+                                                 extra=extra))
+        assert e.value.param == "algorithm_params" and "t_min" in e.value.message
+    engine.plan([5, 6], GenerationParams(gen_length=8, block_length=8, algorithm="diffusion_gemma",
+                                         extra={"t_min": 0, "t_max": 1e-3}))       # 1e-3 / 48 is above it
+
+
+def test_step_streaming_sends_the_whole_window_every_step(engine, golden):
+    """Each step's window is the whole generation (undecided positions as masks), on every step (it was the
+    canvases so far, its length jumping)."""
+    from worker.engine import StepHooks
+    c = golden["cases"][10]
+    windows = []
+    hooks = StepHooks(on_step=lambda i, window, settled: windows.append(len(window)), steps_for=lambda i: True)
+    engine.generate([Request(c["prompt"], params(c))], hooks=hooks)
+    assert windows and set(windows) == {max_tokens(c)}
+
+
+def test_the_default_length_is_whole_canvases_that_fit(engine):
+    """Without max_tokens a prompt that leaves less than a canvas is a 400 naming the prompt (not max_tokens,
+    which the client did not send); one that leaves 1.5 canvases gets one."""
+    import asyncio
+    from common.protocol import APIError
+    from worker.scheduler import RowScheduler
+    from worker.serving import Defaults, Serving
+    s = Serving(engine, RowScheduler(engine, loop=asyncio.new_event_loop()), "dg", Defaults(algorithm="diffusion_gemma"))
+    L = engine.max_sequence_length
+    with pytest.raises(APIError) as e:
+        s.prepare("completion", {"prompt": [5] * (L - 7), "seed": 1})
+    assert e.value.status == 400 and e.value.param == "prompt"
+    assert s.prepare("completion", {"prompt": [5] * (L - 12), "seed": 1}).params[0].gen_length == 8

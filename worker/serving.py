@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from common.protocol import (MAX_ROWS, APIError, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                              ResponsesRequest, TokenizeRequest, as_responses_error, chunk, completion_choice, new_id,
@@ -190,11 +190,11 @@ class Serving:
         max_new = req.max_new_tokens
         # the request's, else the block size the checkpoint was trained with (SDAR), else the server's default
         block = req.block_length or self.engine.default_block_length or d.block_length
+        prompt_param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
         if max_new is None:
             if limit < 1:
                 raise APIError(400, f"the prompt ({len(ids)} tokens) fills the model's context "
-                                    f"({self.engine.max_sequence_length} tokens)", param="messages" if isinstance(
-                                        req, ChatCompletionRequest) else "prompt")
+                                    f"({self.engine.max_sequence_length} tokens)", param=prompt_param)
             # the default: as long as allowed and whole blocks that fit the context (a shorter single block when
             # not even one full block fits), never a length the context cannot hold
             max_new = min(d.max_tokens, limit)
@@ -212,6 +212,18 @@ class Serving:
             pl = self.engine.plan(ids, p)
         except ParamError as e:
             param = e.param
+            if param == "max_tokens" and req.max_new_tokens is None:
+                # the default's shorter single block does not suit a family that takes whole blocks only
+                # (DiffusionGemma's canvases): whole blocks that fit, else the prompt leaves no room
+                whole = (limit // block) * block
+                if 0 < whole < max_new:
+                    try:
+                        return self.engine.plan(ids, replace(p, gen_length=whole))
+                    except ParamError:
+                        pass
+                raise APIError(400, f"the prompt ({len(ids)} tokens) leaves no room for a generation in the model's "
+                                    f"context ({self.engine.max_sequence_length} tokens; {e.message})",
+                               param=prompt_param)
             if param == "max_tokens" and req.max_completion_tokens is not None:
                 param = "max_completion_tokens"
             raise APIError(400, e.message, param=param)

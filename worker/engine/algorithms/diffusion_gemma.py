@@ -257,7 +257,9 @@ def run(engine, rows: list[Row], fin: Finisher):
                    and not (stop[b] or sts[b].left == 1)]       # step streaming: rows whose canvas goes on
         for b in watched:
             s = sts[b]
-            hooks.on_step(active[b].index, (s.out + amax[b])[:active[b].plan.gen_length], len(s.out))
+            gl = active[b].plan.gen_length
+            window = (s.out + amax[b])[:gl]       # the whole window: undecided positions as masks (null)
+            hooks.on_step(active[b].index, window + [engine.mask_id] * (gl - len(window)), len(s.out))
         finished_canvas = []
         for b, (r, s) in enumerate(zip(active, sts)):
             r.nfe += 1
@@ -287,6 +289,9 @@ def run(engine, rows: list[Row], fin: Finisher):
         yield
 
 
+MIN_STEP_TEMPERATURE = 1e-5     # vLLM's sampling epsilon; 1e-40 overflowed the float32 logits (a 500 for the batch)
+
+
 def check(p: GenerationParams) -> GenerationParams:
     for field in ("steps", "factor", "threshold"):
         if getattr(p, field) is not None:
@@ -311,6 +316,13 @@ def check(p: GenerationParams) -> GenerationParams:
                                              f"({e['t_min']!r})")
     if e["t_max"] > 100:
         raise ParamError("algorithm_params", f"diffusion_gemma: t_max must be at most 100, got {e['t_max']!r}")
+    # the lowest temperature of the schedule (its last step, in its float32 arithmetic: _State.schedule): logits
+    # divided by less than MIN_STEP_TEMPERATURE overflow to inf and the step's entropies are nan
+    N = e["max_denoising_steps"]
+    lowest = float(np.float32(e["t_min"]) + np.float32(e["t_max"] - e["t_min"]) * (np.float32(1) / np.float32(N)))
+    if not lowest >= MIN_STEP_TEMPERATURE:
+        raise ParamError("algorithm_params", f"diffusion_gemma: t_min and t_max give a step temperature of {lowest:g}, "
+                                             f"below {MIN_STEP_TEMPERATURE:g}: raise t_min or t_max")
     return replace(p, extra={**e, "entropy_bound": float(e["entropy_bound"]), "t_min": float(e["t_min"]),
                              "t_max": float(e["t_max"]), "confidence_threshold": float(e["confidence_threshold"])})
 
