@@ -100,6 +100,10 @@ class WeightUpdates:
             self.current = {"path": path, "mode": mode, "started": time.time(), "done": []}
             log.info("weight update (%s) to %s over %d workers", mode, path, len(workers))
             try:
+                # checked by a worker before anything stops (a checkpoint the workers would refuse stops no worker
+                # and pauses no queue), and what it brings is known at once: requests pinned to it wait for it
+                self.toward = (await self._load_one(workers[0], path, timeout, check_only=True))["hash"]
+                self.batcher.versions_changed()
                 if mode == "pause":
                     version = await self._pause(workers, path, timeout)
                 else:
@@ -175,11 +179,12 @@ class WeightUpdates:
                                     f"were not changed", type="timeout")
             await asyncio.sleep(0.01)
 
-    async def _load_one(self, w: Worker, path: str, timeout: float) -> dict:
+    async def _load_one(self, w: Worker, path: str, timeout: float, check_only: bool = False) -> dict:
+        """``w`` loads the weights at ``path`` (its rows finishing first, up to ``timeout``); its new model_version.
+        ``check_only``: it only checks that they can replace its own and says which they are (nothing stops)."""
+        body = {"model_path": path, "timeout": timeout, **({"check_only": True} if check_only else {})}
         try:
-            async with self._session().post(w.url + "/worker/load_weights", json={"model_path": path,
-                                                                                  "timeout": timeout},
-                                            headers=self.headers,
+            async with self._session().post(w.url + "/worker/load_weights", json=body, headers=self.headers,
                                             timeout=aiohttp.ClientTimeout(total=timeout + self.load_timeout)) as r:
                 data = await r.json(content_type=None)
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
@@ -189,7 +194,8 @@ class WeightUpdates:
             raise APIError(r.status if r.status in (400, 409, 503, 504) else 502,
                            f"worker {w.index} ({w.url}): {err.get('message', data)}", param=err.get("param"))
         version = data["model_version"]
-        w.last_health = {**w.last_health, "model_version": version}
+        if not check_only:
+            w.last_health = {**w.last_health, "model_version": version}
         return version
 
     async def _put_back(self, done: list[tuple[Worker, dict | None]]) -> None:

@@ -247,3 +247,40 @@ def test_load_weights_from_a_dcp_converts_it_once(tmp_path, monkeypatch):
         assert status == 400 and bad["error"]["param"] == "dcp_path"
     finally:
         c.stop()
+
+
+async def test_a_refused_update_stops_nothing_and_a_pinned_request_waits_for_the_incoming_weights(aiohttp_client):
+    """The balancer has a worker check the checkpoint before any worker leaves the routing (a refused one answered
+    400 only after the batches in flight had drained: seconds of a paused fleet), and knows the incoming weights'
+    hash at once, so a request pinned to them waits for the update instead of a 409."""
+    import asyncio
+
+    from aiohttp.test_utils import TestServer
+    from balancer.app import BalancerConfig, make_app as balancer_app
+    from tests.conftest import TINY_DREAM
+    from worker.app import WorkerConfig, make_app as worker_app
+    worker = TestServer(worker_app(WorkerConfig(model_path=str(A), device="cpu")))
+    await worker.start_server()
+    try:
+        client = await aiohttp_client(balancer_app(BalancerConfig(worker_urls=[str(worker.make_url("")).rstrip("/")],
+                                                                  api_key="k")))
+        auth = {"Authorization": "Bearer k"}
+        for _ in range(600):
+            if (await (await client.get("/health")).json()).get("healthy_workers") == 1:
+                break
+            await asyncio.sleep(0.05)
+        long = {"prompt": [5, 6], "max_tokens": 512, "block_length": 512, "ignore_eos": True}
+        running = asyncio.ensure_future(client.post("/v1/completions", json=long, headers=auth))
+        await asyncio.sleep(0.3)
+        t = time.monotonic()
+        r = await client.post("/v1/load_weights", json={"model_path": str(TINY_DREAM), "mode": "pause"}, headers=auth)
+        assert r.status == 400 and time.monotonic() - t < 2 and not running.done()
+        update = asyncio.ensure_future(client.post("/v1/load_weights", json={"model_path": str(B)}, headers=auth))
+        await asyncio.sleep(0.3)
+        pinned = await client.post("/v1/completions", headers=auth, json={
+            "prompt": [5, 6], "max_tokens": 4, "model_version": checkpoint.model_version(B)["hash"]})
+        assert pinned.status == 200, await pinned.text()
+        assert (await pinned.json())["model_version"]["hash"] == checkpoint.model_version(B)["hash"]
+        assert (await update).status == 200 and (await running).status == 200
+    finally:
+        await worker.close()

@@ -288,6 +288,10 @@ async def worker_load_weights(request: web.Request) -> web.Response:
         raise APIError(400, "this worker cannot load new weights")
     try:
         await loop.run_in_executor(None, engine.check_weights, path)       # before anything stops
+        if body.get("check_only") is True:      # the balancer asks before it stops any worker: which weights
+            from worker.models.checkpoint import model_version
+            version = await loop.run_in_executor(None, model_version, os.path.abspath(path))
+            return json_response({"model_version": version, "checked": True})
     except (ValueError, OSError) as e:
         raise APIError(400, f"cannot load {path!r}: {e}", param="model_path")
     state.status = "updating"
