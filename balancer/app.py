@@ -362,8 +362,11 @@ def _system_status(state: BalancerState) -> str:
 def _rows_summary(workers) -> dict:
     """Rows running, joining and retiring per second over the workers, from each one's last /health (workers
     report these over their last minute; a worker not yet heard from counts zero)."""
-    keys = ("rows_running", "rows_joined_per_s", "rows_retired_per_s")
-    return {k: round(sum(float(w.last_health.get(k) or 0) for w in workers), 3) for k in keys}
+    def total(key):
+        return round(sum(float((w.last_health or {}).get(key) or 0) for w in workers), 3)
+    # a worker's /health names its running rows running_batch_size
+    return {"rows_running": int(total("running_batch_size")), "rows_joined_per_s": total("rows_joined_per_s"),
+            "rows_retired_per_s": total("rows_retired_per_s")}
 
 
 def _prefix_cache(workers) -> dict | None:

@@ -99,8 +99,9 @@ class WorkerConfig:
                                                "output buffer).", type=click.IntRange(1))
     default_algorithm: str | None = setting(None, "Algorithm for requests that name none (default: the family's: "
                                                   "basic for LLaDA and LLaDA-MoE, nemotron for Nemotron-Diffusion, "
-                                                  "dream for Dream, sdar for SDAR, llada2 for LLaDA2.x; llada21 for "
-                                                  "a LLaDA2.1 checkpoint; diffusion_gemma for DiffusionGemma).")
+                                                  "dream for Dream, sdar for SDAR, llada2 for LLaDA2.x, LLaDA2.1 "
+                                                  "included: give llada21 for its editing decoder; diffusion_gemma "
+                                                  "for DiffusionGemma).")
     default_max_tokens: int | None = setting(None, "max_tokens when a request gives none (capped by the context "
                                                    "left; default: the checkpoint's generation_config.json "
                                                    "max_new_tokens, else 256).", type=click.IntRange(1))

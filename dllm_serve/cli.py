@@ -62,7 +62,8 @@ def main() -> None:
 @click.option("--gen-length", type=click.IntRange(1), default=None,
               help="Tokens to generate (default: the checkpoint's generation_config.json max_new_tokens, else 128).")
 @click.option("--block-length", type=click.IntRange(1), default=None,
-              help="Semi-autoregressive block size (default: 32, or gen-length when shorter).")
+              help="Semi-autoregressive block size (default: the checkpoint's own block size where it has one, as SDAR's "
+                   "block_size or DiffusionGemma's canvas length; else 32, or gen-length when shorter).")
 @click.option("--steps", type=click.IntRange(1), default=None, help="Denoising steps in all (default: gen-length).")
 @click.option("--algorithm", default=None, help="Generation algorithm (registry name; default: the model family's).")
 @click.option("--remasking", type=click.Choice(["low_confidence", "random"]), default="low_confidence",

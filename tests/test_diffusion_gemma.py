@@ -91,19 +91,28 @@ def test_detection_ids_defaults_and_text_only_loading(engine):
 
 def test_forward_matches_reference_logits(golden):
     """The prompt encoder plus one canvas step, then a self-conditioned step on that context, then a prompt longer
-    than the sliding window (the decoder's sliding layers see only its last window-1 positions)."""
+    than the sliding window (the decoder's sliding layers see only its last window-1 positions).
+
+    The reference's float32 logits (up to ~27 in size, stored to 4 decimals) are matched to 4e-5 of their largest
+    value: float32 GEMM kernels differ between CPUs (AVX2, AVX-512 with and without BF16, the default set), and the
+    self-conditioned step, fed the first step's logits, differed by 3e-4 on an AVX-512 Xeon (1.1e-5 of the scale)."""
     lg = golden["logits"]
+
+    def close(got, ref):
+        ref = torch.tensor(ref)
+        return (got - ref).abs().max() <= 4e-5 * ref.abs().max()
+
     m = load_model(TINY_DG, "cpu", "float32")
     cache = m.new_cache(1, 0)
     m.encode(torch.tensor([lg["prompt"]]), [len(lg["prompt"])], cache, [0])
     first = m.denoise(torch.tensor([lg["canvas"]]), None, [], cache, [0])
-    assert (first[0] - torch.tensor(lg["logits"])).abs().max() < 2e-4
+    assert close(first[0], lg["logits"])
     sc = m.denoise(torch.tensor([lg["sc_canvas"]]), first, [0], cache, [0])
-    assert (sc[0] - torch.tensor(lg["sc_logits"])).abs().max() < 2e-4
+    assert close(sc[0], lg["sc_logits"])
     cache = m.new_cache(1, 0)
     m.encode(torch.tensor([lg["long_prompt"]]), [len(lg["long_prompt"])], cache, [0])
     long = m.denoise(torch.tensor([lg["canvas"]]), None, [], cache, [0])
-    assert (long[0] - torch.tensor(lg["long_logits"])).abs().max() < 2e-4
+    assert close(long[0], lg["long_logits"])
 
 
 def test_every_golden_case_in_one_batch_and_some_alone(engine, golden):

@@ -143,6 +143,11 @@ async def test_worker_cancel_drops_a_running_row(aiohttp_client):
         if state.batcher.running:
             break
         await asyncio.sleep(0.01)
+    # the balancer's /stats sums the rows running from the workers' /health answers (it read a key /health lacks)
+    from types import SimpleNamespace
+    from balancer.app import _rows_summary
+    health = await (await client.get("/health")).json()
+    assert _rows_summary([SimpleNamespace(last_health=health)] * 2)["rows_running"] == 2
     r = await client.post("/worker/cancel", json={"ids": ["long", "unknown"]})
     assert (await r.json()) == {"cancelled": 1}
     resp = await asyncio.wait_for(task, 30)
