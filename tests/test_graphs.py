@@ -253,9 +253,29 @@ def test_a_row_waits_for_a_shared_prefix_once_at_most():
 
     from worker.engine.prefix_cache import Admission, PrefixCache
     share = Admission(SimpleNamespace(prefix_cache=PrefixCache(0)))
-    key = PrefixCache.keys([5, 6, 7, 8], 4, 1)[0]
+    key = tuple(PrefixCache.keys([5, 6, 7, 8], 4, 1))
     share.take(key)                                  # the first row of the round
     assert share.waits(key) and not share.waits(None)
     assert not share.waits(key, waited=True)         # it waited once: taken now, with or without the block
     again = Admission(SimpleNamespace(prefix_cache=PrefixCache(1 << 20)))
     assert not again.waits(key)                      # a new round: nobody took that block yet
+
+
+def test_rows_sharing_more_than_a_cached_head_wait_on_their_first_uncached_block():
+    """A head that every prompt shares (a chat template) is cached after the first request: rows that share more
+    than it still wait for the row computing the rest, and rows that part after the head do not."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from worker.engine.prefix_cache import Admission, PrefixCache
+    pc = PrefixCache(1 << 20)
+    a, b, c = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 99], [1, 2, 3, 4, 50, 6, 7, 8]
+    pc.insert(a, 4, 0, 1, lambda j: [torch.zeros(4)])    # the head's block, from an earlier request
+    share = Admission(SimpleNamespace(prefix_cache=pc))
+    ka, kb, kc = (tuple(PrefixCache.keys(p, 4, len(p) // 4)) for p in (a, b, c))
+    share.take(ka)
+    assert share.waits(kb)                           # a's second block is b's too: computed by a this round
+    assert not share.waits(kc)                       # c parts from a after the head: nothing to wait for
+    pc.insert(a, 4, 1, 3, lambda j: [torch.zeros(4)])    # the next round: a's blocks are stored
+    assert Admission(SimpleNamespace(prefix_cache=pc)).missing(kb) == kb[2] and not share.waits(kb)

@@ -146,10 +146,13 @@ async def test_distinct_requests_taken_together_compute_a_shared_prefix_once(fam
     assert b.histogram[8] == 0 and sum(b.histogram.values()) == 1        # one batch, rows joining it
 
 
-async def test_the_n_choices_of_a_request_share_its_prompt():
+@pytest.mark.parametrize("warm_head", [False, True])
+async def test_the_n_choices_of_a_request_share_its_prompt(warm_head):
     """Four choices of one 26-token prompt through the worker's scheduler (continuous batching, prefix cache on): the
     first computes the prompt's six blocks, the other three start a round later and take them from the cache; every
-    choice's answer is the one it gets alone with the cache off."""
+    choice's answer is the one it gets alone with the cache off. ``warm_head``: an earlier request shared the first
+    block only (a chat template's head): the choices still compute the other five once (they computed them side by
+    side when the rule looked at the first block alone)."""
     import asyncio
 
     from tests.conftest import TINY_LLADA2
@@ -160,6 +163,10 @@ async def test_the_n_choices_of_a_request_share_its_prompt():
     params = [GenerationParams(gen_length=8, block_length=4, algorithm="llada2", temperature=1.0, seed=s)
               for s in range(4)]
     want = outcome(off.generate([Request(prompt, p) for p in params]))
+    if warm_head:
+        on.generate([Request(prompt[:4] + list(range(200, 222)), GenerationParams(gen_length=4, block_length=4,
+                                                                                  algorithm="llada2"))])
+    before = on.prefix_cache.stats()
     b = RowScheduler(on, batch_size=8, max_wait_time=0.0)
     b.start()
     got = {}
@@ -174,4 +181,5 @@ async def test_the_n_choices_of_a_request_share_its_prompt():
     await b.close()
     assert outcome([got[i] for i in range(4)]) == want
     st = on.prefix_cache.stats()
-    assert st["blocks_stored"] == 6 and st["cached_tokens"] == 3 * 24
+    stored, cached = (st[k] - before[k] for k in ("blocks_stored", "cached_tokens"))
+    assert (stored, cached) == ((5, 4 + 3 * 24) if warm_head else (6, 3 * 24))

@@ -66,7 +66,7 @@ class Job:
                                       # ScoreResult
     cost: int = 0                     # nominal token-forwards (Serving._check_cost); above long_row_cost: "long"
     plan: Plan | None = None          # the engine's plan of ``params`` when the caller made it (else the engine does)
-    prefix_key: object = ...          # its first reusable prompt block's key in the engine's prefix cache (None:
+    prefix_key: object = ...          # the keys of its reusable prompt blocks in the engine's prefix cache (None:
                                       # none; ...: not looked at yet): worker/engine/prefix_cache.py Admission
     prefix_waited: bool = False       # it waited a round for a row computing that block (once at most)
 

@@ -137,34 +137,49 @@ class PrefixCache:
 
 class Admission:
     """One round of rows joining a batch (the worker's scheduler takes them; a bench's feed may too). A row whose
-    first reusable prompt block is not cached yet, and is the first block of a row taken earlier in the same round,
+    first uncached reusable prompt block is the first uncached block of a row taken earlier in the same round
     waits one round: by then that row's first forward has stored its prompt blocks, and the waiting row reuses them
     instead of computing them in the same forward (a forward is as wide as its widest row, so computing them
     alongside would save nothing). So requests sharing a prefix (few-shot prompts, the ``n`` choices of a request,
     rollouts of one prompt) compute it once. A row waits once at most (``waited``: the caller's record of that), so a
     block that never lands in the cache (over the budget, its row cancelled) costs the others one round, not one
-    round each."""
+    round each. The first uncached block, not the first block: a head that many prompts share (a chat template, a
+    system prompt) is cached after the first request, and the rows that share more than that head still compute the
+    rest once."""
 
     def __init__(self, engine):
         self.engine = engine
         self.keys: set[bytes] = set()
 
-    def key(self, prompt_ids: list[int], plan) -> bytes | None:
-        """The cache key of the first block a row of ``plan`` would reuse; None where it would reuse none."""
+    def key(self, prompt_ids: list[int], plan) -> tuple[bytes, ...] | None:
+        """The cache keys of the blocks a row of ``plan`` would reuse, in order (a row's, computed once); None where
+        it would reuse none."""
         from . import algorithms
         pc = self.engine.prefix_cache
         alg = algorithms.REGISTRY.get(plan.params.algorithm)
         if pc is None or alg is None or alg.prefix_blocks is None:
             return None
         unit, blocks = alg.prefix_blocks(plan, pc)
-        return PrefixCache.keys(prompt_ids, unit, 1)[0] if blocks >= 1 else None
+        return tuple(PrefixCache.keys(prompt_ids, unit, blocks)) if blocks >= 1 else None
 
-    def waits(self, key: bytes | None, waited: bool = False) -> bool:
-        """Whether the row of ``key`` (:meth:`key`) waits a round; ``waited``: it waited once already (it does not
+    def missing(self, chain: tuple[bytes, ...] | None) -> bytes | None:
+        """The key of the first block of ``chain`` (:meth:`key`) not in the cache now; None where all are."""
+        pc = self.engine.prefix_cache
+        for k in chain or ():
+            if not pc.has(k):
+                return k
+        return None
+
+    def waits(self, chain: tuple[bytes, ...] | None, waited: bool = False) -> bool:
+        """Whether the row of ``chain`` (:meth:`key`) waits a round; ``waited``: it waited once already (it does not
         again)."""
-        return not waited and key is not None and key in self.keys and not self.engine.prefix_cache.has(key)
+        if waited or not chain:
+            return False
+        k = self.missing(chain)
+        return k is not None and k in self.keys
 
-    def take(self, key: bytes | None) -> None:
-        """A row of ``key`` is taken this round."""
-        if key is not None:
-            self.keys.add(key)
+    def take(self, chain: tuple[bytes, ...] | None) -> None:
+        """A row of ``chain`` is taken this round."""
+        k = self.missing(chain)
+        if k is not None:
+            self.keys.add(k)
