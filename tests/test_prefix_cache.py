@@ -183,3 +183,35 @@ async def test_the_n_choices_of_a_request_share_its_prompt(warm_head):
     st = on.prefix_cache.stats()
     stored, cached = (st[k] - before[k] for k in ("blocks_stored", "cached_tokens"))
     assert (stored, cached) == ((5, 4 + 3 * 24) if warm_head else (6, 3 * 24))
+
+
+def test_new_weights_empty_the_cache_and_its_counts_go_on(tmp_path):
+    """/worker/load_weights: no block of the old weights is served after new ones (the answers are the new weights'
+    with the cache off), and the cache's counts since the start go on (the exported counters never go back)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from tests.conftest import TINY_LLADA2
+    other = tmp_path / "llada2-b"
+    shutil.copytree(TINY_LLADA2, other)
+    tensors = load_file(other / "model.safetensors")
+    g = torch.Generator().manual_seed(0)
+    tensors = {k: v + 0.05 * torch.randn(v.shape, generator=g).to(v.dtype) if v.is_floating_point() else v
+               for k, v in tensors.items()}
+    save_file(tensors, other / "model.safetensors", metadata={"format": "pt"})
+    on = Engine.from_pretrained(TINY_LLADA2, device="cpu", dtype="float32", prefix_cache_gb=0.01)
+    fresh = Engine.from_pretrained(other, device="cpu", dtype="float32", prefix_cache_gb=0)
+    prompt = list(range(10, 36))
+    req = Request(prompt, GenerationParams(gen_length=8, block_length=4, algorithm="llada2"))
+    old = on.generate([req])[0].canvas
+    before = on.prefix_cache.stats()
+    assert before["blocks"] == 6 and before["prompt_tokens_looked_up"] == 24
+    on.reload_weights(other)
+    st = on.prefix_cache.stats()
+    assert st["blocks"] == 0 and st["bytes"] == 0
+    assert {k: st[k] for k in ("lookups", "prompt_tokens_looked_up", "cached_tokens", "blocks_stored")} == \
+        {k: before[k] for k in ("lookups", "prompt_tokens_looked_up", "cached_tokens", "blocks_stored")}
+    new = on.generate([req])[0].canvas
+    assert new == fresh.generate([req])[0].canvas and new != old
+    assert on.prefix_cache.stats()["prompt_tokens_looked_up"] == 48

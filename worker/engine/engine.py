@@ -60,7 +60,6 @@ class Engine:
         self.prefix_cache = None    # worker/engine/prefix_cache.py, where it is exact (use_prefix_cache)
         self.path: Path | None = None       # the checkpoint the weights came from (from_pretrained, reload_weights)
         self.version: dict | None = None    # its model_version: {"path", "hash"} (worker/models/checkpoint.py)
-        self._prefix_cache_gb = 0.0
         self.graphs = None          # worker/engine/graphs.py GraphedForward, when the forward replays CUDA graphs
 
     @classmethod
@@ -128,7 +127,6 @@ class Engine:
         from .prefix_cache import PrefixCache
         ok = FAMILIES[self.family].prefix_cache if self.family in FAMILIES else False
         self.prefix_cache = PrefixCache(int(gb * 2**30)) if gb > 0 and ok else None
-        self._prefix_cache_gb = gb
 
     # configuration fields that say nothing about the weights' arithmetic (written by whichever tool saved them)
     RELOAD_IGNORED = frozenset({"_name_or_path", "transformers_version", "torch_dtype", "dtype", "_commit_hash",
@@ -180,7 +178,8 @@ class Engine:
                 raise RuntimeError(f"reloading {path} failed ({e}) and the previous weights could not be put back "
                                    f"({e2})") from e2
             raise
-        self.use_prefix_cache(self._prefix_cache_gb)
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
         if self.graphs is not None:
             self.graphs.clear()
         self.path, self.version = path, version

@@ -124,6 +124,12 @@ class PrefixCache:
             if e.parent is not None and e.parent in self.entries:
                 self.entries[e.parent].children -= 1
 
+    def clear(self) -> None:
+        """Drop every block (new weights: their keys/values are the old weights'); the statistics, counts since the
+        start like the worker's other counters, go on."""
+        self.entries.clear()
+        self.bytes = 0
+
     def has(self, key: bytes) -> bool:
         return key in self.entries
 
