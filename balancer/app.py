@@ -78,6 +78,14 @@ class BalancerConfig:
                                      "the limit (thousands of requests/s; docs/balancer.md).", type=click.IntRange(1))
     front_timeout: float = setting(10.0, "With --http-processes > 1: seconds a front process may leave pings "
                                          "unanswered before it is killed and restarted.", type=click.FloatRange(0.1))
+    front_startup_timeout: float = setting(60.0, "With --http-processes > 1: seconds a starting front process may "
+                                                 "take to report (its imports) before it is killed and restarted.",
+                                           type=click.FloatRange(0.1))
+    front_restart_backoff: float = setting(1.0, "With --http-processes > 1: seconds before a front process that "
+                                                "exited is restarted; doubled for each exit within 10 s of its "
+                                                "start in a row.", type=click.FloatRange(0))
+    front_restart_backoff_max: float = setting(30.0, "Longest wait before a front process is restarted.",
+                                               type=click.FloatRange(0))
     max_body_bytes_in_flight: int = setting(
         MAX_BODY_BYTES_IN_FLIGHT, "Bytes of request bodies held at once over all requests, per HTTP process (a "
                                   "body counts from the start of its reading until its request is answered; "
@@ -524,7 +532,9 @@ async def start_sites(runner: web.AppRunner, cfg: BalancerConfig) -> None:
     path = os.path.join(socket_dir(), "central.sock")
     await web.UnixSite(runner, path).start()
     state = runner.app[STATE]
-    state.fronts = Fronts(state, cfg.http_processes - 1, cfg.host, port, path, cfg.api_key, cfg.front_timeout)
+    state.fronts = Fronts(state, cfg.http_processes - 1, cfg.host, port, path, cfg.api_key, cfg.front_timeout,
+                          restart_delay=cfg.front_restart_backoff, restart_delay_max=cfg.front_restart_backoff_max,
+                          startup_timeout=cfg.front_startup_timeout)
     await state.fronts.start()
 
 

@@ -45,7 +45,7 @@ from aiohttp import web
 
 from balancer.batcher import Pending
 from common.http import (BODY_BUDGET, MAX_BODY_BYTES, MAX_BODY_BYTES_IN_FLIGHT, AppRunner, BodyBudget, middlewares,
-                         read_bytes, HTTP_GC_THRESHOLD, settle_gc)
+                         read_bytes, HTTP_GC_THRESHOLD, SHUTDOWN_GRACE, settle_gc)
 from common.openai_http import ENDPOINTS, Event, EventBox, add_routes, meaningful
 from common.protocol import APIError, error_body, guarded_by_api_key
 
@@ -212,10 +212,9 @@ class FrontLink(Link):
 class Fronts:
     """The central's front processes: started after the central listens, restarted when one dies, closed last."""
 
-    STARTUP_GRACE = 60.0                 # seconds a starting front may take before its first frame (imports)
-
     def __init__(self, state, count: int, host: str, port: int, central_socket: str, api_key: str | None,
-                 timeout: float = 10.0, restart_delay: float = 1.0):
+                 timeout: float = 10.0, restart_delay: float = 1.0, restart_delay_max: float = 30.0,
+                 startup_timeout: float = 60.0):
         self.state = state
         self.count = count
         self.host, self.port = host, port
@@ -223,6 +222,8 @@ class Fronts:
         self.api_key = api_key
         self.timeout = timeout           # a ready front silent for this long (no pong) is killed and restarted
         self.restart_delay = restart_delay
+        self.restart_delay_max = restart_delay_max
+        self.startup_timeout = startup_timeout   # a starting front may take this long to its first frame (imports)
         self.links: list[FrontLink | None] = [None] * count
         self.procs: list[asyncio.subprocess.Process | None] = [None] * count
         self.requests = [0] * count      # OpenAI requests answered through each front (across restarts)
@@ -266,7 +267,7 @@ class Fronts:
             for link, proc in zip(self.links, self.procs):
                 if link is None or proc is None or proc.returncode is not None:
                     continue
-                limit = self.timeout if link.ready else self.STARTUP_GRACE + self.timeout
+                limit = self.timeout if link.ready else self.startup_timeout
                 if now - link.last_seen > limit:
                     log.error("front process %d (pid %d) silent for %.1f s: killing it", link.index, proc.pid,
                               now - link.last_seen)
@@ -282,7 +283,7 @@ class Fronts:
             if self._closing:
                 return
             quick = quick + 1 if time.monotonic() - started < 10 else 0
-            delay = min(30.0, self.restart_delay * 2 ** max(0, quick - 1))
+            delay = min(self.restart_delay_max, self.restart_delay * 2 ** max(0, quick - 1))
             log.error("front process %d exited with %s; restarting it in %g s", i, code, delay)
             link, self.links[i] = self.links[i], None
             if link is not None:
@@ -306,9 +307,10 @@ class Fronts:
                         "restarts": self.restarts[i]})
         return out
 
-    async def close(self, timeout: float = 10.0) -> None:
-        """Close the fronts' links (each answers what it still holds and exits), wait, then kill stragglers;
-        remove the central's Unix socket."""
+    async def close(self, timeout: float = SHUTDOWN_GRACE) -> None:
+        """Close the fronts' links (each answers what it still holds and exits), wait ``timeout`` (the shutdown's
+        grace: the balancer exits within it after its drain), then kill stragglers; remove the central's Unix
+        socket."""
         self._closing = True
         for t in self._tasks:
             t.cancel()

@@ -200,6 +200,23 @@ async def test_a_dead_or_wedged_front_is_restarted(sig):
         assert procs[1]["requests"] > 0, procs
 
 
+async def test_a_front_that_hangs_while_starting_is_restarted_after_its_startup_timeout(monkeypatch, tmp_path):
+    """The first front process hangs before its first message (a stand-in for an import stuck on a network file
+    system): it is killed after --front-startup-timeout and started again after --front-restart-backoff; the
+    fixed 70 s before would have outlasted the balancer's 30 s start here."""
+    mark, script = tmp_path / "hung-once", tmp_path / "python"
+    script.write_text(f'#!/bin/sh\nif [ ! -e "{mark}" ]; then touch "{mark}"; exec sleep 120; fi\n'
+                      f'exec "{sys.executable}" "$@"\n')
+    script.chmod(0o755)
+    monkeypatch.setattr(sys, "executable", str(script))
+    seen = []
+    async with workers(fake_worker("ok", seen)) as urls, balancer(
+            urls, processes=2, front_startup_timeout=1.0, front_restart_backoff=0.1) as base:
+        procs = (await get(base + "/stats"))[1]["http_processes"]
+        assert mark.exists() and procs[1]["restarts"] == 1 and procs[1]["status"] == "ready", procs
+        assert (await post(base, "/v1/completions", {"prompt": "p"}))[0] == 200
+
+
 def test_stale_socket_directories_are_removed(monkeypatch):
     import shutil
     import subprocess
