@@ -132,3 +132,20 @@ def test_a_row_with_logprobs_batches_with_rows_without(engines, path, alg, extra
     assert [g.token_ids for g in got] == [a.token_ids for a in alone]
     assert [g.nfe for g in got] == [a.nfe for a in alone]
     assert got[1].logprobs and not got[0].logprobs and not got[2].logprobs
+
+
+async def test_tokens_no_step_decided_get_a_stand_in_and_fail_nothing(aiohttp_client):
+    """A random-weight model that keeps proposing the mask token leaves positions no step ever decided (this prompt:
+    15 of 16). Their entries carry the mask token with OpenAI's stand-in -9999.0 and no alternatives; they were a
+    KeyError that failed every row of the batch with a 500."""
+    import asyncio
+    client, _ = await ready_client(aiohttp_client)
+    body = {"prompt": [121, 210, 266, 179, 183], "max_tokens": 16, "block_length": 16, "return_token_ids": True}
+    other = client.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 16})
+    r, r2 = await asyncio.gather(client.post("/v1/completions", json={**body, "logprobs": 2}), other)
+    assert r.status == 200 and r2.status == 200, await r.text()
+    choice = (await r.json())["choices"][0]
+    lp = choice["logprobs"]
+    undecided = [i for i, v in enumerate(lp["token_logprobs"]) if v == -9999.0]
+    assert len(undecided) >= 8 and all(choice["token_ids"][i] == 292 for i in undecided)
+    assert all(lp["top_logprobs"][i] == {lp["tokens"][i]: -9999.0} for i in undecided)

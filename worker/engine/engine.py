@@ -408,7 +408,7 @@ class _Batch:
 def result(r: Row) -> Result:
     lp = None
     if r.logprobs is not None:
-        lp = r.logprobs.prefix(None if r.finish_reason == "cancelled" else len(r.tokens))
+        lp = r.logprobs.prefix(None if r.finish_reason == "cancelled" else len(r.tokens), r.tokens)
     return Result(r.tokens, r.finish_reason or "length", r.nfe, r.canvas, r.plan.prompt_length, lp)
 
 

@@ -16,6 +16,9 @@ from ..models.layers import upload
 from .params import GenerationParams, Plan
 
 
+NO_LOGPROB = -9999.0      # the log-probability of a token no step decided (OpenAI's and vLLM's stand-in for none)
+
+
 class TokenLogprobs:
     """A row's generated tokens' log-probabilities (``logprobs`` asked): for every position of the generated canvas,
     the token written there, the log-softmax (float32) of the logits that step decided it from, and the ``k`` most
@@ -39,14 +42,17 @@ class TokenLogprobs:
         for p, t, c, top in zip(positions.tolist(), tokens.tolist(), chosen, tops):
             self.at[p] = (t, c, top)
 
-    def prefix(self, n: int | None = None) -> list[tuple[int, float, list[tuple[int, float]]]]:
+    def prefix(self, n: int | None = None, tokens: list[int] | None = None) \
+            -> list[tuple[int, float, list[tuple[int, float]]]]:
         """The entries of the generated canvas's first ``n`` positions (None: as many as are written from the
-        first on: a row cancelled once its stop string appeared)."""
+        first on: a row cancelled once its stop string appeared). A position no step decided (still the mask: a
+        model that keeps proposing the mask until the algorithm's safety cap, as random weights do) has no
+        distribution: its entry is ``tokens[i]`` with :data:`NO_LOGPROB` and no alternatives."""
         if n is None:
             n = 0
             while n in self.at:
                 n += 1
-        return [self.at[i] for i in range(n)]
+        return [self.at[i] if i in self.at else (tokens[i], NO_LOGPROB, []) for i in range(n)]
 
 
 def wants_logprobs(rows) -> bool:
