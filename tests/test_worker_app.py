@@ -148,6 +148,8 @@ async def test_worker_cancel_drops_a_running_row(aiohttp_client):
     from balancer.app import _rows_summary
     health = await (await client.get("/health")).json()
     assert _rows_summary([SimpleNamespace(last_health=health)] * 2)["rows_running"] == 2
+    r = await client.post("/worker/cancel", json={"ids": [{}]})           # (was a 500: an unhashable id)
+    assert r.status == 400 and (await r.json())["error"]["param"] == "ids"
     r = await client.post("/worker/cancel", json={"ids": ["long", "unknown"]})
     assert (await r.json()) == {"cancelled": 1}
     resp = await asyncio.wait_for(task, 30)
@@ -322,3 +324,48 @@ async def test_streamed_answers_count_their_tokens(aiohttp_client):
     assert (await (await client.get("/health")).json())["tokens_generated"] == 4
     text = await (await client.get("/metrics")).text()
     assert "dllm_worker_completion_tokens_total 4.0" in text
+
+
+async def test_large_bodies_are_prepared_off_the_event_loop_and_long_prompts_fail_at_the_first(aiohttp_client):
+    """A 60 MB request of 300 prompts, each too long for the context, held the event loop for 41 s (every prompt
+    was encoded before any was checked): /health went unanswered and the balancer took the worker out. Now a body
+    over PREPARE_INLINE_BYTES is prepared on the worker's preparing thread, and the first prompt past the context
+    ends the request."""
+    import threading
+
+    from worker.app import PREPARE_INLINE_BYTES
+    client, _ = await ready_client(aiohttp_client)
+    serving = client.server.app[STATE].serving
+    where, encoded = [], []
+    prepare, tok = serving.prepare, serving.tok
+
+    class Counting:
+        def __call__(self, text, **kw):
+            encoded.append(len(text))
+            return tok(text, **kw)
+
+        def __getattr__(self, name):
+            return getattr(tok, name)
+
+    def recording(*a, **kw):
+        where.append(threading.current_thread().name)
+        return prepare(*a, **kw)
+    serving.prepare, serving.tok = recording, Counting()
+    try:
+        r = await client.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 1})
+        assert r.status == 200 and where == [threading.current_thread().name]       # small: on the loop
+        long = "di vo " * (serving.max_prompt_chars // 6 - 1)       # under the character guard, over the context
+        assert len(long) * 4 > PREPARE_INLINE_BYTES
+        r = await client.post("/v1/completions", json={"prompt": [long] * 4, "max_tokens": 1})
+        err = (await r.json())["error"]
+        assert r.status == 400 and err["param"] == "prompt" and "longer than the model's context" in err["message"]
+        assert where[-1].startswith("prepare") and len(encoded) == 1
+        body = {"requests": [{"id": f"r{i}", "kind": "completion", "body": {"prompt": [long, "x"], "max_tokens": 1}}
+                             for i in range(2)] + [{"id": "ok", "kind": "completion",
+                                                    "body": {"prompt": [5, 6], "max_tokens": 1}}]}
+        r = await client.post("/worker/batch", json=body)
+        events = {e["id"]: e for e in map(orjson.loads, (await r.read()).splitlines())}
+        assert where[-1].startswith("prepare") and len(encoded) == 3
+        assert events["r0"]["status"] == events["r1"]["status"] == 400 and events["ok"]["event"] == "response"
+    finally:
+        serving.prepare, serving.tok = prepare, tok

@@ -12,6 +12,7 @@ import secrets
 import signal
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import orjson
@@ -77,6 +78,7 @@ class WorkerState:
     tokens_generated: int = 0                    # completion tokens answered since the start (/health)
     cpu_threads: int | None = None              # torch intra-op threads (/health; --threads)
     launch_id: str | None = field(default_factory=lambda: os.environ.get("DLLM_LAUNCH_ID") or None)
+    prep_pool: ThreadPoolExecutor | None = None  # tokenises large bodies off the event loop (off_loop)
 
     @property
     def model_names(self) -> list[str]:
@@ -105,6 +107,22 @@ async def read_request(request: web.Request):
     return loads(await read_body(request))
 
 
+# A body up to this size is tokenised on the event loop (well under a millisecond); a larger one (up to 64 MiB of
+# prompts, 1,024 rows of a /worker/batch, a million ids to detokenize: seconds) on the preparing thread, so that
+# /health, cancels and the other requests' answers go on meanwhile.
+PREPARE_INLINE_BYTES = 256 * 1024
+
+
+async def off_loop(state: WorkerState, size: int, fn, *args):
+    """``fn(*args)``: on the event loop for a body of ``size`` bytes up to PREPARE_INLINE_BYTES, else on the
+    worker's one preparing thread (large requests are prepared one at a time)."""
+    if size <= PREPARE_INLINE_BYTES:
+        return fn(*args)
+    if state.prep_pool is None:
+        state.prep_pool = ThreadPoolExecutor(1, thread_name_prefix="prepare")
+    return await asyncio.get_running_loop().run_in_executor(state.prep_pool, fn, *args)
+
+
 def require_ready(state: WorkerState) -> None:
     if state.status != "ready":
         msg = {"loading": "the model is still loading", "draining": "the worker is shutting down",
@@ -128,7 +146,9 @@ class WorkerDoor:
     async def open(self, request: web.Request, kind: str, body: bytes, req):
         state = self.state
         require_ready(state)
-        run = state.serving.submit(state.serving.prepare(kind, body, req))
+        prep = await off_loop(state, len(body), state.serving.prepare, kind, body, req)
+        require_ready(state)             # (the state may have changed while a large body was prepared)
+        run = state.serving.submit(prep)
         state.active += 1
         state.streams.add(asyncio.current_task())
         return run
@@ -148,7 +168,8 @@ async def worker_batch(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     require_ready(state)
     # each row's body nests as the balancer allowed, 3 levels down
-    body = loads(await read_bytes(request, MAX_BATCH_BYTES), MAX_DEPTH + 3)
+    raw = await read_bytes(request, MAX_BATCH_BYTES)
+    body = loads(raw, MAX_DEPTH + 3)
     items = body.get("requests") if isinstance(body, dict) else None
     if not isinstance(items, list) or not items:
         raise APIError(400, "body must be {\"requests\": [{\"id\", \"kind\", \"body\"}, ...]}", param="requests")
@@ -187,19 +208,31 @@ async def worker_batch(request: web.Request) -> web.StreamResponse:
             wake.set()
         return emit
 
+    def prepare_rows() -> list:
+        out = []
+        for item in items:
+            kind = item.get("kind")
+            try:
+                if kind not in ("chat", "completion", "responses"):
+                    raise APIError(400, "kind must be 'chat', 'completion' or 'responses'", param="kind")
+                out.append(state.serving.prepare(kind, item.get("body")))
+            except Exception as e:            # noqa: BLE001  (reported per row below)
+                out.append(e)
+        return out
+
     runs = {}
-    for rid, item in zip(ids, items):
-        kind = item.get("kind")
+    preps = await off_loop(state, len(raw), prepare_rows)
+    require_ready(state)
+    for rid, prep in zip(ids, preps):
         emit = emitter(rid)
         try:
-            if kind not in ("chat", "completion", "responses"):
-                raise APIError(400, "kind must be 'chat', 'completion' or 'responses'", param="kind")
-            prep = state.serving.prepare(kind, item.get("body"))
+            if isinstance(prep, Exception):
+                raise prep
             runs[rid] = state.serving.submit(prep, emit, wait=False)   # the batch was formed upstream
         except APIError as e:                 # this row's own rejection: the other rows go on
             emit("error", (e.status, e.body()), True)
         except Exception as e:                # a bug on one row must not fail the batch
-            log.exception("request %s: preparing the row failed", rid)
+            log.error("request %s: preparing the row failed", rid, exc_info=e)
             emit("error", (500, error_body(f"internal error: {type(e).__name__}", "server_error")), True)
 
     state.runs.update(runs)
@@ -239,13 +272,15 @@ async def worker_batch(request: web.Request) -> web.StreamResponse:
 async def tokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
     require_ready(state)
-    return json_response(state.serving.tokenize(await read_request(request)))
+    raw = await read_body(request)
+    return json_response(await off_loop(state, len(raw), lambda: state.serving.tokenize(loads(raw))))
 
 
 async def detokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
     require_ready(state)
-    return json_response(state.serving.detokenize(await read_request(request)))
+    raw = await read_body(request)
+    return json_response(await off_loop(state, len(raw), lambda: state.serving.detokenize(loads(raw))))
 
 
 async def tokenizer_info(request: web.Request) -> web.Response:
@@ -260,6 +295,8 @@ async def worker_cancel(request: web.Request) -> web.Response:
     ids = body.get("ids") if isinstance(body, dict) else None
     if not isinstance(ids, list):
         raise APIError(400, "body must be {\"ids\": [...]}", param="ids")
+    if not all(isinstance(rid, str) for rid in ids):
+        raise APIError(400, "ids must be request id strings", param="ids")
     found = 0
     for rid in ids:
         run = state.runs.get(rid)
@@ -514,6 +551,8 @@ async def _lifecycle(app: web.Application):
         state.steps.stop()
     if state.batcher:
         await state.batcher.close()
+    if state.prep_pool is not None:
+        state.prep_pool.shutdown(wait=False, cancel_futures=True)
     if state.engine is not None and getattr(state.engine, "ranks", None) is not None:
         state.engine.close()          # the follower ranks leave with their worker
 

@@ -114,18 +114,22 @@ class Serving:
             except Exception as e:   # jinja errors from the template (e.g. role order)
                 raise APIError(400, f"messages: the chat template rejected them: {e}", param="messages")
         else:
+            given = req.prompts()
+            if not req.scoring and len(given) * req.n > MAX_ROWS:
+                raise APIError(400, f"{len(given)} prompts x n={req.n} is more than {MAX_ROWS} choices in one "
+                                    f"request", param="n")
             prompts = []
-            for p in req.prompts():
+            for p in given:     # each checked as it is encoded: a request of many long prompts fails at the first
                 ids = self.tok(p, add_special_tokens=False)["input_ids"] if isinstance(p, str) else list(p)
                 if not ids:
                     raise APIError(400, "prompt: the prompt encodes to no tokens", param="prompt")
+                if len(ids) > self.engine.max_sequence_length:
+                    raise APIError(400, f"the prompt ({len(ids)} tokens) is longer than the model's context "
+                                        f"({self.engine.max_sequence_length} tokens)", param="prompt")
                 prompts.append(ids)
         if kind == "completion" and req.scoring:
             return self._prepare_scoring(req, prompts)
         n = req.n
-        if len(prompts) * n > MAX_ROWS:
-            raise APIError(400, f"{len(prompts)} prompts x n={n} is more than {MAX_ROWS} choices in one request",
-                           param="n")
         plans, costs = [], []
         for ids in prompts:
             pl = self._params(req, ids)
