@@ -63,6 +63,9 @@ def test_every_algorithm_batched_equals_single(llada_engine, early_exit):
     (dict(algorithm="dinfer_blockwise", factor=1.0), "factor"),      # no factor rule: was a 500 at the first step
     (dict(algorithm="dinfer_credit", factor=1.0), "factor"),
     (dict(algorithm="dinfer_hierarchy", factor=1.0), "factor"),    # (was silently ignored)
+    # credit that grows (decay above 1) or a weight past float32: infinities, and answers of mask tokens with a 200
+    (dict(algorithm="dinfer_credit", extra={"decay_beta": 2}), "algorithm_params"),
+    (dict(algorithm="dinfer_credit", extra={"credit_alpha": 1e308}), "algorithm_params"),
 ])
 def test_algorithm_parameter_errors(llada_engine, params, param):
     with pytest.raises(ParamError) as e:
@@ -162,3 +165,14 @@ def test_llada21_num_to_transfer_is_at_most_the_block(llada2_engine):
         llada2_engine.plan([5, 6], GenerationParams(gen_length=8, block_length=32, algorithm="llada21",
                                                     extra={"num_to_transfer": 33}))
     assert e.value.param == "algorithm_params" and "block_length" in e.value.message
+
+
+def test_a_top_k_past_the_vocabulary_keeps_every_token(llada2_engine, sdar_engine):
+    """top_k 1,000 on a 295-token vocabulary was a 500 for the whole batch (topk's k out of range); it filters
+    nothing, as top_k 0 does."""
+    for engine, alg, extra in ((llada2_engine, "llada2", {}), (llada2_engine, "llada21", {}),
+                               (sdar_engine, "sdar", {"remasking_strategy": "low_confidence_static"})):
+        kw = dict(gen_length=8, block_length=4, algorithm=alg, temperature=1.0, seed=3)
+        off = engine.generate([Request([5, 6], GenerationParams(**kw, extra={**extra, "top_k": 0}))])[0]
+        wide = engine.generate([Request([5, 6], GenerationParams(**kw, extra={**extra, "top_k": 1000}))])[0]
+        assert wide.token_ids == off.token_ids and wide.nfe == off.nfe

@@ -22,6 +22,7 @@ class ParamInfo:
     description: str
     choices: tuple | None = None      # the accepted values (strings)
     kind: str | None = None           # "int" / "number" when the default (None) does not say; None is then accepted
+    maximum: float | None = None      # a number's largest accepted value (beyond it the arithmetic breaks down)
 
 
 def _bad_value(info: ParamInfo, value) -> str | None:
@@ -38,6 +39,8 @@ def _bad_value(info: ParamInfo, value) -> str | None:
         ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 1 << 16
         return None if ok else "non-negative integer"
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+    if ok and info.maximum is not None and value > info.maximum:
+        return f"number from 0 to {info.maximum:g}"
     return None if ok else "non-negative number"
 
 
@@ -121,7 +124,8 @@ class Algorithm:
             "parameters": {p.name: {"default": self.defaults.get(p.name, p.default), "description": p.description}
                            for p in self.params},
             "algorithm_params": {p.name: {"default": defaults.get(p.name, p.default), "description": p.description,
-                                          **({"choices": list(p.choices)} if p.choices else {})}
+                                          **({"choices": list(p.choices)} if p.choices else {}),
+                                          **({"maximum": p.maximum} if p.maximum is not None else {})}
                                  for p in self.extra_params},
             "cfg_scale_supported": self.cfg,
         }

@@ -235,7 +235,9 @@ register(Algorithm(
                 "the threshold rule",
     exact=False, run=run_dual, forward="dual_cache", cfg=False, defaults={"threshold": 0.9},
     params=DINFER_PARAMS,
-    extra_params=(ParamInfo("credit_alpha", 0.7, "weight of log(1 + credit) added to the logits"),
+    # a decay above 1 grows the credit without bound, and a weight past a few thousand carries the logits past
+    # float32: either makes infinities, and rows that never commit
+    extra_params=(ParamInfo("credit_alpha", 0.7, "weight of log(1 + credit) added to the logits", maximum=1000),
                   ParamInfo("boost_gamma", 0.2, "a step adds p_top1 ** boost_gamma to its top-1 token's credit"),
-                  ParamInfo("decay_beta", 0.8, "credit decay per step")) + VICINITY,
+                  ParamInfo("decay_beta", 0.8, "credit decay per step (at most 1)", maximum=1)) + VICINITY,
 ))

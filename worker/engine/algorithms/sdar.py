@@ -79,8 +79,8 @@ def filtered_probs(logits: torch.Tensor, p: GenerationParams) -> torch.Tensor:
     top_p = p.extra["top_p"]
     if temperature != 1.0:
         logits = logits / temperature
-    if top_k > 0:
-        kth = torch.topk(logits, top_k)[0][..., -1, None]
+    if top_k > 0:        # (a k past the vocabulary keeps every token, as filtering off does)
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]))[0][..., -1, None]
         logits = torch.where(logits < kth, torch.full_like(logits, float("-inf")), logits)
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True)
