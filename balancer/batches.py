@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import orjson
-from aiohttp import web
+from aiohttp import BodyPartReader, web
 
 from common.batchfile import BATCH_URLS, is_final, parse_line, result_key, result_line
 from common.http import json_response
@@ -120,10 +120,15 @@ class BatchJobs:
         try:
             reader = await request.multipart()
             while (part := await reader.next()) is not None:
+                if not isinstance(part, BodyPartReader):
+                    raise APIError(400, "a nested multipart part is not a form field", param="file")
                 if part.name == "purpose":
                     purpose = (await part.text()).strip()
                 elif part.name == "file":
+                    if filename is not None:
+                        raise APIError(400, "one file part per upload", param="file")
                     filename = part.filename or "upload.jsonl"
+                    filename.encode("utf-8")      # (a name that is not UTF-8: UnicodeEncodeError, a 400 below)
                     with open(data, "wb") as f:
                         while chunk := await part.read_chunk(1 << 20):
                             size += len(chunk)
@@ -136,13 +141,13 @@ class BatchJobs:
                                param="purpose")
             if filename is None:
                 raise APIError(400, "no file part in the upload", param="file")
-        except ValueError as e:           # a body that is not multipart/form-data after all, a field not UTF-8
-            data.unlink(missing_ok=True)
+            return json_response(self._new_file(fid, filename, purpose, size))
+        except (ValueError, LookupError) as e:   # not multipart/form-data after all, a field or name not UTF-8, an
+            data.unlink(missing_ok=True)         # unknown charset
             raise APIError(400, f"the upload is not a valid multipart/form-data body: {e}", param="file") from None
         except BaseException:
             data.unlink(missing_ok=True)
             raise
-        return json_response(self._new_file(fid, filename, purpose, size))
 
     async def list_files(self, request: web.Request) -> web.Response:
         files = _load_all(self.files_dir, "file-*.json")

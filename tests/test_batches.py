@@ -183,10 +183,22 @@ async def test_files_and_batches_refuse_bad_input_and_cancel_while_waiting(aioht
         (b"garbage", {"Content-Type": "multipart/form-data; boundary=zz"}),
         (b'--zz\r\nContent-Disposition: form-data; name="purpose"\r\n\r\n\xff\xfe\r\n--zz--\r\n',
          {"Content-Type": "multipart/form-data; boundary=zz"}),                                # not UTF-8
+        # each of these was a 500; the file name not UTF-8 also left its upload on disk, unlisted
+        (b'--zz\r\nContent-Disposition: form-data; name="purpose"\r\nContent-Type: text/plain; charset=x-no\r\n'
+         b'\r\nbatch\r\n--zz--\r\n', {"Content-Type": "multipart/form-data; boundary=zz"}),       # unknown charset
+        (b'--zz\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--zz\r\nContent-Disposition: '
+         b'form-data; name="file"; filename="in\xff.jsonl"\r\n\r\n{}\r\n--zz--\r\n',
+         {"Content-Type": "multipart/form-data; boundary=zz"}),                                # file name not UTF-8
+        (b'--zz\r\nContent-Type: multipart/mixed; boundary=yy\r\n\r\n--yy--\r\n--zz--\r\n',
+         {"Content-Type": "multipart/form-data; boundary=zz"}),                                # a nested multipart
+        (b'--zz\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n' + 2 * (
+            b'--zz\r\nContent-Disposition: form-data; name="file"; filename="a.jsonl"\r\n\r\n{}\r\n') + b'--zz--\r\n',
+         {"Content-Type": "multipart/form-data; boundary=zz"}),                                # two files
     ]
     for body, headers in bad:
         r = await client.post("/v1/files", data=body, headers=headers)
         assert 400 <= r.status < 500 and "error" in await r.json(), (body, r.status)
+    assert list((tmp_path / "files").rglob("file-*")) == []                   # nothing left behind
     for path in ("/v1/files/file-" + "a" * 300, "/v1/batches/batch_" + "a" * 300, "/v1/files/file-..%2f"):
         r = await client.get(path)
         assert r.status == 404 and "error" in await r.json(), path
