@@ -89,7 +89,12 @@ def test_a_load_that_cannot_replace_the_weights_changes_nothing(engine, tmp_path
            "another config": (_variant(tmp_path, "cfg", config), "config.json differs"),
            "other shapes": (_variant(tmp_path, "shapes", shapes), "Mismatched shapes"),
            "another tokenizer": (_variant(tmp_path, "tok", template), "tokenizer"),
-           "no checkpoint": (str(tmp_path / "nothing"), "not a directory")}
+           "no checkpoint": (str(tmp_path / "nothing"), "not a directory"),
+           # these two were a MemoryError and an AttributeError: a 500 from the worker, a 502 from the balancer
+           "garbage weights": (_variant(tmp_path, "garbage", lambda d: (d / "model.safetensors").write_bytes(
+               b"garbage\n")), "corrupt or truncated safetensors header"),
+           "a config that is a list": (_variant(tmp_path, "list", lambda d: (d / "config.json").write_text("[1]")),
+                                       "not a JSON object")}
     for what, (path, says) in bad.items():
         with pytest.raises(CheckpointError, match=says):
             engine.reload_weights(path)

@@ -39,7 +39,13 @@ def read_config(path: str | os.PathLike) -> dict:
     if not cfg_file.is_file():
         raise CheckpointError(f"{str(path)!r} has no config.json")
     with open(cfg_file) as f:
-        return json.load(f)
+        try:
+            cfg = json.load(f)
+        except ValueError as e:
+            raise CheckpointError(f"{str(cfg_file)!r} is not valid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{str(cfg_file)!r} is not a JSON object")
+    return cfg
 
 
 def generation_defaults(path: str | os.PathLike) -> dict:
@@ -94,7 +100,11 @@ def safetensors_header(file: Path) -> tuple[dict, int]:
     with open(file, "rb") as f:
         try:
             (n,) = struct.unpack("<Q", f.read(8))
+            if n > os.fstat(f.fileno()).st_size - 8:       # (garbage: read it and a length of 2**63 is a MemoryError)
+                raise ValueError(f"a header of {n} bytes in a file of {os.fstat(f.fileno()).st_size}")
             header = json.loads(f.read(n))
+            if not isinstance(header, dict):
+                raise ValueError("the header is not a JSON object")
         except (struct.error, ValueError) as e:
             raise CheckpointError(f"{file.name}: corrupt or truncated safetensors header ({e})")
     header.pop("__metadata__", None)
