@@ -44,7 +44,8 @@ class WorkerConfig:
     batch_size: int = setting(8, "Rows per engine batch.", type=click.IntRange(1))
     max_wait_time: float = setting(0.05, "Seconds a forming batch waits for more requests, from its first request.",
                                    type=click.FloatRange(0))
-    max_queue: int = setting(256, "Rows waiting beyond which requests get 429.", type=click.IntRange(1))
+    max_queue: int = setting(1024, "Rows waiting beyond which requests get 429 (a request of more rows, prompts x "
+                                   "n, than this: 400).", type=click.IntRange(1))
     continuous_batching: bool = setting(True, "Rows join the running batch between denoising steps (FIFO, same "
                                               "algorithm, within --batch-size and --max-batch-tokens) and leave it "
                                               "when done; off: a batch runs to its end before the next starts.")

@@ -369,3 +369,13 @@ async def test_large_bodies_are_prepared_off_the_event_loop_and_long_prompts_fai
         assert events["r0"]["status"] == events["r1"]["status"] == 400 and events["ok"]["event"] == "response"
     finally:
         serving.prepare, serving.tok = prepare, tok
+
+
+async def test_a_request_larger_than_the_queue_is_a_400_not_a_429_forever(aiohttp_client):
+    """5 rows on a worker that queues 4 got 429 "queue full" on an idle worker, which a client retries forever."""
+    client, _ = await ready_client(aiohttp_client, max_queue=4)
+    r = await client.post("/v1/completions", json={"prompt": [[5, 6]] * 5, "max_tokens": 2})
+    err = (await r.json())["error"]
+    assert r.status == 400 and err["param"] == "n" and "--max-queue" in err["message"]
+    r = await client.post("/v1/completions", json={"prompt": [5, 6], "n": 4, "max_tokens": 2})
+    assert r.status == 200 and len((await r.json())["choices"]) == 4

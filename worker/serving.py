@@ -338,6 +338,9 @@ class Serving:
                         score=prep.scores[i] if prep.scores else None, cost=prep.costs[i] if prep.costs else 0,
                         plan=prep.plans[i] if prep.plans else None)
                     for i, (ids, p) in enumerate(zip(prep.prompts, prep.params))]
+        if len(run.jobs) > self.batcher.max_queue:      # it could never be queued: a 429 would be retried forever
+            raise APIError(400, f"the request has {len(run.jobs)} rows (prompts x n) and this worker queues at most "
+                                f"{self.batcher.max_queue} (--max-queue)", param="n")
         if self.batcher.queue_depth + len(run.jobs) > self.batcher.max_queue:
             raise APIError(429, f"the worker queue is full ({self.batcher.max_queue} rows waiting)",
                            headers={"Retry-After": "1"})
