@@ -57,7 +57,7 @@ class WorkerConfig:
                                       "it; then the batch drains and it goes next.", type=click.FloatRange(0))
     max_request_cost: int = setting(1 << 25, "A request implying more token-forwards than this is refused with 400 "
                                              "naming it (0: no limit). A row's nominal cost: its schedule's forwards "
-                                             "x (prompt + canvas tokens), x2 with cfg_scale; a scoring request's: "
+                                             "x (prompt + canvas tokens, at least 64), x2 with cfg_scale; a scoring request's: "
                                              "(splits x mc_num + greedy-check forwards) x its tokens "
                                              "(docs/reliability.md).", type=click.IntRange(0))
     long_row_cost: int = setting(1 << 20, "Rows above this nominal cost (token-forwards) are long: they hold at "

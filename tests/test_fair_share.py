@@ -113,3 +113,16 @@ def test_long_rows_hold_at_most_their_share_of_a_batch_and_short_ones_overtake_t
     assert taken == [jobs[0], jobs[1], jobs[5], jobs[6]]          # two long (half of 4), then the short ones
     assert list(b.pending) == jobs[2:5]                            # the long ones wait, in order
     assert b._take(3, 0, 2) == [] and b._take(3, 0, 1) == [jobs[2]]
+
+
+def test_many_forwards_over_a_tiny_canvas_are_not_nearly_free():
+    """Dream runs `steps` uncapped: a million forwards over a 4-token sequence cost 4 M token-forwards, under the
+    default limit, and ran for about 25 minutes. Each forward costs at least MIN_FORWARD_TOKENS now."""
+    from tests.conftest import TINY_DREAM
+    from worker.engine import Engine
+    from worker.engine.params import MIN_FORWARD_TOKENS, row_cost
+    engine = Engine.from_pretrained(TINY_DREAM, device="cpu")
+    pl = engine.plan([5], GenerationParams(gen_length=3, steps=1 << 20, algorithm="dream"))
+    assert row_cost(pl) == (1 << 20) * MIN_FORWARD_TOKENS > 1 << 25        # over the default --max-request-cost
+    pl = engine.plan([5] * 100, GenerationParams(gen_length=28, algorithm="dream"))
+    assert row_cost(pl) == 28 * 128                                          # a real forward counts its tokens

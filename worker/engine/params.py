@@ -96,9 +96,16 @@ def plan(params: GenerationParams, prompt_length: int, max_sequence_length: int)
     return Plan(p, prompt_length, p.gen_length, block, canvas, num_blocks, spb)
 
 
+# A forward's fixed cost (its launches, every layer's weights read once) in tokens: a forward of a few tokens costs
+# about what one of this many does, so a row of many forwards over a tiny canvas is not nearly free (Dream's uncapped
+# steps: a million forwards of 4 tokens cost 4 M without it, under the default --max-request-cost, and ran ~25 min).
+MIN_FORWARD_TOKENS = 64
+
+
 def row_cost(pl: Plan) -> int:
     """A row's nominal cost in token-forwards: the forwards of its schedule (blocks x steps per block, or ``steps``
-    where an algorithm runs them uncapped) x the tokens a full forward holds (prompt + canvas), doubled with
+    where an algorithm runs them uncapped) x the tokens a full forward holds (prompt + canvas, at least
+    MIN_FORWARD_TOKENS), doubled with
     classifier-free guidance. An upper bound for the cached algorithms, which forward fewer tokens per step, and
     for the threshold rules, which often take fewer steps; what admission limits and orders by (docs/reliability.md)."""
     from .algorithms import REGISTRY       # (late: the algorithms import this module)
@@ -106,7 +113,8 @@ def row_cost(pl: Plan) -> int:
     if alg is not None and alg.cost is not None:
         return alg.cost(pl)
     forwards = max(pl.num_blocks * pl.steps_per_block, pl.params.steps or 0)
-    return forwards * (pl.prompt_length + pl.canvas_length) * (2 if pl.params.cfg_scale > 0 else 1)
+    tokens = max(MIN_FORWARD_TOKENS, pl.prompt_length + pl.canvas_length)
+    return forwards * tokens * (2 if pl.params.cfg_scale > 0 else 1)
 
 
 def with_seed(pl: Plan, seed: int) -> Plan:

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from ...models.layers import upload
-from ..params import GenerationParams, ParamError, Plan
+from ..params import MIN_FORWARD_TOKENS, GenerationParams, ParamError, Plan
 from ..rows import Finisher, Row, read_with
 from ..sampling import PROBABILITIES_INVALID, multinomial_rows
 from . import Algorithm, ParamInfo, register
@@ -344,7 +344,7 @@ def cost(pl: Plan) -> int:
     """Nominal token-forwards: every canvas's steps at most, each over the canvas and the context."""
     L = pl.block_length
     canvases = -(-pl.gen_length // L)
-    return canvases * pl.params.extra["max_denoising_steps"] * (pl.prompt_length + canvases * L)
+    return canvases * pl.params.extra["max_denoising_steps"] * max(MIN_FORWARD_TOKENS, pl.prompt_length + canvases * L)
 
 
 def prefix_blocks(plan, cache) -> tuple[int, int]:
