@@ -158,7 +158,13 @@ async def answer_single(source) -> tuple[web.Response, int]:
 
 
 def sse(data: dict, responses: bool) -> bytes:
-    """One SSE event; a Responses stream names its events (``event: TYPE``), as OpenAI's does."""
+    """One SSE event; a Responses stream names its events (``event: TYPE``), as OpenAI's does, an error among them
+    (OpenAI's ``error`` event: ``type``, ``code``, ``message``, ``param``; the error object kept beside them, so the
+    openai client raises it as it does on chat streams)."""
+    if responses and "type" not in data and isinstance(data.get("error"), dict):
+        e = data["error"]
+        data = {"type": "error", "code": e.get("code") or e.get("type"), "message": e.get("message"),
+                "param": e.get("param"), "error": e}
     head = b"event: " + data["type"].encode() + b"\n" if responses and isinstance(data.get("type"), str) else b""
     return head + b"data: " + orjson.dumps(data) + b"\n\n"
 

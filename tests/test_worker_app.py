@@ -266,6 +266,21 @@ async def test_a_batch_past_the_request_timeout_ends_its_stream_with_504_lines(a
     assert "--request-timeout" in ends["long"]["data"]["error"]["message"]
 
 
+async def test_a_responses_stream_past_the_timeout_ends_with_openais_error_event(aiohttp_client):
+    """A Responses stream that fails once open ends with `event: error` and a typed error (it was an unnamed data
+    line holding the chat streams' error body)."""
+    client, _ = await ready_client(aiohttp_client, request_timeout=1.0)
+    r = await client.post("/v1/responses", json={"input": "di vo", "max_output_tokens": 4000, "block_length": 4,
+                                                  "ignore_eos": True, "stream": True})
+    text = (await asyncio.wait_for(r.read(), 30)).decode()
+    assert r.status == 200 and "response.output_text.delta" in text, text[:300]
+    last = text.strip().split("\n\n")[-1].split("\n")
+    assert last[0] == "event: error" and last[1].startswith("data: ")
+    data = orjson.loads(last[1][6:])
+    assert data["type"] == "error" and data["code"] == "timeout" and "--request-timeout" in data["message"]
+    assert data["error"]["type"] == "timeout"
+
+
 async def test_the_default_id_is_the_checkpoint_path_and_its_name_an_alias(aiohttp_client):
     """As vLLM: a client on this machine resolves the id to the tokenizer (AutoTokenizer.from_pretrained(id)) with
     its defaults, offline; the directory's name, the id before, still works in requests."""
