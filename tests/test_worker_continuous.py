@@ -150,3 +150,29 @@ async def test_a_batch_that_never_drains_keeps_only_its_running_rows(monkeypatch
     assert sum(kind == "done" for _, kind, _ in done) == 31
     assert b.batches_processed == 1 and b.rows_joined >= 25        # one batch, the short rows joined it
     assert max(held) <= 3, f"the running batch held up to {max(held)} rows"
+
+
+async def test_a_scoring_row_is_answered_before_its_batchs_generation_rows_end(llada_engine):
+    """A batch that starts with a scoring row and a generation row scores first, then generates; the scoring answer
+    waited for the generation to end, which under steady load (rows joining) was never: a direct scoring request
+    timed out after 60 s while 10 clients generated."""
+    from worker.engine.likelihood import ScoreRequest
+    got = {}
+    b = RowScheduler(llada_engine, batch_size=8, max_wait_time=0.3)
+    b.start()
+    try:
+        long = Job([5, 6], GenerationParams(gen_length=2048, block_length=2048), sink=lambda i, k, p: got.setdefault(
+            "long", k) if k in ("done", "error") else 0, index=0)
+        score = Job(list(range(5, 15)), None, sink=lambda i, k, p: got.setdefault("score", (k, p)), index=1,
+                    score=ScoreRequest(list(range(5, 15)), [5], mc_num=2, batch_size=2, check_greedy=False))
+        b.submit(long, wait=True)
+        b.submit(score, wait=True)
+        for _ in range(1000):
+            if "score" in got:
+                break
+            await asyncio.sleep(0.01)
+        assert got.get("score", ("?",))[0] == "done" and "long" not in got       # the generation runs on
+        long.cancelled = True
+        await asyncio.wait_for(b.idle(), 30)
+    finally:
+        await b.close()

@@ -243,9 +243,12 @@ class RowScheduler:
             self.histogram[len(batch)] += 1
             if self.on_batch:
                 self.on_batch(len(batch), time.monotonic() - t)
-            for job, kind, payload in outcome:      # after the statistics, so a client sees them counted
-                self._retired(job)
-                job.sink(job.index, kind, payload)
+            self._answer(outcome)                   # after the statistics, so a client sees them counted
+
+    def _answer(self, outcome: list[tuple[Job, str, object]]) -> None:       # on the event loop
+        for job, kind, payload in outcome:
+            self._retired(job)
+            job.sink(job.index, kind, payload)
 
     def is_long(self, job: Job) -> bool:
         return bool(self.long_row_cost) and job.score is None and job.cost > self.long_row_cost
@@ -314,7 +317,11 @@ class RowScheduler:
         if scoring:
             jobs = [j for j in jobs if j.score is None]
             out = self._score(scoring)
-            return out + (self._run(jobs) if jobs else [])
+            if not jobs:
+                return out
+            # answered now: the batch's generation rows run on for as long as rows keep joining them
+            self._loop.call_soon_threadsafe(self._answer, out)
+            return self._run(jobs)
 
         feed = _Feed(self, jobs) if self.continuous else None
         rows = feed.jobs if feed is not None else jobs        # grows as rows join
