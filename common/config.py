@@ -5,12 +5,28 @@ the workers it starts as a command line generated the same way (:func:`to_args`)
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Callable
 
 import click
 
 MISSING = dataclasses.MISSING
 PORT = click.IntRange(1, 65535)      # every listening port setting
+
+
+class FiniteFloatRange(click.FloatRange):
+    """click's FloatRange, finite: it takes nan (every comparison with nan is false) and inf, and a timeout of nan
+    never expires. Every FloatRange setting gets this (:func:`options`)."""
+
+    def convert(self, value, param, ctx):
+        rv = super().convert(value, param, ctx)
+        if not math.isfinite(rv):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return rv
+
+
+def finite(t: click.FloatRange) -> FiniteFloatRange:
+    return t if isinstance(t, FiniteFloatRange) else FiniteFloatRange(t.min, t.max, t.min_open, t.max_open, t.clamp)
 
 
 def setting(default: Any = MISSING, help: str = "", *, flag: str | None = None, type: Any = None,
@@ -68,7 +84,7 @@ def options(cls, *, only=None, exclude=(), prefix: str = "", overrides: dict | N
             if isinstance(default, bool) and not m["multiple"]:
                 kw.update(is_flag=True, show_default=on_off)
             elif m["type"] is not None:
-                kw["type"] = m["type"]
+                kw["type"] = finite(m["type"]) if isinstance(m["type"], click.FloatRange) else m["type"]
             if m["multiple"]:
                 kw["default"] = ()
             if required:       # no default at all: click >= 8.3 takes an explicit default=None as a given value

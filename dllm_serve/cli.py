@@ -12,7 +12,7 @@ from balancer.app import BalancerConfig           # the configs: no torch (tests
 from balancer.batcher import BatchConfig
 from balancer.pool import HealthConfig
 from balancer.supervisor import ServeConfig
-from common.config import build, options
+from common.config import FiniteFloatRange, build, options
 from common.worker_config import DTYPES, WorkerConfig
 
 
@@ -407,8 +407,8 @@ def serve(local, model_path, dcp_path, base_model, gpus, gpu_ids, workers, slurm
               help="Monte Carlo samples (the LLaDA paper: 128; 1 suffices for single-token answers).")
 @click.option("--batch-size", type=click.IntRange(1), default=16, show_default=True,
               help="Samples per forward pass (mc-num must be a multiple).")
-@click.option("--cfg-scale", type=click.FloatRange(0), default=0.0, show_default=True)
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--cfg-scale", type=FiniteFloatRange(0, 100), default=0.0, show_default=True)
+@click.option("--seed", type=click.IntRange(0, (1 << 63) - 1), default=0, show_default=True)
 @click.option("--device", default="auto", show_default=True, help="cuda, cpu or auto.")
 @click.option("--dtype", type=click.Choice(DTYPES), default="auto", show_default=True)
 def score(model_path, prefix_ids, target_ids, mc_num, batch_size, cfg_scale, seed, device, dtype):
@@ -430,6 +430,16 @@ def score(model_path, prefix_ids, target_ids, mc_num, batch_size, cfg_scale, see
     if engine.family != "llada":
         raise click.ClickException(f"likelihood scoring is implemented for LLaDA checkpoints, not {engine.family}")
     prefix, target = _int_list(prefix_ids, "--prefix-ids"), _int_list(target_ids, "--target-ids")
+    vocab = len(engine.tokenizer)
+    for ids, flag in ((prefix, "--prefix-ids"), (target, "--target-ids")):
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise click.BadParameter(f"{bad} is not a token id of this model (0 to {vocab - 1})", param_hint=flag)
+    if not target:
+        raise click.BadParameter("the continuation needs at least one token", param_hint="--target-ids")
+    if len(prefix) + len(target) > engine.max_sequence_length:
+        raise click.BadParameter(f"{len(prefix)} + {len(target)} tokens exceed the model's maximum sequence length "
+                                 f"({engine.max_sequence_length})", param_hint="--target-ids")
     try:
         ll = log_likelihood(engine.model, prefix, target, engine.mask_id, mc_num, batch_size, cfg_scale, seed)
     except ValueError as e:
@@ -478,9 +488,9 @@ def convert_dcp(dcp_path, base_model, output, no_cache):
 @click.option("--api-key", envvar="DLLM_API_KEY", default=None, help="The server's API key, if it has one.")
 @click.option("--concurrency", type=click.IntRange(1), default=64, show_default=True,
               help="Requests in flight at once.")
-@click.option("--timeout", type=click.FloatRange(0, min_open=True), default=3600.0, show_default=True,
+@click.option("--timeout", type=FiniteFloatRange(0, min_open=True), default=3600.0, show_default=True,
               help="Seconds one request may take before it is recorded as unanswered.")
-@click.option("--startup-timeout", type=click.FloatRange(0, min_open=True), default=1800.0, show_default=True,
+@click.option("--startup-timeout", type=FiniteFloatRange(0, min_open=True), default=1800.0, show_default=True,
               help="With --model-path: seconds for the server to become ready.")
 def run_batch(input_path, output_path, url, model_path, serve_args, api_key, concurrency, timeout,
               startup_timeout):
@@ -512,7 +522,7 @@ def run_batch(input_path, output_path, url, model_path, serve_args, api_key, con
 @click.option("--base-model", default=None, help="Checkpoint the DCP was trained from.")
 @click.option("--mode", type=click.Choice(["rolling", "pause"]), default="rolling", show_default=True,
               help="rolling: one worker at a time (capacity N-1); pause: new requests wait, every worker at once.")
-@click.option("--timeout", type=click.FloatRange(0, min_open=True), default=None,
+@click.option("--timeout", type=FiniteFloatRange(0, min_open=True), default=None,
               help="Seconds for in-flight batches to finish before a worker loads [default: the balancer's "
                    "--request-timeout].")
 @click.option("--api-key", envvar="DLLM_API_KEY", default=None, help="The balancer's API key (required by it).")
@@ -558,7 +568,7 @@ def load_weights(url, server_info_file, model_path, dcp_path, base_model, mode, 
 @click.option("--url", default="http://127.0.0.1:8000", show_default=True, envvar="DLLM_URL",
               help="The balancer's base URL.")
 @click.option("--monitor", is_flag=True, help="Live view, refreshed every --interval seconds (Ctrl-C to quit).")
-@click.option("--interval", type=click.FloatRange(0.1), default=2.0, show_default=True)
+@click.option("--interval", type=FiniteFloatRange(0.1), default=2.0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print /worker-status and /stats as JSON.")
 def status(url, monitor, interval, as_json):
     """Worker status table. Exit code: 0 all healthy, 1 degraded, 2 down or unreachable."""

@@ -58,3 +58,28 @@ def test_serve_derives_the_worker_command_from_the_balancer_config():
     assert build(WorkerConfig, parse(worker_cmd, ["--model-path", "x", *named.worker_command()])
                  ).served_model_name == "llada-8b-instruct,x"
     assert ServeConfig(model_path="m", port=8123).log_dir.name == "port-8123"
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_number_settings_refuse_values_that_are_not_finite(value):
+    """click's FloatRange takes nan (every comparison with it is false): a --request-timeout of nan never expired,
+    and `score --cfg-scale nan` printed a log-likelihood of 0.0 with exit 0."""
+    for cmd, args in ((worker_cmd, ["--model-path", "m", "--request-timeout"]),
+                      (balancer_cmd, ["--worker-urls", "http://h:1", "--batch-wait-time"])):
+        with pytest.raises(click.BadParameter, match="finite|range"):
+            parse(cmd, args + [value])
+
+
+def test_score_refuses_ids_outside_the_vocabulary_and_prompts_past_the_context():
+    """They were tracebacks (IndexError) from `dllm-serve score`; the HTTP path already answered 400."""
+    from click.testing import CliRunner
+
+    from dllm_serve.cli import main
+    from tests.conftest import TINY_LLADA
+    base = ["score", "--model-path", str(TINY_LLADA), "--device", "cpu", "--mc-num", "1", "--batch-size", "1"]
+    for extra, says in ((["--prefix-ids", "1,-2", "--target-ids", "3"], "--prefix-ids"),
+                        (["--prefix-ids", "1", "--target-ids", "99999"], "--target-ids"),
+                        (["--prefix-ids", ",".join(["5"] * 4100), "--target-ids", "3"], "maximum sequence length"),
+                        (["--prefix-ids", "1", "--target-ids", "3", "--cfg-scale", "nan"], "--cfg-scale")):
+        res = CliRunner().invoke(main, base + extra)
+        assert res.exit_code == 2 and says in res.output and "Traceback" not in res.output, res.output
