@@ -32,17 +32,26 @@ def default_output(dcp_path: Path) -> Path:
 def ensure_converted(dcp_path: str | Path, base_model: str | Path, output: str | Path | None = None,
                      log=print) -> Path:
     from common.resolve import resolve_model
-    dcp_path = Path(dcp_path)
+    dcp_path = Path(dcp_path).absolute()           # (the conversion runs in the project's directory)
     if not dcp_path.is_dir():
         raise RuntimeError(f"--dcp-path {str(dcp_path)!r} is not a directory")
     if base_model is None:
         raise RuntimeError("--dcp-path needs --base-model (the checkpoint whose config, tokenizer and tensor names "
                            "the DCP was trained from)")
     base = resolve_model(str(base_model))
-    output = Path(output) if output else default_output(dcp_path)
-    output.parent.mkdir(parents=True, exist_ok=True)
+    base = base.absolute()
+    output = Path(output).absolute() if output else default_output(dcp_path)
+    if output.exists() and not (output / FINGERPRINT).is_file() and (not output.is_dir() or any(output.iterdir())):
+        # a conversion replaces its output whole: never a directory that is not an earlier conversion
+        raise RuntimeError(f"--output {str(output)!r} exists and is not a converted checkpoint (no {FINGERPRINT}); "
+                           f"give a new or empty directory")
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(output.parent / f".{output.name}.lock", "w")
+    except OSError as e:
+        raise RuntimeError(f"cannot write --output {str(output)!r}: {e}") from None
     want = fingerprint(dcp_path, base)
-    with open(output.parent / f".{output.name}.lock", "w") as lock:
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)           # a racing launch waits here, then finds the result
         marker = output / FINGERPRINT
         if marker.is_file() and json.loads(marker.read_text()) == want:

@@ -463,7 +463,7 @@ def convert_dcp(dcp_path, base_model, output, no_cache):
             raise click.UsageError("--no-cache needs --output")
         try:
             convert(dcp_path, base_model, output)
-        except CheckpointError as e:
+        except (CheckpointError, OSError) as e:
             raise click.ClickException(str(e))
         click.echo(output)
         return

@@ -131,6 +131,25 @@ def test_dcp_converts_once_and_generates_identically(tmp_path, layout, llada_gol
     assert converted["canvas"] == case["output"]
 
 
+def test_dcp_relative_paths_and_an_output_that_is_not_a_conversion(tmp_path, monkeypatch):
+    """Relative --dcp-path and --output were read in the project's directory (the conversion runs there): "not a DCP
+    checkpoint", or a conversion written into the checkout. And an existing --output was replaced whole, whatever it
+    held (notes.txt gone, exit 0)."""
+    _write_dcp(tmp_path / "ckpt", "structured")
+    monkeypatch.chdir(tmp_path)
+    runner = CliRunner()
+    keep = tmp_path / "mine"
+    keep.mkdir()
+    (keep / "notes.txt").write_text("mine")
+    r = runner.invoke(cli, ["convert-dcp", "--dcp-path", "ckpt", "--base-model", str(TINY_LLADA), "--output", "mine"])
+    assert r.exit_code != 0 and "not a converted checkpoint" in r.output and (keep / "notes.txt").exists()
+    r = runner.invoke(cli, ["convert-dcp", "--dcp-path", "ckpt", "--base-model", str(TINY_LLADA), "--output", "out"])
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "out" / "config.json").is_file() and not list(ROOT.glob(".out.tmp-*"))
+    again = runner.invoke(cli, ["convert-dcp", "--dcp-path", "ckpt", "--base-model", str(TINY_LLADA), "--output", "out"])
+    assert again.exit_code == 0 and "reusing" in again.stderr
+
+
 def test_dcp_racing_launches_convert_once(tmp_path):
     _write_dcp(tmp_path / "ckpt", "structured")
     env = dict(os.environ, DLLM_CACHE=str(tmp_path / "cache"))
