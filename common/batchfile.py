@@ -8,8 +8,8 @@ A result line: ``{"id": "batch_req_...", "custom_id": "r1", "response": {"status
 sent (not JSON, no custom_id, a custom_id seen before, another method or URL) or no answer at all (the server
 unreachable) is an ``error`` ``{"code", "message"}`` with ``response`` null.
 
-Resuming: a result is final when it has a response below 500; lines whose result is not final (5xx, no answer) are
-sent again, and their old result lines are dropped from the results file first (rewritten atomically), so the file
+Resuming: a result is final when it has a response below 500 other than 429; lines whose result is not final (5xx,
+429, no answer) are sent again, results of lines no longer in the input (a refused line since fixed) are dropped, and their old result lines are dropped from the results file first (rewritten atomically), so the file
 ends with one line per request."""
 from __future__ import annotations
 
@@ -102,18 +102,24 @@ def result_line(custom_id: str | None, status: int | None = None, body=None, req
                          "error": error}) + b"\n"
 
 
+BUSY_STATUSES = (429, 503)       # the server too busy for the line now: sent again (later, or by a resumed run)
+
+
 def is_final(result: dict) -> bool:
-    """A result that a resumed run keeps: an answer below 500, or a line that can never be sent."""
+    """A result that a resumed run keeps: an answer below 500 but 429 (the server busy), or a line that can never
+    be sent."""
     r = result.get("response")
     if isinstance(r, dict) and isinstance(r.get("status_code"), int):
-        return r["status_code"] < 500
+        return r["status_code"] < 500 and r["status_code"] not in BUSY_STATUSES
     err = result.get("error") or {}
     return err.get("code") not in ("server_unreachable", "server_error", "timeout")
 
 
-def resume(path: str | os.PathLike) -> set[str]:
+def resume(path: str | os.PathLike, keys: set[str] | None = None) -> set[str]:
     """The keys (:attr:`Line.key`) of the lines whose results in ``path`` are final; rewrites ``path``
-    (atomically) without the others, and without a last line cut short by an interruption. A missing file: none."""
+    (atomically) without the others, without results of lines whose keys are not in ``keys`` (the input's lines,
+    when given: a refused line fixed since, its old error) and without a last line cut short by an interruption. A
+    missing file: none."""
     path = Path(path)
     if not path.exists():
         return set()
@@ -123,7 +129,8 @@ def resume(path: str | os.PathLike) -> set[str]:
             obj = orjson.loads(raw)
         except orjson.JSONDecodeError:
             continue                  # a line cut short: sent again
-        if isinstance(obj, dict) and is_final(obj) and result_key(obj) is not None:
+        if isinstance(obj, dict) and is_final(obj) and result_key(obj) is not None \
+                and (keys is None or result_key(obj) in keys):
             done.add(result_key(obj))
             keep.append(raw + b"\n")
     tmp = path.with_name(path.name + ".tmp")

@@ -15,17 +15,21 @@ from pathlib import Path
 
 import orjson
 
-from common.batchfile import read_lines, result_line, resume
+from common.batchfile import BUSY_STATUSES, read_lines, result_line, resume
 
 ROOT = Path(__file__).resolve().parent.parent
+RETRY_WAIT_MAX = 10.0      # seconds at most between two tries of a line the server was too busy for (429, 503)
 
 
 async def send(lines, out_path: Path, url: str, api_key: str | None, concurrency: int, timeout: float,
                progress) -> dict:
     """Send ``lines`` (common.batchfile.Line) to ``url``, at most ``concurrency`` at once, appending one result line
-    each to ``out_path``; ``progress(n)`` after each. Returns the counts."""
+    each to ``out_path``; ``progress(n)`` after each. A 429 or 503 (the server busy) is sent again after its
+    Retry-After (else a doubling wait up to RETRY_WAIT_MAX s) until ``timeout`` s have passed since the first try.
+    Returns the counts: ``ok`` (2xx), ``failed`` (an error answer that is final), ``retry`` (a 5xx, or still busy:
+    a rerun sends it again), ``refused``, ``unsent``."""
     import aiohttp
-    tally = {"ok": 0, "failed": 0, "refused": 0, "unsent": 0}
+    tally = {"ok": 0, "failed": 0, "retry": 0, "refused": 0, "unsent": 0}
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     sem = asyncio.Semaphore(concurrency)
     with open(out_path, "ab") as out:
@@ -43,14 +47,26 @@ async def send(lines, out_path: Path, url: str, api_key: str | None, concurrency
                     return
                 async with sem:
                     try:
-                        async with s.post(url + line.url, json=line.body, headers=headers) as r:
-                            raw = await r.read()
+                        deadline, wait = time.monotonic() + timeout, 0.5
+                        while True:
+                            async with s.post(url + line.url, json=line.body, headers=headers) as r:
+                                raw = await r.read()
                             try:
-                                body = orjson.loads(raw)
-                            except orjson.JSONDecodeError:
-                                body = raw.decode(errors="replace")
-                            write(result_line(line.custom_id, r.status, body, r.headers.get("x-request-id")))
-                            tally["ok" if r.status < 300 else "failed"] += 1
+                                pause = float(r.headers.get("Retry-After") or wait)
+                            except ValueError:
+                                pause = wait
+                            pause = min(max(pause, 0.05), RETRY_WAIT_MAX)
+                            if r.status not in BUSY_STATUSES or time.monotonic() + pause > deadline:
+                                break
+                            await asyncio.sleep(pause)
+                            wait = min(2 * wait, RETRY_WAIT_MAX)
+                        try:
+                            body = orjson.loads(raw)
+                        except orjson.JSONDecodeError:
+                            body = raw.decode(errors="replace")
+                        write(result_line(line.custom_id, r.status, body, r.headers.get("x-request-id")))
+                        tally["ok" if r.status < 300 else "retry" if r.status >= 500 or r.status in BUSY_STATUSES
+                              else "failed"] += 1
                     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
                         code = "timeout" if isinstance(e, asyncio.TimeoutError) else "server_unreachable"
                         write(result_line(line.custom_id, error={"code": code, "message": f"{type(e).__name__}: "
@@ -102,7 +118,7 @@ def run(input_path: str, output_path: str, url: str | None, model_path: str | No
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
     out = Path(output_path)
     lines = list(read_lines(input_path))
-    done = resume(out)
+    done = resume(out, {line.key for line in lines})
     todo = [line for line in lines if line.key not in done]
     echo(f"dllm-serve run-batch: {len(lines)} requests in {input_path}; {len(lines) - len(todo)} already done in "
          f"{output_path}; {len(todo)} to send")
@@ -138,6 +154,6 @@ def run(input_path: str, output_path: str, url: str | None, model_path: str | No
             except subprocess.TimeoutExpired:
                 os.killpg(server.pid, signal.SIGKILL)
     echo(f"dllm-serve run-batch: {tally['ok']} answered 2xx, {tally['failed']} answered with an error, "
-         f"{tally['refused']} refused lines, {tally['unsent']} without an answer (run again to resume); "
-         f"results in {output_path}")
-    return 1 if tally["unsent"] else 0
+         f"{tally['refused']} refused lines, {tally['retry']} answered 5xx or still busy and {tally['unsent']} "
+         f"without an answer (run again to resume those); results in {output_path}")
+    return 1 if tally["unsent"] or tally["retry"] else 0

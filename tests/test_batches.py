@@ -55,7 +55,8 @@ def test_run_batch_resumes_and_accounts_for_every_line(tmp_path):
     (tmp_path / "in.jsonl").write_text(_lines(24, BAD))
     dead = f"http://127.0.0.1:{free_port()}"
     r = _run_batch(tmp_path, "--url", dead)
-    assert r.returncode == 1 and "3 refused lines, 25 without an answer (run again to resume)" in r.stderr, r.stderr
+    assert r.returncode == 1 and "3 refused lines, 0 answered 5xx or still busy and 25 without an answer" in r.stderr, \
+        r.stderr
     res = _results(tmp_path / "out.jsonl")
     assert len(res) == 28 and res["r3"]["error"]["code"] == "server_unreachable"
     # 0.3 s a batch of 4: the interruption below comes after the first batch, with 5 batches (1.5 s) to spare
@@ -86,6 +87,56 @@ def test_run_batch_resumes_and_accounts_for_every_line(tmp_path):
         body = res[f"r{i}"]["response"]["body"]
         assert res[f"r{i}"]["response"]["status_code"] == 200 and body["choices"][0]["finish_reason"] == "length"
     assert res["top"]["response"]["status_code"] == 400 and res["top"]["response"]["body"]["error"]["param"] == "top_p"
+
+
+def test_run_batch_retries_a_busy_server_and_exits_1_while_lines_lack_a_final_result(tmp_path):
+    """A 429 was recorded as final (never sent again), a run whose lines were answered 5xx exited 0 (the docs: 0 only
+    when every line has a final result), and a refused line fixed since kept its old error beside its new answer
+    (three results for two requests). A local HTTP server (a test double) answers: 429 twice for "busy", 500 for
+    "boom", else 200."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from dllm_serve.batch import run
+    tries = {}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            p = body["prompt"]
+            tries[p] = tries.get(p, 0) + 1
+            status = 429 if p == "busy" and tries[p] <= 2 else 500 if p == "boom" else 200
+            data = json.dumps({"error": {"message": "x"}} if status != 200 else {"choices": [{"text": p}]}).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Retry-After", "0.1")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def log_message(self, *a):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+
+    def line(cid, prompt):
+        return json.dumps({"custom_id": cid, "url": "/v1/completions", "body": {"prompt": prompt}})
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    try:
+        inp.write_text("\n".join([line("a", "busy"), "{not json", line("c", "boom")]) + "\n")
+        assert run(str(inp), str(out), url, None, [], None, 4, 30, 30, lambda m: None) == 1     # c: a 500
+        res = _results(out)
+        assert res["a"]["response"]["status_code"] == 200 and tries["busy"] == 3
+        assert res["c"]["response"]["status_code"] == 500 and "error:line 2: not JSON" in "".join(res)
+        inp.write_text("\n".join([line("a", "busy"), line("b", "fine"), line("c", "fine")]) + "\n")
+        assert run(str(inp), str(out), url, None, [], None, 4, 30, 30, lambda m: None) == 0
+        res = _results(out)
+        assert set(res) == {"a", "b", "c"} and all(r["response"]["status_code"] == 200 for r in res.values())
+        assert tries["busy"] == 3                                   # a's answer was final: not sent again
+    finally:
+        server.shutdown()
 
 
 @pytest.mark.slow
