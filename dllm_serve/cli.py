@@ -72,7 +72,7 @@ def main() -> None:
 @click.option("--cfg-scale", type=float, default=0.0, show_default=True, help="Unsupervised classifier-free guidance.")
 @click.option("--threshold", type=float, default=None, help="Fast-dLLM confidence threshold (parallel decoding).")
 @click.option("--factor", type=float, default=None, help="Fast-dLLM dynamic parallel-decoding factor.")
-@click.option("--seed", type=int, default=None)
+@click.option("--seed", type=click.IntRange(0, (1 << 63) - 1), default=None)
 @click.option("--shift-logits", is_flag=True, help="nemotron: position j uses the logit of position j-1.")
 @click.option("--algorithm-params", default=None, help='Algorithm-specific parameters as JSON, e.g. \'{"low_threshold": 0.3}\'.')
 @click.option("--no-early-exit", is_flag=True, help="Decode the whole canvas even after a stop token.")
@@ -200,6 +200,25 @@ def _batch_request(n: int, line: bytes, defaults: dict, extra: dict, tokens, cha
                                    f"{', '.join(sorted(_REQUEST_KEYS))}")
     if sum(k in obj for k in ("prompt", "prompt_ids", "messages")) != 1:
         raise click.ClickException(f"--requests line {n}: give exactly one of prompt, prompt_ids, messages")
+    def bad(key: str, want: str):
+        raise click.ClickException(f"--requests line {n}: {key} must be {want}")
+    if "prompt" in obj and not isinstance(obj["prompt"], str):
+        bad("prompt", "a string")
+    if "prompt_ids" in obj and not (isinstance(obj["prompt_ids"], list) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in obj["prompt_ids"])):
+        bad("prompt_ids", "a list of token ids")
+    if "messages" in obj and not (isinstance(obj["messages"], list) and obj["messages"] and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in obj["messages"])):
+        bad("messages", 'a non-empty list of {"role": ..., "content": ...} strings')
+    if not isinstance(obj.get("algorithm_params") or {}, dict):
+        bad("algorithm_params", "an object")
+    seed = obj.get("seed")
+    if seed is not None and not (isinstance(seed, int) and not isinstance(seed, bool) and 0 <= seed < 1 << 63):
+        bad("seed", "an integer from 0 to 2**63 - 1")
+    for key in ("chat", "shift_logits"):
+        if key in obj and not isinstance(obj[key], bool):
+            bad(key, "true or false")
     row_extra = dict(extra)
     row_extra.update(obj.get("algorithm_params") or {})
     if obj.get("shift_logits"):

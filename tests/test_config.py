@@ -83,3 +83,22 @@ def test_score_refuses_ids_outside_the_vocabulary_and_prompts_past_the_context()
                         (["--prefix-ids", "1", "--target-ids", "3", "--cfg-scale", "nan"], "--cfg-scale")):
         res = CliRunner().invoke(main, base + extra)
         assert res.exit_code == 2 and says in res.output and "Traceback" not in res.output, res.output
+
+
+def test_generate_requests_lines_of_the_wrong_types_are_one_line_errors():
+    """Each was a traceback (TypeError, ValueError, jinja's UndefinedError, manual_seed's RuntimeError)."""
+    from click.testing import CliRunner
+
+    from dllm_serve.cli import main
+    from tests.conftest import TINY_LLADA
+    cmd = ["generate", "--model-path", str(TINY_LLADA), "--device", "cpu", "--requests", "-"]
+    for line, says in (('{"prompt": "a", "algorithm_params": [1]}', "algorithm_params must be an object"),
+                       ('{"prompt": "a", "algorithm_params": "x"}', "algorithm_params must be an object"),
+                       ('{"messages": "hi"}', "messages must be"), ('{"messages": [{"content": "x"}]}', "messages"),
+                       ('{"prompt": 5}', "prompt must be a string"), ('{"prompt_ids": [1, "a"]}', "prompt_ids"),
+                       ('{"prompt": "a", "seed": "x", "temperature": 1}', "seed must be")):
+        res = CliRunner().invoke(main, cmd, input=line + "\n")
+        assert res.exit_code == 1 and "--requests line 1: " + says.split(" must")[0] in res.output \
+            and says in res.output and "Traceback" not in res.output, (line, res.output)
+    res = CliRunner().invoke(main, ["generate", "--prompt", "a", "--seed", str(1 << 70)])
+    assert res.exit_code == 2 and "--seed" in res.output
