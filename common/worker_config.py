@@ -148,3 +148,13 @@ class WorkerConfig:
     simulate_per_step: bool = setting(False, "With --simulate-device: BASE + PER_ROW x rows is the cost of one "
                                              "denoising step and each row takes its schedule's steps, joining and "
                                              "leaving between steps (continuous batching benchmarks).")
+
+
+def scoring_defaults_problem(mc_num: int, batch_size: int) -> str | None:
+    """Why --score-mc-num and --score-batch-size cannot score a request that names neither (every lm-eval request,
+    which cannot), or None: mc_num must be a multiple of the batch (the reference's rule)."""
+    bs = min(batch_size, mc_num)
+    if mc_num % bs:
+        return (f"--score-mc-num {mc_num} is not a multiple of --score-batch-size {bs}: every scoring request that "
+                f"names neither would be refused")
+    return None

@@ -244,6 +244,10 @@ def worker(log_level, **values):
     except ResolveError as e:
         raise click.UsageError(str(e))
     _check_device(values["device"])
+    from common.worker_config import scoring_defaults_problem
+    why = scoring_defaults_problem(values["score_mc_num"], values["score_batch_size"])
+    if why:
+        raise click.UsageError(why)
     from worker.app import run
     _logging(log_level)
     sys.exit(run(build(WorkerConfig, values)))
@@ -376,7 +380,11 @@ SERVE_WORKER = ("default_algorithm", "default_max_tokens", "dtype", "score_mc_nu
 @click.option("--log-level", default="info", show_default=True)
 def serve(local, model_path, dcp_path, base_model, gpus, gpu_ids, workers, slurm_script, nodes, log_level, **values):
     """Workers (one per GPU, or CPU workers) plus the balancer, supervised: ``--local``, or a SLURM job."""
+    from common.worker_config import scoring_defaults_problem
     _logging(log_level)
+    why = scoring_defaults_problem(values["worker_score_mc_num"], values["worker_score_batch_size"])
+    if why:
+        raise click.UsageError(why)
     if local and nodes is not None:
         raise click.UsageError("--nodes is for SLURM mode (without --local); --local runs on this machine only")
     if not local:

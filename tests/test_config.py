@@ -102,3 +102,14 @@ def test_generate_requests_lines_of_the_wrong_types_are_one_line_errors():
             and says in res.output and "Traceback" not in res.output, (line, res.output)
     res = CliRunner().invoke(main, ["generate", "--prompt", "a", "--seed", str(1 << 70)])
     assert res.exit_code == 2 and "--seed" in res.output
+
+
+def test_scoring_defaults_that_refuse_every_default_request_are_a_usage_error():
+    """--score-mc-num 48 with the default --score-batch-size 32 answered every lm-eval request (which cannot name
+    mc_num) with a 400; now the worker and serve refuse to start with it."""
+    from click.testing import CliRunner
+
+    from dllm_serve.cli import main
+    for cmd in (["worker", "--model-path", "tests/fixtures/tiny-llada"], ["serve", "--local"]):
+        res = CliRunner().invoke(main, cmd + ["--score-mc-num", "48"])
+        assert res.exit_code == 2 and "not a multiple of --score-batch-size 32" in res.output, res.output
