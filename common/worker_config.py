@@ -83,6 +83,10 @@ class WorkerConfig:
     rank_timeout: float = setting(300.0, "Tensor parallelism: seconds a rank may wait for the others in a "
                                          "collective before the worker ends itself (a hung rank) to be restarted.",
                                   type=click.FloatRange(0, min_open=True))
+    rank_startup_timeout: float = setting(600.0, "Tensor parallelism: seconds rank 0 waits for its follower ranks "
+                                                 "to start, join the group and load their shards (at start and at "
+                                                 "every new checkpoint) before the load fails.",
+                                          type=click.FloatRange(0, min_open=True))
     dtype: str = setting("auto", "auto: bfloat16 on a GPU, float32 on the CPU.", type=click.Choice(DTYPES))
     compile: bool = setting(False, "torch.compile the dense half of every block (output projection, RMSNorm, SwiGLU "
                                    "MLP); eager if compiling fails. Off by default: not yet measured on a GPU "

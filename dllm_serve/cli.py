@@ -80,7 +80,8 @@ def main() -> None:
 @click.option("--dtype", type=click.Choice(DTYPES), default="auto",
               show_default=True, help="auto: bfloat16 on CUDA, float32 on CPU.")
 @options(WorkerConfig, only=("compile",), prefix="with_")
-@options(WorkerConfig, only=("tensor_parallel_size", "rank_timeout", "prefix_cache_gb", "cuda_graphs",
+@options(WorkerConfig, only=("tensor_parallel_size", "rank_timeout", "rank_startup_timeout", "prefix_cache_gb",
+                             "cuda_graphs",
                              "cuda_graph_max", "cuda_graph_max_tokens"))
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--requests", "requests_file", type=click.File("rb"), default=None,
@@ -90,7 +91,8 @@ def main() -> None:
                    "temperature, cfg_scale, threshold, factor, seed, shift_logits, algorithm_params).")
 def generate(model_path, prompt, chat, prompt_ids, gen_length, block_length, steps, algorithm, remasking,
              temperature, cfg_scale, threshold, factor, seed, shift_logits, algorithm_params, no_early_exit, device,
-             dtype, with_compile, tensor_parallel_size, rank_timeout, prefix_cache_gb, cuda_graphs, cuda_graph_max,
+             dtype, with_compile, tensor_parallel_size, rank_timeout, rank_startup_timeout, prefix_cache_gb,
+             cuda_graphs, cuda_graph_max,
              cuda_graph_max_tokens, as_json, requests_file):
     """Generate offline for one prompt (or a batch of them, --requests) and print the result."""
     from worker.engine import Engine
@@ -122,9 +124,10 @@ def generate(model_path, prompt, chat, prompt_ids, gen_length, block_length, ste
     try:
         engine = Engine.from_pretrained(model_path, device=device, dtype=dtype, compile=with_compile,
                                         tensor_parallel=tensor_parallel_size, rank_timeout=rank_timeout,
+                                        rank_startup_timeout=rank_startup_timeout,
                                         prefix_cache_gb=prefix_cache_gb, cuda_graphs=cuda_graphs,
                                         cuda_graph_max=cuda_graph_max, cuda_graph_max_tokens=cuda_graph_max_tokens)
-    except (CheckpointError, ValueError, OSError) as e:
+    except (CheckpointError, ValueError, OSError, RuntimeError) as e:     # (RuntimeError: a tensor-parallel rank)
         raise click.ClickException(str(e))
     try:
         _generate(engine, prompt, chat, prompt_ids, gen_length, block_length, steps, algorithm, remasking,
@@ -323,7 +326,7 @@ def _gpu_ids(gpus: int | None, gpu_ids: str | None, workers: int | None = None) 
 SERVE_WORKER = ("default_algorithm", "default_max_tokens", "dtype", "score_mc_num", "score_batch_size",
                 "score_cfg_scale", "score_window", "served_model_name", "compile", "continuous_batching",
                 "max_batch_tokens", "switch_wait", "max_request_cost", "long_row_cost", "long_row_share",
-                "tensor_parallel_size", "rank_timeout", "prefix_cache_gb", "threads", "cuda_graphs", "cuda_graph_max",
+                "tensor_parallel_size", "rank_timeout", "rank_startup_timeout", "prefix_cache_gb", "threads", "cuda_graphs", "cuda_graph_max",
                 "cuda_graph_max_tokens")
 
 
@@ -350,6 +353,7 @@ SERVE_WORKER = ("default_algorithm", "default_max_tokens", "dtype", "score_mc_nu
                                      "each. Heads, MLP channels, vocabulary and MoE experts split over the ranks "
                                      "(docs/operations.md, \"Tensor parallelism\")."},
     "rank_timeout": {"flags": ("--rank-timeout", "--worker-rank-timeout")},
+    "rank_startup_timeout": {"flags": ("--rank-startup-timeout", "--worker-rank-startup-timeout")},
     "prefix_cache_gb": {"flags": ("--prefix-cache-gb", "--worker-prefix-cache-gb")},
     "threads": {"help": "torch CPU threads per CPU worker (0: the cores this process may use, shared equally "
                         "among the CPU workers)."},

@@ -138,6 +138,66 @@ def test_uneven_splits_are_one_line_errors():
         load_model(TINY_LLADA, "cpu", "float32", parallel.Layout(0, 3))
 
 
+def _generate_with_followers(tmp_path, code: str, *flags: str, cases: list | None = None):
+    """`dllm-serve generate --tensor-parallel-size 2` on tiny-LLaDA golden ``cases`` where ``code`` runs at the start
+    of the follower rank's Python (a test double: a sitecustomize module that acts only in `python -m
+    worker.engine.ranks`) to make it slow or make it fail. Returns the finished process."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.helpers import DLLM, ROOT
+    (tmp_path / "sitecustomize.py").write_text(
+        "import sys, time, os\nif 'worker.engine.ranks' in sys.orig_argv:\n" + code + "\n")
+    lines = [{"prompt_ids": c["prompt"], "gen_length": c["gen_length"], "block_length": c["block_length"],
+              "steps": c["steps"], "algorithm": c["algorithm"], "threshold": c.get("threshold"),
+              "cfg_scale": c.get("cfg_scale") or 0.0} for c in cases or []]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    return subprocess.run([*DLLM, "generate", "--model-path", str(TINY_LLADA), "--device", "cpu", "--dtype",
+                           "float32", "--no-early-exit", "--tensor-parallel-size", "2", "--requests", "-", *flags],
+                          input="\n".join(json.dumps(x) for x in lines), capture_output=True, text=True, env=env,
+                          cwd=ROOT, timeout=120)
+
+
+@pytest.mark.slow
+def test_a_follower_slower_than_the_rank_timeout_to_start_and_to_load_joins_and_is_waited_for(tmp_path):
+    """--rank-timeout bounds a collective, not a follower's start (Python, torch) or its loading: a follower 3 s
+    late to join (on a loaded CI machine the rendezvous failed with `DistStoreError: Timed out after 4 seconds
+    waiting for clients`, which made a crash loop of the serve test below) and 3 s more before loading its shard,
+    under --rank-timeout 1, gives the goldens (rank 0 waits for its "ready" before the first collective)."""
+    cases = golden("tiny-llada-golden.json")["cases"][:3]
+    code = ("    time.sleep(3)\n    import torch.distributed as d\n    join = d.init_process_group\n"
+            "    d.init_process_group = lambda *a, **k: (join(*a, **k), time.sleep(3))[0]")
+    p = _generate_with_followers(tmp_path, code, "--rank-timeout", "1", "--rank-startup-timeout", "60",
+                                 cases=cases)
+    assert p.returncode == 0, p.stderr[-3000:]
+    outs = [json.loads(line) for line in p.stdout.splitlines()]
+    assert len(outs) == 3 and all(o["canvas"] == c["output"] and c["nfe"] in (None, o["nfe"])
+                                  for o, c in zip(outs, cases))
+
+
+@pytest.mark.slow
+def test_a_follower_that_cannot_start_or_is_too_slow_fails_the_load_with_one_line(tmp_path):
+    """A follower that exits before joining fails rank 0's load at once (it waited --rank-timeout for the
+    rendezvous, 300 s by default, then printed a traceback); one slower than --rank-startup-timeout fails it then,
+    naming the setting; no follower is left behind."""
+    import re
+
+    import psutil
+    t0 = time.monotonic()
+    p = _generate_with_followers(tmp_path, "    os._exit(3)")
+    assert p.returncode == 1 and time.monotonic() - t0 < 60
+    err = p.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(r"dllm-serve: error: tensor-parallel rank 1 \(pid \d+\) exited with status 3 while starting .*", err)
+
+    p = _generate_with_followers(tmp_path, "    time.sleep(100)", "--rank-startup-timeout", "2")
+    err = p.stderr.strip().splitlines()[-1]
+    assert p.returncode == 1 and "did not start within --rank-startup-timeout (2 s)" in err, p.stderr[-3000:]
+    pid = int(re.search(r"\(pid (\d+)\)", err)[1])
+    time.sleep(0.5)
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
 @pytest.mark.slow
 def test_serve_two_rank_worker_through_the_balancer_survives_a_dead_rank(tmp_path):
     """`serve --local --workers 1 --tensor-parallel-size 2` on the LLaDA2 MoE fixture (expert parallelism, the
@@ -170,7 +230,9 @@ def test_serve_two_rank_worker_through_the_balancer_survives_a_dead_rank(tmp_pat
     def wait(cond, what: str, limit: float = 120):
         deadline = time.monotonic() + limit
         while not cond():
-            assert p.poll() is None and time.monotonic() < deadline, (what, (tmp_path / "serve.log").read_text())
+            assert p.poll() is None and time.monotonic() < deadline, \
+                f"waiting for {what}; the end of serve.log:\n" + "\n".join(
+                    (tmp_path / "serve.log").read_text().splitlines()[-80:])
             time.sleep(0.3)
     try:
         wait(ready, "ready")

@@ -268,8 +268,15 @@ async def test_a_batch_past_the_request_timeout_ends_its_stream_with_504_lines(a
 
 async def test_a_responses_stream_past_the_timeout_ends_with_openais_error_event(aiohttp_client):
     """A Responses stream that fails once open ends with `event: error` and a typed error (it was an unnamed data
-    line holding the chat streams' error body)."""
-    client, _ = await ready_client(aiohttp_client, request_timeout=1.0)
+    line holding the chat streams' error body). The model is slowed (a test double: 20 ms a forward), so the 4,000
+    tokens cannot finish inside the 5 s while the first block (4 forwards) is streamed well inside it, even on a loaded
+    machine (a 1 s timeout failed on one: the first block came later)."""
+    import time
+    from worker.app import STATE
+    client, _ = await ready_client(aiohttp_client, request_timeout=5.0)
+    model = client.server.app[STATE].engine.model
+    forward = model.forward
+    model.forward = lambda *a, **k: (time.sleep(0.02), forward(*a, **k))[1]
     r = await client.post("/v1/responses", json={"input": "di vo", "max_output_tokens": 4000, "block_length": 4,
                                                   "ignore_eos": True, "stream": True})
     text = (await asyncio.wait_for(r.read(), 30)).decode()

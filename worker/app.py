@@ -499,6 +499,7 @@ async def _load(app: web.Application) -> None:
                 None, lambda: Engine.from_pretrained(c.model_path, device=c.device, dtype=c.dtype,
                                                       compile=c.compile, tensor_parallel=c.tensor_parallel_size,
                                                       rank_timeout=c.rank_timeout,
+                                                      rank_startup_timeout=c.rank_startup_timeout,
                                                       prefix_cache_gb=c.prefix_cache_gb,
                                                       cuda_graphs=c.cuda_graphs, cuda_graph_max=c.cuda_graph_max,
                                                       cuda_graph_max_tokens=c.cuda_graph_max_tokens))

@@ -64,14 +64,16 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, device=None, dtype=None, compile: bool = False,
-                        tensor_parallel: int = 1, rank_timeout: float = 300.0, layout=None,
+                        tensor_parallel: int = 1, rank_timeout: float = 300.0, rank_startup_timeout: float = 600.0,
+                        layout=None,
                         prefix_cache_gb: float = 0.0, ranks=None, cuda_graphs: bool = False,
                         cuda_graph_max: int = 32, cuda_graph_max_tokens: int = 2048) -> "Engine":
         """``compile``: run the dense half of every block (output projection, RMSNorm, SwiGLU MLP) through
         ``torch.compile``, falling back to eager if compiling fails (see models.layers.Compiled).
 
         ``tensor_parallel`` > 1: this process is rank 0 of that many (worker/engine/ranks.py starts the others;
-        ``rank_timeout``: seconds any collective may wait for a rank). ``layout``: a follower rank's place (ranks.py
+        ``rank_timeout``: seconds any collective may wait for a rank; ``rank_startup_timeout``: seconds the others
+        may take to start, join and load, here and at every new checkpoint). ``layout``: a follower rank's place (ranks.py
         passes it). ``prefix_cache_gb``: the prefix cache's budget (:meth:`use_prefix_cache`). ``ranks``: the
         follower ranks of an engine that handed them over (:meth:`hand_over_ranks`), which load this checkpoint
         instead of new processes starting. ``cuda_graphs``: replay the forward from CUDA graphs, at most
@@ -92,10 +94,12 @@ class Engine:
             from . import ranks
             dev = ranks.rank_device(resolve_device(device), 0)
             layout, group = ranks.start(path, tensor_parallel, dev, None if dtype is None else str(dtype).replace(
-                "torch.", ""), compile, rank_timeout, prefix_cache_gb)
+                "torch.", ""), compile, rank_timeout, prefix_cache_gb, rank_startup_timeout)
             device = dev
         try:
             model = load_model(path, device, dtype, layout)
+            if group is not None:
+                group.wait_ready(f"{path}")
         except BaseException:
             if group is not None:
                 group.close(wait=1.0)
@@ -161,7 +165,8 @@ class Engine:
         weights) is emptied. Returns the new model_version. Call it with no batch running (the worker's scheduler
         is idle). A check that fails changes nothing; a read that fails half-way (an I/O error) puts the old
         weights back, and raises RuntimeError (the engine must not serve) if even that fails. With tensor
-        parallelism every follower rank reloads its shard first, in step."""
+        parallelism every follower rank reloads its shard at the same time, and this returns once each has
+        (RankGroup.wait_ready; one that fails ends the worker, a rank's exit being fatal)."""
         path = Path(path).resolve()
         self.check_weights(path)
         version = model_version(path)
@@ -177,7 +182,13 @@ class Engine:
             except Exception as e2:
                 raise RuntimeError(f"reloading {path} failed ({e}) and the previous weights could not be put back "
                                    f"({e2})") from e2
+            if self.ranks is not None:        # the followers read the new weights: the old ones back on them too
+                self.ranks.wait_ready(f"the weights of {path}")
+                self.ranks.send(("reload", str(self.path)))
+                self.ranks.wait_ready(f"the weights of {self.path}")
             raise
+        if self.ranks is not None:            # rank 0 serves once every rank has the new weights
+            self.ranks.wait_ready(f"the weights of {path}")
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
         if self.graphs is not None:

@@ -14,6 +14,10 @@ pipe each, before it is used:
 - after every denoising round: the rows that joined the batch and the rows cancelled since the last round (a
   cancellation takes effect at the next round on every rank, never in between).
 
+A follower says "joining" over its pipe before it joins the group and "ready" once it has loaded a checkpoint (at
+start, "load", "reload"); rank 0 waits for each word, up to ``startup_timeout`` seconds, watching the process, so a
+slow start is not mistaken for a hung collective and a follower that cannot start fails the load at once.
+
 Faults (docs/operations.md "Tensor parallelism"): a follower that exits, or fails during a batch, exits; rank 0 sees
 its process end (a watchdog thread) and exits too, so the supervisor restarts the whole worker and the balancer
 re-dispatches its requests. A collective that waits longer than ``rank_timeout`` seconds (a hung rank) raises and
@@ -54,16 +58,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_group(rank: int, size: int, port: int, device: torch.device, timeout: float):
-    """Join the worker's process group; returns the layout (worker/models/parallel.py)."""
+def init_group(rank: int, size: int, port: int, device: torch.device, timeout: float, startup_timeout: float):
+    """Join the worker's process group; returns the layout (worker/models/parallel.py). The rendezvous waits up to
+    ``startup_timeout`` seconds for every rank (a follower first starts Python and imports torch); the group's
+    collectives then wait up to ``timeout``."""
     import torch.distributed as dist
 
     from ..models.parallel import Layout
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
-                            timeout=timedelta(seconds=timeout))
+    store = dist.TCPStore("127.0.0.1", port, size, is_master=rank == 0,
+                          timeout=timedelta(seconds=startup_timeout), wait_for_workers=False)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size, timeout=timedelta(seconds=timeout))
     return Layout(rank, size, None)
 
 
@@ -75,6 +82,7 @@ class RankGroup:
     conns: list[Connection]
     devices: list[str]
     layout: object = None               # rank 0's place (worker/models/parallel.py Layout)
+    startup_timeout: float = 600.0      # seconds the followers may take to join and to load a checkpoint
     started: float = field(default_factory=time.time)
     closing: bool = False
 
@@ -84,6 +92,36 @@ class RankGroup:
                 c.send(msg)
             except OSError as e:
                 fatal(f"tensor-parallel rank unreachable ({e})")
+
+    def wait_ready(self, what: str, word: str = "ready") -> None:
+        """Wait until every follower says ``word``: "joining" when it is about to join the group, "ready" when it
+        has loaded ``what`` (its first checkpoint, another one, new weights), so that rank 0 serves only once every
+        rank can (a slow follower would otherwise hold rank 0's first collective for up to --rank-timeout). A
+        follower that exits meanwhile, or takes longer than ``startup_timeout`` seconds, fails the load
+        (RuntimeError) at once."""
+        deadline = time.monotonic() + self.startup_timeout
+        for r, (c, p) in enumerate(zip(self.conns, self.procs), start=1):
+            closed = False
+            while True:
+                if closed:                      # its end of the pipe closed: it is exiting
+                    time.sleep(0.1)
+                else:
+                    try:
+                        if c.poll(0.2):
+                            msg = c.recv()
+                            if msg == (word,):
+                                break
+                            raise RuntimeError(f"tensor-parallel rank {r} is out of step: sent {msg!r}")
+                    except (EOFError, OSError):
+                        closed = True
+                if p.poll() is not None:
+                    doing = f"loading {what}" if word == "ready" else "starting"
+                    raise RuntimeError(f"tensor-parallel rank {r} (pid {p.pid}) exited with status {p.returncode} "
+                                       f"while {doing} (its output, if any, is above)")
+                if time.monotonic() > deadline:
+                    done = f"load {what}" if word == "ready" else "start"
+                    raise RuntimeError(f"tensor-parallel rank {r} (pid {p.pid}) did not {done} within "
+                                       f"--rank-startup-timeout ({self.startup_timeout:g} s)")
 
     def describe(self) -> list[dict]:
         """/health and /worker-status: every rank, its device and process."""
@@ -143,8 +181,9 @@ def fatal(message: str) -> None:
 
 
 def start(path, size: int, device: torch.device, dtype: str | None, compile: bool, timeout: float,
-          prefix_cache_gb: float = 0.0):
-    """On rank 0: start ranks 1..size-1 and join the group with them. Returns (layout, RankGroup)."""
+          prefix_cache_gb: float = 0.0, startup_timeout: float = 600.0):
+    """On rank 0: start ranks 1..size-1 and join the group with them (``startup_timeout``: seconds they may take
+    to join, and later to load a checkpoint; RankGroup.wait_ready). Returns (layout, RankGroup)."""
     port = _free_port()
     procs, conns = [], []
     if device.type == "cpu":        # the ranks share this machine's cores: each its share (rank 0 included)
@@ -153,21 +192,23 @@ def start(path, size: int, device: torch.device, dtype: str | None, compile: boo
         mine, theirs = socket.socketpair()
         cmd = [sys.executable, "-m", "worker.engine.ranks", "--rank", str(rank), "--size", str(size),
                "--port", str(port), "--model-path", str(path), "--device", str(device),
-               "--dtype", str(dtype or "auto"), "--timeout", str(timeout), "--fd", str(theirs.fileno()),
+               "--dtype", str(dtype or "auto"), "--timeout", str(timeout),
+               "--startup-timeout", str(startup_timeout), "--fd", str(theirs.fileno()),
                "--threads", str(torch.get_num_threads()), "--prefix-cache-gb", str(prefix_cache_gb)] + (
                    ["--compile"] if compile else [])
         procs.append(subprocess.Popen(cmd, pass_fds=(theirs.fileno(),)))
         theirs.close()
         conns.append(Connection(mine.detach()))
+    group = RankGroup(size, procs, conns, [str(rank_device(device, r)) for r in range(size)], None, startup_timeout)
     try:
-        layout = init_group(0, size, port, device, timeout)
+        group.wait_ready(str(path), "joining")       # (a follower that cannot start fails here, not at a timeout)
+        group.layout = init_group(0, size, port, device, timeout, startup_timeout)
     except Exception:
         for p in procs:
             p.kill()
         raise
-    group = RankGroup(size, procs, conns, [str(rank_device(device, r)) for r in range(size)], layout)
     _GROUPS.append(group)
-    return layout, group
+    return group.layout, group
 
 
 # ---------------------------------------------------------------- what the ranks share during a batch
@@ -243,6 +284,7 @@ def follow(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", required=True)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--timeout", type=float, required=True)
+    ap.add_argument("--startup-timeout", type=float, default=600.0)
     ap.add_argument("--fd", type=int, required=True)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--compile", action="store_true")
@@ -255,10 +297,12 @@ def follow(argv: list[str] | None = None) -> int:
     from ..models.checkpoint import resolve_device
     from .engine import Engine
     device = rank_device(resolve_device(a.device), a.rank)
-    layout = init_group(a.rank, a.size, a.port, device, a.timeout)
+    conn.send(("joining",))
+    layout = init_group(a.rank, a.size, a.port, device, a.timeout, a.startup_timeout)
     engine = Engine.from_pretrained(a.model_path, device=device, dtype=None if a.dtype == "auto" else a.dtype,
                                     compile=a.compile, layout=layout, prefix_cache_gb=a.prefix_cache_gb)
     log.info("rank %d of %d ready on %s", a.rank, a.size, device)
+    conn.send(("ready",))                  # rank 0 serves only once every rank has loaded (RankGroup.wait_ready)
     while True:
         try:
             msg = conn.recv()
@@ -275,9 +319,11 @@ def follow(argv: list[str] | None = None) -> int:
                 engine = Engine.from_pretrained(path, device=device, dtype=dtype, compile=a.compile, layout=layout,
                                                 prefix_cache_gb=prefix_cache_gb)
                 log.info("rank %d loaded %s", a.rank, path)
+                conn.send(("ready",))
             elif msg[0] == "reload":       # new weights in place (Engine.reload_weights on rank 0, checked there)
                 engine.reload_weights(msg[1])
                 log.info("rank %d reloaded the weights of %s", a.rank, msg[1])
+                conn.send(("ready",))
             elif msg[0] == "generate":
                 _, requests, early_exit, cancelled, long_row_cost = msg
                 engine.long_row_cost = long_row_cost
