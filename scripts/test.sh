@@ -1,28 +1,30 @@
 #!/usr/bin/env bash
 # Runs the test suite (creates .venv first when missing or stale). Extra arguments go to pytest:
 #   ./scripts/test.sh -k golden -x
-# With no arguments (or output options only): the fast tier in $DLLM_TEST_PROCESSES pytest processes (default 2, pytest-xdist; one torch
-# thread each, the tiny models gain nothing from more), then the slow tier (servers, clusters, faults under load) in
-# one process, as it always ran. `./scripts/test.sh -m "not slow"` runs the fast tier the same parallel way; any
-# other arguments run one pytest process.
+# With no arguments (or output options only): the fast tier, then the slow tier (servers, clusters, faults under
+# load), each in $DLLM_TEST_PROCESSES pytest processes (default 2, pytest-xdist; one torch thread each, the tiny
+# models gain nothing from more), then the slow tests marked `alone` (the SLURM clusters) in one process.
+# `./scripts/test.sh -m "not slow"` runs the fast tier the same parallel way; any other arguments run one pytest
+# process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup_venv.sh
 procs=${DLLM_TEST_PROCESSES:-2}
-fast() { OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} .venv/bin/python -m pytest -n "$procs" -m "not slow" "$@"; }
+par() { OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} .venv/bin/python -m pytest -n "$procs" "$@"; }
 whole=1                         # no arguments, or output options only (.ci/run gives -q): the whole suite, tiered
 for a in "$@"; do
     case $a in -q|-qq|-v|-vv|-r*|--tb=*|--durations=*) ;; *) whole=0 ;; esac
 done
 if [ $whole = 1 ]; then
     rc=0
-    fast "$@" || rc=$?
-    .venv/bin/python -m pytest -m slow "$@" || rc=$?
+    par -m "not slow" "$@" || rc=$?
+    par -m "slow and not alone" "$@" || rc=$?
+    .venv/bin/python -m pytest -m "slow and alone" "$@" || rc=$?
     exit $rc
 fi
 if [ $# -ge 2 ] && [ "$1" = "-m" ] && [ "$2" = "not slow" ]; then
     shift 2
-    fast "$@"
+    par -m "not slow" "$@"
     exit $?
 fi
 exec .venv/bin/python -m pytest "$@"

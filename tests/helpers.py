@@ -55,10 +55,15 @@ def free_port(n: int = 1) -> int:
     """A port p with p .. p+n-1 free (a supervisor's workers take consecutive ports), below the kernel's ephemeral
     range (32768-60999 here), so that no outgoing connection of another test takes one of them in the meantime; never
     one handed out before in this process (two workers of one cluster once drew the same port: the second could not
-    bind, and the first answered for both)."""
+    bind, and the first answered for both). Under pytest-xdist each test process draws from its own share of that
+    range, so that two processes never hand out the same port."""
     rng = random.Random()
+    share, count = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0), \
+        int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    width = 12000 // count
+    low = 20000 + share * width
     for _ in range(2000):
-        base = rng.randrange(20000, 32000 - n)
+        base = rng.randrange(low, low + width - n)
         if _GIVEN.intersection(range(base, base + n)):
             continue
         socks = []

@@ -14,7 +14,9 @@ import pytest
 
 from tests.helpers import DLLM, ROOT, free_port, get_json, post_json
 
-pytestmark = pytest.mark.slow
+# alone: beside another test process the two-node test's second job was not running after 120 s (slurmctld and the
+# four slurmd of the namespaces starved), so scripts/test.sh runs these after the parallel tiers
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 SCRIPT = ROOT / "tests" / "slurm" / "local_slurm.sh"
 
 

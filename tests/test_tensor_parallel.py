@@ -213,9 +213,12 @@ def test_serve_two_rank_worker_through_the_balancer_survives_a_dead_rank(tmp_pat
 
     from tests.helpers import DLLM, ROOT, free_port, get_json, post_json
     port, wport = free_port(), free_port()
+    import shutil
+    model = shutil.copytree(TINY_LLADA2, tmp_path / "tiny-llada2")   # its own path: the orphan check below looks
+    #                                   for it, and another test process may run ranks of the fixture meanwhile
     log = open(tmp_path / "serve.log", "wb")
     p = subprocess.Popen([*DLLM, "serve", "--local", "--workers", "1", "--tensor-parallel-size", "2",
-                          "--model-path", str(TINY_LLADA2), "--port", str(port), "--worker-base-port", str(wport),
+                          "--model-path", str(model), "--port", str(port), "--worker-base-port", str(wport),
                           "--health-check-interval", "0.3", "--log-dir", str(tmp_path / "logs"), "--stagger", "0",
                           "--rank-timeout", "3"],
                          cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
@@ -288,7 +291,7 @@ def test_serve_two_rank_worker_through_the_balancer_survives_a_dead_rank(tmp_pat
         while True:
             left = [c for c in psutil.process_iter(["cmdline"])
                     if f"--port {wport}" in " ".join(c.info["cmdline"] or ())
-                    or f"--model-path {TINY_LLADA2}" in " ".join(c.info["cmdline"] or ())]
+                    or f"--model-path {model}" in " ".join(c.info["cmdline"] or ())]
             if not left or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
