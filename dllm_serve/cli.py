@@ -57,7 +57,8 @@ def main() -> None:
 @main.command()
 @click.option("--model-path", default=None, help="Checkpoint directory or hub id (default: the built-in demo model).")
 @click.option("--prompt", help="Prompt text.")
-@click.option("--chat", is_flag=True, help="Wrap --prompt as one user message in the model's chat template.")
+@click.option("--chat", is_flag=True, help="Wrap --prompt as one user message in the model's chat template (with "
+                                          "--requests: every line's prompt, unless the line sets chat).")
 @click.option("--prompt-ids", help="Prompt as comma-separated token ids (no template, no special tokens added).")
 @click.option("--gen-length", type=click.IntRange(1), default=None,
               help="Tokens to generate (default: the checkpoint's generation_config.json max_new_tokens, else 128).")
@@ -111,8 +112,8 @@ def generate(model_path, prompt, chat, prompt_ids, gen_length, block_length, ste
             raise click.UsageError("--requests replaces --prompt / --prompt-ids")
     elif (prompt is None) == (prompt_ids is None):
         raise click.UsageError("give exactly one of --prompt or --prompt-ids (or --requests)")
-    if chat and prompt is None:
-        raise click.UsageError("--chat needs --prompt")
+    if chat and prompt is None and requests_file is None:
+        raise click.UsageError("--chat needs --prompt or --requests")
     _check_device(device)
     from common.resolve import ResolveError, resolve_model
     from worker.models.checkpoint import default_max_new_tokens

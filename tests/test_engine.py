@@ -154,6 +154,20 @@ def test_cli_generate_chat_and_errors():
                               "--gen-length", "8", "--block-length", "8", "--json"])
     assert res.exit_code == 0, res.output
     assert orjson.loads(res.stdout)["nfe"] <= 8
+    # --chat with --requests: the default of every line that does not set chat (it was refused: "--chat needs
+    # --prompt"); a line with prompt_ids or chat=false is left as it is
+    lines = [{"prompt": "di vo"}, {"prompt": "di vo", "chat": False}, {"prompt_ids": [1, 2]}]
+    common = ["generate", "--model-path", str(TINY_LLADA), "--gen-length", "8", "--block-length", "8", "--no-early-exit",
+              "--requests", "-"]
+    chat = runner.invoke(cli, common + ["--chat"], input=b"\n".join(orjson.dumps(x) for x in lines))
+    plain = runner.invoke(cli, common, input=b"\n".join(orjson.dumps(x) for x in lines))
+    assert chat.exit_code == 0 and plain.exit_code == 0, chat.output + plain.output
+    chat, plain = ([orjson.loads(x) for x in r.stdout.splitlines()] for r in (chat, plain))
+    assert chat[1:] == plain[1:] and chat[0] != plain[0]
+    one = runner.invoke(cli, common[:-2] + ["--prompt", "di vo", "--chat", "--json"])
+    assert chat[0] == orjson.loads(one.stdout)                  # as --prompt "di vo" --chat gives it
+    res = runner.invoke(cli, ["generate", "--model-path", str(TINY_LLADA), "--prompt-ids", "1,2", "--chat"])
+    assert res.exit_code == 2 and "--chat needs --prompt or --requests" in res.output
     res = runner.invoke(cli, ["generate", "--model-path", str(TINY_LLADA), "--prompt-ids", "1,2", "--steps", "0"])
     assert res.exit_code != 0 and "steps" in res.output
     res = runner.invoke(cli, ["generate", "--model-path", "/nonexistent", "--prompt", "x"])

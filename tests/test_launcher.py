@@ -173,6 +173,24 @@ def test_dcp_with_wrong_names_is_a_clear_error(tmp_path, monkeypatch):
     assert r.exit_code != 0 and "not a DCP checkpoint" in r.output
 
 
+def test_dcp_of_another_model_size_is_refused_before_converting(tmp_path, monkeypatch):
+    """A DCP with the base model's names but other shapes (another size of the family) was converted, and failed only
+    when a worker loaded it; it is refused at once, naming a tensor, and nothing is written."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+    monkeypatch.setenv("DLLM_CACHE", str(tmp_path / "cache"))
+    sd = load_file(TINY_LLADA / "model.safetensors")
+    name = sorted(k for k in sd if sd[k].dim() == 2)[0]
+    sd[name] = sd[name][:, :-1].contiguous()
+    dcp.save({"model": sd}, checkpoint_id=str(tmp_path / "ckpt" / "weights"))
+    r = CliRunner().invoke(cli, ["convert-dcp", "--dcp-path", str(tmp_path / "ckpt"), "--base-model", str(TINY_LLADA),
+                                 "--output", str(tmp_path / "out")])
+    rows, cols = sd[name].shape
+    assert r.exit_code == 1 and "1 tensors of the DCP checkpoint differ in shape" in r.output, r.output
+    assert f"{name}: [{rows}, {cols}] in the DCP, [{rows}, {cols + 1}] in the base model" in r.output
+    assert not (tmp_path / "out").exists()
+
+
 # ---------------------------------------------------------------- status command
 def _fake_balancer(healthy: int, total: int):
     ws = {"timestamp": 0, "healthy_workers": healthy, "total_workers": total,

@@ -33,16 +33,27 @@ def dcp_layout(path: Path) -> tuple[Path, Path | None]:
                           ".metadata with *.distcp files (legacy)")
 
 
-def base_dtypes(base: Path) -> dict[str, torch.dtype]:
+def base_tensors(base: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """The base checkpoint's tensors: name -> (dtype, shape), read from the files' headers."""
     out = {}
     for f in weight_files(base):
         if f.suffix != ".safetensors":
             sd = torch.load(f, map_location="meta", weights_only=True)
-            out.update({k: v.dtype for k, v in sd.items()})
+            out.update({k: (v.dtype, tuple(v.shape)) for k, v in sd.items()})
             continue
         header, _ = safetensors_header(f)
-        out.update({k: SAFETENSORS_DTYPES[v["dtype"]] for k, v in header.items()})
+        out.update({k: (SAFETENSORS_DTYPES[v["dtype"]], tuple(v["shape"])) for k, v in header.items()})
     return out
+
+
+def check_shapes(mapping: dict[str, str], dcp_shapes: dict[str, tuple], base: dict[str, tuple]) -> None:
+    """Every DCP tensor has its base tensor's shape (a DCP of another model size would otherwise be converted and
+    fail only when a worker loads it); raises naming the first ones that differ."""
+    wrong = [f"{name}: {list(dcp_shapes[key])} in the DCP, {list(base[name][1])} in the base model"
+             for key, name in sorted(mapping.items(), key=lambda kv: kv[1]) if tuple(dcp_shapes[key]) != base[name][1]]
+    if wrong:
+        raise CheckpointError(f"{len(wrong)} tensors of the DCP checkpoint differ in shape from the base model's "
+                              f"(another model size?), e.g. " + "; ".join(wrong[:3]))
 
 
 def map_keys(dcp_keys: list[str], base_names: set[str]) -> dict[str, str]:
@@ -73,11 +84,13 @@ def convert(dcp_path: str | Path, base_model: str | Path, output: str | Path) ->
 
     dcp_path, base, output = Path(dcp_path), Path(base_model), Path(output)
     weights_dir, tok_dir = dcp_layout(dcp_path)
-    dtypes = base_dtypes(base)
+    specs = base_tensors(base)
+    dtypes = {name: dtype for name, (dtype, _) in specs.items()}
     reader = FileSystemReader(str(weights_dir))
     meta = reader.read_metadata()
     keys = [k for k, v in meta.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)]
     mapping = map_keys(keys, set(dtypes))
+    check_shapes(mapping, {k: tuple(meta.state_dict_metadata[k].size) for k in mapping}, specs)
     state = {k: torch.empty(meta.state_dict_metadata[k].size, dtype=meta.state_dict_metadata[k].properties.dtype)
              for k in mapping}
     with warnings.catch_warnings():
