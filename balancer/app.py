@@ -34,7 +34,7 @@ from balancer.batches import BatchJobs, add_routes as add_batch_routes
 from balancer.pool import HealthConfig, WorkerPool
 from balancer.stats import Window
 from balancer.weights import MODES, WeightUpdates
-from common.config import PORT, setting
+from common.config import PORT, FiniteFloatRange, setting
 from common.http import (BODY_BUDGET, EXIT_PORT_IN_USE, MAX_BODY_BYTES, MAX_BODY_BYTES_IN_FLIGHT, AppRunner,
                          BodyBudget, HTTP_GC_THRESHOLD, json_response, middlewares, read_body, settle_gc)
 from common.metrics import RequestMetrics
@@ -102,6 +102,12 @@ class BalancerConfig:
                                   type=click.IntRange(1))
     batch_concurrency: int = setting(64, "Lines of one /v1/batches batch in the queue at once.",
                                      type=click.IntRange(1))
+    batch_retry_max: float = setting(5.0, "Longest wait between two tries of a /v1/batches line the balancer "
+                                          "cannot take now (queue full, no healthy worker); the wait starts at "
+                                          "0.1 s and doubles.", type=FiniteFloatRange(0.1))
+    models_cache_ttl: float = setting(30.0, "Seconds the balancer reuses a worker's answer to GET /v1/models (and "
+                                            "/v1/models/{id}) before asking again; 0: ask every time.",
+                                      type=FiniteFloatRange(0))
 
 
 
@@ -322,10 +328,11 @@ async def model_from_a_worker(request: web.Request) -> web.Response:
 
 async def _ask_workers(state: BalancerState, path: str) -> web.Response:
     """The first healthy worker's answer to GET ``path`` (already percent-encoded; sent as it is, never normalised),
-    cached 30 s (every worker serves the same model); each worker asked may take --worker-call-timeout."""
+    cached --models-cache-ttl s (every worker serves the same model); each worker asked may take
+    --worker-call-timeout."""
     now = time.monotonic()
     hit = state._from_workers.get(path)
-    if hit and now - hit[0] < 30:
+    if hit and now - hit[0] < state.cfg.models_cache_ttl:
         return json_response(hit[1])
     for w in state.pool.healthy() + [w for w in state.pool.workers if not w.healthy]:
         try:

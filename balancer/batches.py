@@ -355,7 +355,7 @@ class BatchJobs:
                 if e.status not in (429, 503):
                     return e.status, e.body()
                 await asyncio.sleep(delay)
-                delay = min(5.0, delay * 2)
+                delay = min(state.cfg.batch_retry_max, delay * 2)
         result = None
         try:
             async for _, event, status, data, end in p:

@@ -22,10 +22,11 @@ RETRY_WAIT_MAX = 10.0      # seconds at most between two tries of a line the ser
 
 
 async def send(lines, out_path: Path, url: str, api_key: str | None, concurrency: int, timeout: float,
-               progress) -> dict:
+               progress, retry_wait_max: float = RETRY_WAIT_MAX) -> dict:
     """Send ``lines`` (common.batchfile.Line) to ``url``, at most ``concurrency`` at once, appending one result line
     each to ``out_path``; ``progress(n)`` after each. A 429 or 503 (the server busy) is sent again after its
-    Retry-After (else a doubling wait up to RETRY_WAIT_MAX s) until ``timeout`` s have passed since the first try.
+    Retry-After (else a doubling wait), at most ``retry_wait_max`` s, until ``timeout`` s have passed since the first
+    try.
     Returns the counts: ``ok`` (2xx), ``failed`` (an error answer that is final), ``retry`` (a 5xx, or still busy:
     a rerun sends it again), ``refused``, ``unsent``."""
     import aiohttp
@@ -55,11 +56,11 @@ async def send(lines, out_path: Path, url: str, api_key: str | None, concurrency
                                 pause = float(r.headers.get("Retry-After") or wait)
                             except ValueError:
                                 pause = wait
-                            pause = min(max(pause, 0.05), RETRY_WAIT_MAX)
+                            pause = min(max(pause, 0.05), retry_wait_max)
                             if r.status not in BUSY_STATUSES or time.monotonic() + pause > deadline:
                                 break
                             await asyncio.sleep(pause)
-                            wait = min(2 * wait, RETRY_WAIT_MAX)
+                            wait = min(2 * wait, retry_wait_max)
                         try:
                             body = orjson.loads(raw)
                         except orjson.JSONDecodeError:
@@ -114,7 +115,8 @@ def _wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
 
 
 def run(input_path: str, output_path: str, url: str | None, model_path: str | None, serve_args: list[str],
-        api_key: str | None, concurrency: int, timeout: float, startup_timeout: float, echo) -> int:
+        api_key: str | None, concurrency: int, timeout: float, startup_timeout: float, echo,
+        retry_wait_max: float = RETRY_WAIT_MAX) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
     out = Path(output_path)
     lines = list(read_lines(input_path))
@@ -145,7 +147,7 @@ def run(input_path: str, output_path: str, url: str | None, model_path: str | No
                       disable=not sys.stderr.isatty()) as bar:
             task = bar.add_task("requests", total=len(todo))
             tally = asyncio.run(send(todo, out, url, api_key, concurrency, timeout,
-                                     lambda n: bar.advance(task, n)))
+                                     lambda n: bar.advance(task, n), retry_wait_max))
     finally:
         if server is not None and server.poll() is None:
             os.killpg(server.pid, signal.SIGTERM)

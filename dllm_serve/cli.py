@@ -524,8 +524,11 @@ def convert_dcp(dcp_path, base_model, output, no_cache):
               help="Seconds one request may take before it is recorded as unanswered.")
 @click.option("--startup-timeout", type=FiniteFloatRange(0, min_open=True), default=1800.0, show_default=True,
               help="With --model-path: seconds for the server to become ready.")
+@click.option("--retry-wait-max", type=FiniteFloatRange(0.05), default=10.0, show_default=True,
+              help="Longest wait between two tries of a request the server was too busy for (429, 503: after its "
+                   "Retry-After, else a wait from 0.5 s doubling), within --timeout.")
 def run_batch(input_path, output_path, url, model_path, serve_args, api_key, concurrency, timeout,
-              startup_timeout):
+              startup_timeout, retry_wait_max):
     """Run a file of requests (OpenAI batch format) with a progress bar; resumable, every line accounted for.
     Exit 0 when every line has a final result, 1 when some got no answer (run again to resume them)."""
     import shlex
@@ -536,7 +539,7 @@ def run_batch(input_path, output_path, url, model_path, serve_args, api_key, con
         model_path = str(Path(model_path).resolve())
     try:
         code = run(input_path, output_path, url, model_path, shlex.split(serve_args), api_key, concurrency, timeout,
-                   startup_timeout, lambda m: click.echo(m, err=True))
+                   startup_timeout, lambda m: click.echo(m, err=True), retry_wait_max)
     except RuntimeError as e:                        # the server for the run did not start: its log says why
         raise click.ClickException(str(e))
     sys.exit(code)

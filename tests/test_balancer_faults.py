@@ -583,3 +583,26 @@ async def test_rows_answered_leave_the_in_flight_count_before_their_batch_ends(a
         assert stats["in_flight"] == 0 and stats["workers"][0]["requests_served"] == 3
         text = await (await client.get("/metrics")).text()
         assert "# TYPE dllm_balancer_redispatched_total counter" in text and "dllm_balancer_in_flight 0.0" in text
+
+
+async def test_the_workers_models_answer_is_reused_for_models_cache_ttl_seconds(aiohttp_client):
+    """GET /v1/models is answered from a worker's answer kept --models-cache-ttl seconds (it was a fixed 30 s); 0
+    asks the worker every time."""
+    asked = []
+    app = fake_worker("ok", [])
+
+    async def models(request):
+        asked.append(request.path)
+        return web.json_response({"object": "list", "data": [{"id": f"m{len(asked)}", "object": "model"}]})
+    app.router.add_get("/v1/models", models)
+    async with workers(app) as urls:
+        for ttl, want in ((30.0, ["m1", "m1"]), (0.0, ["m2", "m3"])):
+            cfg = BalancerConfig(worker_urls=urls, models_cache_ttl=ttl, health=HealthConfig(interval=0.05))
+            client = await aiohttp_client(make_app(cfg))
+            for _ in range(200):
+                if (await (await client.get("/health")).json())["healthy_workers"] == 1:
+                    break
+                await asyncio.sleep(0.02)
+            got = [(await (await client.get("/v1/models")).json())["data"][0]["id"] for _ in range(2)]
+            assert got == want
+            await client.close()

@@ -105,11 +105,11 @@ def test_run_batch_retries_a_busy_server_and_exits_1_while_lines_lack_a_final_re
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             p = body["prompt"]
             tries[p] = tries.get(p, 0) + 1
-            status = 429 if p == "busy" and tries[p] <= 2 else 500 if p == "boom" else 200
+            status = 429 if p in ("busy", "patient") and tries[p] <= 2 else 500 if p == "boom" else 200
             data = json.dumps({"error": {"message": "x"}} if status != 200 else {"choices": [{"text": p}]}).encode()
             self.send_response(status)
             self.send_header("Content-Type", "application/json")
-            self.send_header("Retry-After", "0.1")
+            self.send_header("Retry-After", "60" if p == "patient" else "0.1")
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
@@ -135,6 +135,10 @@ def test_run_batch_retries_a_busy_server_and_exits_1_while_lines_lack_a_final_re
         res = _results(out)
         assert set(res) == {"a", "b", "c"} and all(r["response"]["status_code"] == 200 for r in res.values())
         assert tries["busy"] == 3                                   # a's answer was final: not sent again
+        inp.write_text(line("d", "patient") + "\n")                  # a Retry-After of 60 s, waited at most 0.2 s
+        t0 = time.monotonic()
+        assert run(str(inp), str(out), url, None, [], None, 4, 30, 30, lambda m: None, retry_wait_max=0.2) == 0
+        assert tries["patient"] == 3 and time.monotonic() - t0 < 10
     finally:
         server.shutdown()
 
