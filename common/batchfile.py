@@ -8,8 +8,9 @@ A result line: ``{"id": "batch_req_...", "custom_id": "r1", "response": {"status
 sent (not JSON, no custom_id, a custom_id seen before, another method or URL) or no answer at all (the server
 unreachable) is an ``error`` ``{"code", "message"}`` with ``response`` null.
 
-Resuming: a result is final when it has a response below 500 other than 429; lines whose result is not final (5xx,
-429, no answer) are sent again, results of lines no longer in the input (a refused line since fixed) are dropped, and their old result lines are dropped from the results file first (rewritten atomically), so the file
+Resuming: a result is final when it has a response below 500 other than 429 and other than the server's refusal of
+the run itself (401, 403, a 404 that is not about the model: a key or URL problem, :func:`server_refused`); lines
+whose result is not final (5xx, 429, such refusals, no answer) are sent again, results of lines no longer in the input (a refused line since fixed) are dropped, and their old result lines are dropped from the results file first (rewritten atomically), so the file
 ends with one line per request."""
 from __future__ import annotations
 
@@ -105,12 +106,25 @@ def result_line(custom_id: str | None, status: int | None = None, body=None, req
 BUSY_STATUSES = (429, 503)       # the server too busy for the line now: sent again (later, or by a resumed run)
 
 
+def server_refused(status: int, body) -> bool:
+    """An answer that refuses the run, not the line: a missing or wrong key (401, 403), or a 404 that is not about
+    the model (the URL: a base URL ending in /v1 posts to /v1/v1/...). Every line would get it."""
+    if status in (401, 403):
+        return True
+    if status != 404:
+        return False
+    err = body.get("error", body) if isinstance(body, dict) else body
+    about = orjson.dumps(err).decode().lower() if isinstance(err, (dict, list)) else str(err).lower()
+    return "model" not in about
+
+
 def is_final(result: dict) -> bool:
-    """A result that a resumed run keeps: an answer below 500 but 429 (the server busy), or a line that can never
-    be sent."""
+    """A result that a resumed run keeps: an answer below 500 but 429 (the server busy) and the server's refusals
+    of the run (:func:`server_refused`), or a line that can never be sent."""
     r = result.get("response")
     if isinstance(r, dict) and isinstance(r.get("status_code"), int):
-        return r["status_code"] < 500 and r["status_code"] not in BUSY_STATUSES
+        return (r["status_code"] < 500 and r["status_code"] not in BUSY_STATUSES
+                and not server_refused(r["status_code"], r.get("body")))
     err = result.get("error") or {}
     return err.get("code") not in ("server_unreachable", "server_error", "timeout")
 

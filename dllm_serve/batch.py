@@ -15,7 +15,7 @@ from pathlib import Path
 
 import orjson
 
-from common.batchfile import BUSY_STATUSES, read_lines, result_line, resume
+from common.batchfile import BUSY_STATUSES, read_lines, result_line, resume, server_refused
 
 ROOT = Path(__file__).resolve().parent.parent
 RETRY_WAIT_MAX = 10.0      # seconds at most between two tries of a line the server was too busy for (429, 503)
@@ -28,9 +28,10 @@ async def send(lines, out_path: Path, url: str, api_key: str | None, concurrency
     Retry-After (else a doubling wait), at most ``retry_wait_max`` s, until ``timeout`` s have passed since the first
     try.
     Returns the counts: ``ok`` (2xx), ``failed`` (an error answer that is final), ``retry`` (a 5xx, or still busy:
-    a rerun sends it again), ``refused``, ``unsent``."""
+    a rerun sends it again), ``refused``, ``unsent``, and ``stopped``: the first answer that refused the run itself
+    (common.batchfile.server_refused: the key, the URL), after which no other line is sent."""
     import aiohttp
-    tally = {"ok": 0, "failed": 0, "retry": 0, "refused": 0, "unsent": 0}
+    tally = {"ok": 0, "failed": 0, "retry": 0, "refused": 0, "unsent": 0, "stopped": None}
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     sem = asyncio.Semaphore(concurrency)
     with open(out_path, "ab") as out:
@@ -47,6 +48,10 @@ async def send(lines, out_path: Path, url: str, api_key: str | None, concurrency
                     progress(1)
                     return
                 async with sem:
+                    if tally["stopped"] is not None:
+                        tally["unsent"] += 1
+                        progress(1)
+                        return
                     try:
                         deadline, wait = time.monotonic() + timeout, 0.5
                         while True:
@@ -66,8 +71,14 @@ async def send(lines, out_path: Path, url: str, api_key: str | None, concurrency
                         except orjson.JSONDecodeError:
                             body = raw.decode(errors="replace")
                         write(result_line(line.custom_id, r.status, body, r.headers.get("x-request-id")))
+                        refused = server_refused(r.status, body)
+                        if refused and tally["stopped"] is None:
+                            message = body.get("error", body) if isinstance(body, dict) else body
+                            if isinstance(message, dict):
+                                message = message.get("message", message)
+                            tally["stopped"] = f"{r.status} from {url + line.url}: {str(message)[:300]}"
                         tally["ok" if r.status < 300 else "retry" if r.status >= 500 or r.status in BUSY_STATUSES
-                              else "failed"] += 1
+                              or refused else "failed"] += 1
                     except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
                         code = "timeout" if isinstance(e, asyncio.TimeoutError) else "server_unreachable"
                         write(result_line(line.custom_id, error={"code": code, "message": f"{type(e).__name__}: "
@@ -119,6 +130,8 @@ def run(input_path: str, output_path: str, url: str | None, model_path: str | No
         retry_wait_max: float = RETRY_WAIT_MAX) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
     out = Path(output_path)
+    if not out.parent.is_dir():
+        raise RuntimeError(f"--output {output_path}: no such directory {str(out.parent)!r}")
     lines = list(read_lines(input_path))
     done = resume(out, {line.key for line in lines})
     todo = [line for line in lines if line.key not in done]
@@ -155,6 +168,9 @@ def run(input_path: str, output_path: str, url: str | None, model_path: str | No
                 server.wait(60)
             except subprocess.TimeoutExpired:
                 os.killpg(server.pid, signal.SIGKILL)
+    if tally["stopped"]:
+        echo(f"dllm-serve run-batch: stopped: the server refused the run, not a request (a key or URL problem: "
+             f"--url is the server's base URL, without /v1), so no further line was sent: {tally['stopped']}")
     echo(f"dllm-serve run-batch: {tally['ok']} answered 2xx, {tally['failed']} answered with an error, "
          f"{tally['refused']} refused lines, {tally['retry']} answered 5xx or still busy and {tally['unsent']} "
          f"without an answer (run again to resume those); results in {output_path}")

@@ -143,6 +143,64 @@ def test_run_batch_retries_a_busy_server_and_exits_1_while_lines_lack_a_final_re
         server.shutdown()
 
 
+def test_run_batch_stops_at_a_refusal_of_the_run_and_resends_those_lines_later(tmp_path):
+    """A wrong --url (the OpenAI base URL form, ending in /v1: every line posted to /v1/v1/...) or a missing key
+    answered every line 404 or 401, and those answers were final: exit 0, and a rerun with the right settings sent
+    nothing. They are not final now, the run stops at the first (no other line is sent) and exits 1; a 404 about
+    the model stays a final answer of its line. A local HTTP server (a test double) answers like ours."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from dllm_serve.batch import run
+    seen = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_POST(self):
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            seen.append(self.path)
+            if self.headers.get("Authorization") != "Bearer k":
+                status, data = 401, {"error": {"message": "a missing or wrong API key", "code": "invalid_api_key"}}
+            elif self.path != "/v1/completions":
+                status, data = 404, {"error": {"message": f"no route {self.path}", "code": "unknown_url"}}
+            elif body.get("model") == "nope":
+                status, data = 404, {"error": {"message": "The model `nope` does not exist.",
+                                               "code": "model_not_found"}}
+            else:
+                status, data = 200, {"choices": [{"text": body["prompt"]}]}
+            raw = json.dumps(data).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw)
+
+        def log_message(self, *a):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    lines = [{"custom_id": f"r{i}", "url": "/v1/completions", "body": {"prompt": f"p{i}", **(
+        {"model": "nope"} if i == 0 else {})}} for i in range(5)]
+    inp, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    inp.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    said = []
+    try:
+        assert run(str(inp), str(out), url + "/v1", None, [], "k", 1, 30, 30, said.append) == 1
+        assert seen == ["/v1/v1/completions"] and "stopped: the server refused the run" in said[-2]
+        assert "404" in said[-2] and "without /v1" in said[-2]
+        assert run(str(inp), str(out), url, None, [], None, 1, 30, 30, said.append) == 1
+        assert len(seen) == 2 and "401" in said[-2]
+        assert run(str(inp), str(out), url, None, [], "k", 1, 30, 30, said.append) == 0
+        res = _results(out)
+        assert [res[f"r{i}"]["response"]["status_code"] for i in range(5)] == [404, 200, 200, 200, 200]
+        assert run(str(inp), str(out), url, None, [], "k", 1, 30, 30, said.append) == 0 and len(seen) == 7
+        with pytest.raises(RuntimeError, match="no such directory"):
+            run(str(inp), str(tmp_path / "none" / "out.jsonl"), url, None, [], "k", 1, 30, 30, said.append)
+    finally:
+        server.shutdown()
+
+
 @pytest.mark.slow
 def test_run_batch_serves_a_model_for_the_run(tmp_path):
     (tmp_path / "in.jsonl").write_text(_lines(6))
