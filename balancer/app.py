@@ -35,8 +35,8 @@ from balancer.pool import HealthConfig, WorkerPool
 from balancer.stats import Window
 from balancer.weights import MODES, WeightUpdates
 from common.config import PORT, FiniteFloatRange, setting
-from common.http import (BODY_BUDGET, EXIT_PORT_IN_USE, MAX_BODY_BYTES, MAX_BODY_BYTES_IN_FLIGHT, AppRunner,
-                         BodyBudget, HTTP_GC_THRESHOLD, json_response, middlewares, read_body, settle_gc)
+from common.http import (BODY_BUDGET, EXIT_PORT_IN_USE, EXTRA_SERVED, MAX_BODY_BYTES, MAX_BODY_BYTES_IN_FLIGHT,
+                         AppRunner, BodyBudget, HTTP_GC_THRESHOLD, json_response, middlewares, read_body, settle_gc)
 from common.metrics import RequestMetrics
 from common.openai_http import add_routes
 from common.protocol import APIError, error_body, guarded_by_api_key, loads
@@ -504,6 +504,7 @@ def make_app(cfg: BalancerConfig) -> web.Application:
                           client_max_size=MAX_BODY_BYTES)
     app[STATE] = BalancerState(cfg)
     app[BODY_BUDGET] = BodyBudget(cfg.max_body_bytes_in_flight)
+    app[EXTRA_SERVED] = ("/v1/files", "/v1/batches")
     app.cleanup_ctx.append(_lifecycle)
     app[DOOR] = BalancerDoor(app[STATE])
     add_routes(app, app[DOOR])

@@ -50,6 +50,34 @@ def _write_json(path: Path, data: dict) -> None:
 
 
 
+def _model_and_usage(path: Path) -> tuple[str | None, dict | None]:
+    """A finished batch's ``model`` (its answers') and ``usage`` (theirs summed, in the Responses API's names, as
+    OpenAI's batch object gives it), from its output file."""
+    model, totals, seen = None, {"input_tokens": 0, "output_tokens": 0, "cached_tokens": 0}, False
+    if path.exists():
+        for raw in path.read_bytes().splitlines():
+            try:
+                body = orjson.loads(raw)["response"]["body"]
+            except (orjson.JSONDecodeError, KeyError, TypeError):
+                continue
+            if not isinstance(body, dict):
+                continue
+            model = model or body.get("model")
+            u = body.get("usage")
+            if isinstance(u, dict):
+                seen = True
+                totals["input_tokens"] += u.get("input_tokens", u.get("prompt_tokens")) or 0
+                totals["output_tokens"] += u.get("output_tokens", u.get("completion_tokens")) or 0
+                details = u.get("input_tokens_details") or u.get("prompt_tokens_details") or {}
+                totals["cached_tokens"] += details.get("cached_tokens") or 0
+    if not seen:
+        return model, None
+    return model, {"input_tokens": totals["input_tokens"], "output_tokens": totals["output_tokens"],
+                   "total_tokens": totals["input_tokens"] + totals["output_tokens"],
+                   "input_tokens_details": {"cached_tokens": totals["cached_tokens"]},
+                   "output_tokens_details": {"reasoning_tokens": 0}}
+
+
 def _load_all(folder: Path, pattern: str) -> list[dict]:
     """The JSON records in ``folder`` named like ``pattern``; one being written or removed meanwhile is skipped."""
     out = []
@@ -150,11 +178,28 @@ class BatchJobs:
             raise
 
     async def list_files(self, request: web.Request) -> web.Response:
+        """As OpenAI's: ``purpose``, ``order`` (desc: newest first, or asc), ``limit`` (1-10,000, 10,000) and
+        ``after`` (the id the page starts after); ``first_id``, ``last_id`` and ``has_more`` for the next page."""
+        q = request.query
         files = _load_all(self.files_dir, "file-*.json")
-        purpose = request.query.get("purpose")
+        purpose, order = q.get("purpose"), q.get("order", "desc")
+        if order not in ("asc", "desc"):
+            raise APIError(400, f"order must be 'asc' or 'desc', got {order!r}", param="order")
+        try:
+            limit = int(q.get("limit", 10000))
+        except ValueError:
+            raise APIError(400, "limit must be an integer", param="limit")
+        if not 1 <= limit <= 10000:
+            raise APIError(400, f"limit must be between 1 and 10000, got {limit}", param="limit")
         files = sorted((f for f in files if purpose is None or f["purpose"] == purpose),
-                       key=lambda f: f["created_at"], reverse=True)
-        return json_response({"object": "list", "data": files, "has_more": False})
+                       key=lambda f: (f["created_at"], f["id"]), reverse=order == "desc")
+        after = q.get("after")
+        if after:
+            ids = [f["id"] for f in files]
+            files = files[ids.index(after) + 1:] if after in ids else []
+        page = files[:limit]
+        return json_response({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                              "last_id": page[-1]["id"] if page else None, "has_more": len(files) > limit})
 
     async def get_file(self, request: web.Request) -> web.Response:
         return json_response(self._file(request.match_info["file_id"]))
@@ -200,7 +245,8 @@ class BatchJobs:
              "error_file_id": None, "created_at": now, "in_progress_at": None, "expires_at": now + 86400,
              "finalizing_at": None, "completed_at": None, "failed_at": None, "expired_at": None,
              "cancelling_at": None, "cancelled_at": None,
-             "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": metadata}
+             "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": metadata, "model": None,
+             "usage": None}
         self._save_batch(b)
         self.tasks[b["id"]] = asyncio.create_task(self._run(b["id"]), name=f"batch {b['id']}")
         return json_response(public(b))
@@ -320,10 +366,15 @@ class BatchJobs:
             b["status"], b["finalizing_at"] = "finalizing", _now()
             self._save_batch(b)
             b["status"], b["completed_at"] = "completed", _now()
-        for fid, path in ((out_id, out_path), (err_id, err_path)):
-            self._new_file(fid, f"{bid}_{'output' if fid == out_id else 'error'}.jsonl", "batch_output",
-                           path.stat().st_size)
-        b["output_file_id"], b["error_file_id"] = out_id, err_id
+        for fid, path in ((out_id, out_path), (err_id, err_path)):     # as OpenAI's: no file where none is due
+            if path.stat().st_size:
+                self._new_file(fid, f"{bid}_{'output' if fid == out_id else 'error'}.jsonl", "batch_output",
+                               path.stat().st_size)
+            else:
+                path.unlink(missing_ok=True)
+        b["output_file_id"] = out_id if out_path.exists() else None
+        b["error_file_id"] = err_id if err_path.exists() else None
+        b["model"], b["usage"] = _model_and_usage(out_path)
         self._save_batch(b)
         log.info("batch %s %s: %s", bid, b["status"], b["request_counts"])
 

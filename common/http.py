@@ -125,14 +125,17 @@ NOT_SERVED = {"/v1/embeddings": "embeddings", "/v1/moderations": "moderations", 
               "/v1/realtime": "realtime sessions", "/v1/uploads": "uploads", "/v1/rerank": "reranking",
               "/v1/score": "scoring by a cross-encoder"}
 SERVED = "/v1/completions, /v1/chat/completions, /v1/responses, /v1/models"
+# OpenAI endpoints an app serves beyond SERVED (the balancer: /v1/files, /v1/batches), named in its 404s
+EXTRA_SERVED = web.AppKey("extra_served", tuple)
 
 
-def _not_served(path: str) -> tuple[str, str]:
+def _not_served(path: str, extra: tuple = ()) -> tuple[str, str]:
+    served = ", ".join([SERVED, *extra])
     for prefix, what in NOT_SERVED.items():
-        if path == prefix or path.startswith(prefix + "/"):
+        if prefix not in extra and (path == prefix or path.startswith(prefix + "/")):
             return (f"this server does not serve {what} ({path}): it serves diffusion language models for text "
-                    f"generation and likelihood scoring ({SERVED}; docs/api.md)", "unsupported_endpoint")
-    return f"no such endpoint: {path} (the OpenAI endpoints here: {SERVED})", "unknown_url"
+                    f"generation and likelihood scoring ({served}; docs/api.md)", "unsupported_endpoint")
+    return f"no such endpoint: {path} (the OpenAI endpoints here: {served})", "unknown_url"
 
 
 def malformed_http(message: str | None, status: int = 400) -> web.Response:
@@ -177,7 +180,7 @@ def _error_answer(request: web.Request) -> web.StreamResponse:
         typ = "not_found_error" if e.status == 404 else ("invalid_request_error" if e.status < 500 else "server_error")
         message, code = e.reason or str(e), None
         if isinstance(e, web.HTTPNotFound) and e.reason == "Not Found":       # the router found no route
-            message, code = _not_served(request.path)
+            message, code = _not_served(request.path, request.app.get(EXTRA_SERVED, ()))
         return json_response(error_body(message, typ, code=code), e.status,
                              {k: v for k, v in e.headers.items() if k.lower() in ("allow", "retry-after")})
     except (HttpProcessingError, RequestPayloadError) as e:      # the body's HTTP framing broke while it was read

@@ -106,7 +106,7 @@ async def handle(request: web.Request, kind: str, door: Door) -> web.StreamRespo
                     resp, status = await answer
             except TimeoutError:
                 status = 504
-                resp = await _timed_out(opened.get("stream"), door.timeout, kind == "responses")
+                resp = await _timed_out(opened, door.timeout, kind == "responses")
         return resp
     except APIError as e:
         status = e.status
@@ -115,12 +115,14 @@ async def handle(request: web.Request, kind: str, door: Door) -> web.StreamRespo
         door.close(request, source, status, time.monotonic() - t0)
 
 
-async def _timed_out(resp, limit: float, responses: bool) -> web.StreamResponse:
-    """The 504 of a request past its timeout: a JSON error, or an error event ending a stream already open."""
+async def _timed_out(opened: dict, limit: float, responses: bool) -> web.StreamResponse:
+    """The 504 of a request past its timeout: a JSON error, or an error event ending a stream already open
+    (``opened``: answer_stream's record of it)."""
     body = error_body(f"the request took longer than --request-timeout ({limit:g} s)", "timeout")
+    resp = opened.get("stream")
     if resp is None:
         return json_response(body, 504)
-    await resp.write(sse(body, responses))
+    await resp.write(_event(body, responses, opened))
     if not responses:
         await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
@@ -157,16 +159,24 @@ async def answer_single(source) -> tuple[web.Response, int]:
     return json_response(data, status, retry_headers(status)), status
 
 
-def sse(data: dict, responses: bool) -> bytes:
+def sse(data: dict, responses: bool, seq: int = 0) -> bytes:
     """One SSE event; a Responses stream names its events (``event: TYPE``), as OpenAI's does, an error among them
-    (OpenAI's ``error`` event: ``type``, ``code``, ``message``, ``param``; the error object kept beside them, so the
-    openai client raises it as it does on chat streams)."""
+    (OpenAI's ``error`` event: ``type``, ``sequence_number`` (``seq``: the one after the stream's last event),
+    ``code``, ``message``, ``param``; the error object kept beside them, so the openai client raises it as it does
+    on chat streams)."""
     if responses and "type" not in data and isinstance(data.get("error"), dict):
         e = data["error"]
-        data = {"type": "error", "code": e.get("code") or e.get("type"), "message": e.get("message"),
-                "param": e.get("param"), "error": e}
+        data = {"type": "error", "sequence_number": seq, "code": e.get("code") or e.get("type"),
+                "message": e.get("message"), "param": e.get("param"), "error": e}
     head = b"event: " + data["type"].encode() + b"\n" if responses and isinstance(data.get("type"), str) else b""
     return head + b"data: " + orjson.dumps(data) + b"\n\n"
+
+
+def _event(data: dict, responses: bool, opened: dict) -> bytes:
+    """:func:`sse` of one event of a stream, numbering an error event after the stream's last (``opened["seq"]``)."""
+    if responses and isinstance(data.get("sequence_number"), int):
+        opened["seq"] = data["sequence_number"] + 1
+    return sse(data, responses, opened.get("seq", 0))
 
 
 async def answer_stream(request: web.Request, source, responses: bool = False,
@@ -177,13 +187,14 @@ async def answer_stream(request: web.Request, source, responses: bool = False,
     resp = None
     held: list[tuple[int, dict]] = []
     status = 200
+    opened = {} if opened is None else opened
     async for attempt, event, st, data, end in source:
         if held and attempt is not None and held[0][0] != attempt:
             held = []       # a re-dispatch: what the failed attempt held back is void
         if event == "error":
             if resp is None:
                 return json_response(data, st, retry_headers(st)), st
-            await resp.write(sse(data, responses))
+            await resp.write(_event(data, responses, opened))
             status = st
         elif event == "chunk":
             if resp is None and not meaningful(data):
@@ -192,7 +203,7 @@ async def answer_stream(request: web.Request, source, responses: bool = False,
                 if resp is None:
                     resp = await _open_stream(request, source, held, responses, opened)
                     held = []
-                await resp.write(sse(data, responses))
+                await resp.write(_event(data, responses, opened))
         if end:
             break
     if resp is None:
@@ -209,10 +220,10 @@ async def _open_stream(request: web.Request, source, held: list, responses: bool
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                        "X-Accel-Buffering": "no"})
     await resp.prepare(request)
-    if opened is not None:
-        opened["stream"] = resp
+    opened = {} if opened is None else opened
+    opened["stream"] = resp
     for _, h in held:
-        await resp.write(sse(h, responses))
+        await resp.write(_event(h, responses, opened))
     return resp
 
 

@@ -17,7 +17,7 @@ import itertools
 import re
 import secrets
 import time
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -351,6 +351,21 @@ class ResponsesInputItem(BaseModel):
 
     _media = field_validator("content", mode="before")(classmethod(lambda cls, v: text_parts_only(v)))
 
+    @model_validator(mode="before")
+    @classmethod
+    def _text_messages_only(cls, data):
+        """An item this server cannot take (a function call's output, a reasoning item, a reference to a stored
+        item, a tool message) is named as such (the union's first branch said "Input should be a valid string")."""
+        if isinstance(data, dict):
+            kind, role = data.get("type", "message"), data.get("role")
+            if kind != "message":
+                raise ValueError(f"input items of type {kind!r} are not supported by this server (messages of "
+                                 f"text only)")
+            if role not in (None, "system", "developer", "user", "assistant"):
+                raise ValueError(f"input messages of role {role!r} are not supported by this server (system, "
+                                 f"developer, user, assistant)")
+        return data
+
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
@@ -366,7 +381,8 @@ RESPONSES_NEUTRAL = {
     "background": (lambda v: v is None or v is False, "false"),
     "text": (lambda v: v is None or (isinstance(v, dict) and v.get("format") in (None, {"type": "text"})),
              '{"format": {"type": "text"}}'),
-    "reasoning": (_empty(dict), "null"),
+    "reasoning": (lambda v: v is None or (isinstance(v, dict) and all(x is None for x in v.values())), "null"),
+    "prompt": (lambda v: v is None, "null (no stored prompt templates)"),
 }
 
 
@@ -380,6 +396,14 @@ class ResponsesRequest(DiffusionFields):
     seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64)
     stream: bool = False
     user: str | None = Field(None, max_length=512)
+    metadata: dict[str, Annotated[str, Field(max_length=512)]] | None = Field(None, max_length=16)  # echoed back
+
+    @field_validator("metadata")
+    @classmethod
+    def _metadata_keys(cls, v):
+        if v is not None and any(len(k) > 64 for k in v):
+            raise ValueError("metadata keys are at most 64 characters")
+        return v
 
     @field_validator("input")
     @classmethod
@@ -521,8 +545,9 @@ _ID_BASE = secrets.token_hex(8)      # per process: ids are unique without a ran
 _ID_COUNT = itertools.count()
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{_ID_BASE}{next(_ID_COUNT):08x}"
+def new_id(prefix: str, sep: str = "-") -> str:
+    """A unique id, as OpenAI writes them: ``chatcmpl-...``, ``cmpl-...``; ``resp_...`` (``sep="_"``)."""
+    return f"{prefix}{sep}{_ID_BASE}{next(_ID_COUNT):08x}"
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

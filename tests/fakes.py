@@ -53,7 +53,8 @@ def fake_worker(mode: str, seen: list, cancelled: list | None = None, delay: flo
                 if mode == "die":
                     request.transport.abort()
                     return resp
-                data = dict(CHUNK, choices=[{"index": 0, "text": f"{mode}-{item['kind']}", "finish_reason": "length"}])
+                data = dict(CHUNK, choices=[{"index": 0, "text": f"{mode}-{item['kind']}", "finish_reason": "length"}],
+                            usage={"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7})
                 if held:
                     data["model_version"] = held
                 await resp.write(orjson.dumps({"id": rid, "event": "response", "data": data, "end": True}) + b"\n")

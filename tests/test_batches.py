@@ -338,5 +338,61 @@ async def test_files_and_batches_refuse_bad_input_and_cancel_while_waiting(aioht
         if cur["status"] == "cancelled":
             break
         await asyncio.sleep(0.05)
-    assert cur["status"] == "cancelled" and cur["output_file_id"] and cur["error_file_id"]
-    assert (await client.get(f"/v1/files/{cur['output_file_id']}/content")).status == 200
+    # no line was answered: as OpenAI's, no output or error file (empty ones were made)
+    assert cur["status"] == "cancelled" and cur["output_file_id"] is None and cur["error_file_id"] is None
+    assert cur["model"] is None and cur["usage"] is None
+
+
+async def test_files_pages_and_a_finished_batchs_files_model_and_usage(aiohttp_client, tmp_path):
+    """Found by a review against OpenAI's objects: GET /v1/files took no `limit`, `order` or `after` (every file,
+    always `has_more: false`); a batch whose lines all succeeded had an empty error file (OpenAI: null), and a
+    batch's `model` and `usage` were always null. A fake worker (tests/fakes.py: a test double) answers each line
+    with 3 prompt and 4 completion tokens."""
+    import asyncio
+
+    import aiohttp as _aiohttp
+    from balancer.app import BalancerConfig, make_app
+    from balancer.pool import HealthConfig
+    from tests.fakes import fake_worker, workers
+    async with workers(fake_worker("ok", [])) as urls:
+        cfg = BalancerConfig(worker_urls=urls, files_dir=str(tmp_path / "files"), health=HealthConfig(interval=0.05))
+        client = await aiohttp_client(make_app(cfg))
+        for _ in range(200):
+            if (await (await client.get("/health")).json())["healthy_workers"] == 1:
+                break
+            await asyncio.sleep(0.02)
+        ids = []
+        for n in (3, 2, 1):
+            form = _aiohttp.FormData()
+            form.add_field("purpose", "batch")
+            form.add_field("file", _lines(n).encode(), filename=f"in{n}.jsonl")
+            ids.append((await (await client.post("/v1/files", data=form)).json())["id"])
+            await asyncio.sleep(1.01)                   # created_at is in seconds
+        page = await (await client.get("/v1/files?limit=2")).json()
+        assert [f["id"] for f in page["data"]] == ids[::-1][:2] and page["has_more"] is True
+        assert (page["first_id"], page["last_id"]) == (ids[2], ids[1])
+        rest = await (await client.get(f"/v1/files?limit=2&after={page['last_id']}")).json()
+        assert [f["id"] for f in rest["data"]] == [ids[0]] and rest["has_more"] is False
+        asc = await (await client.get("/v1/files?order=asc")).json()
+        assert [f["id"] for f in asc["data"]] == ids
+        for bad in ("limit=0", "limit=x", "order=up"):
+            r = await client.get("/v1/files?" + bad)
+            assert r.status == 400 and (await r.json())["error"]["param"] == bad.split("=")[0]
+
+        b = await (await client.post("/v1/batches", json={"input_file_id": ids[0], "endpoint": "/v1/completions",
+                                                            "completion_window": "24h"})).json()
+        assert b["model"] is None and b["usage"] is None
+        for _ in range(200):
+            cur = await (await client.get(f"/v1/batches/{b['id']}")).json()
+            if cur["status"] == "completed":
+                break
+            await asyncio.sleep(0.05)
+        assert cur["status"] == "completed" and cur["output_file_id"] and cur["error_file_id"] is None
+        assert cur["model"] == "m" and cur["usage"] == {
+            "input_tokens": 9, "output_tokens": 12, "total_tokens": 21, "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": 0}}
+        listed = [f["id"] for f in (await (await client.get("/v1/files")).json())["data"]]
+        assert cur["output_file_id"] in listed and len(listed) == 4
+        r = await client.get("/v1/batches/x/y")
+        assert r.status == 404 and "/v1/files, /v1/batches" in (await r.json())["error"]["message"]
+        assert "does not serve" not in (await r.json())["error"]["message"]

@@ -281,11 +281,45 @@ async def test_a_responses_stream_past_the_timeout_ends_with_openais_error_event
                                                   "ignore_eos": True, "stream": True})
     text = (await asyncio.wait_for(r.read(), 30)).decode()
     assert r.status == 200 and "response.output_text.delta" in text, text[:300]
-    last = text.strip().split("\n\n")[-1].split("\n")
+    events = text.strip().split("\n\n")
+    last, before = events[-1].split("\n"), orjson.loads(events[-2].split("\n")[1][6:])
     assert last[0] == "event: error" and last[1].startswith("data: ")
     data = orjson.loads(last[1][6:])
     assert data["type"] == "error" and data["code"] == "timeout" and "--request-timeout" in data["message"]
     assert data["error"]["type"] == "timeout"
+    assert data["sequence_number"] == before["sequence_number"] + 1       # (OpenAI's ResponseErrorEvent has one)
+
+
+async def test_responses_objects_as_openai_writes_them(aiohttp_client):
+    """A review against OpenAI's Responses objects: the message cut by max_output_tokens is "incomplete" (it said
+    "completed" inside an incomplete response), ids are resp_... and msg_..., metadata is echoed (it came back {}),
+    `reasoning: {"effort": null}` is taken (refused), a stored prompt template is refused (it was ignored), and an
+    input item that is not a text message is named as such (it was "input: Input should be a valid string")."""
+    client, _ = await ready_client(aiohttp_client)
+    body = {"input": "di vo", "max_output_tokens": 8, "block_length": 8, "ignore_eos": True,
+            "metadata": {"trace": "abc"}, "reasoning": {"effort": None}}
+    r = await client.post("/v1/responses", json=body)
+    assert r.status == 200, await r.text()
+    resp = await r.json()
+    assert resp["status"] == "incomplete" and resp["output"][0]["status"] == "incomplete"
+    assert resp["output"][0]["content"][0]["text"] and resp["metadata"] == {"trace": "abc"}
+    assert resp["id"].startswith("resp_") and resp["output"][0]["id"].startswith("msg_")
+    r = await client.post("/v1/responses", json={**body, "stream": True})
+    events = [orjson.loads(e.split("\n")[1][6:]) for e in (await r.text()).strip().split("\n\n")]
+    done = next(e for e in events if e["type"] == "response.output_item.done")
+    assert done["item"]["status"] == "incomplete" and events[-1]["type"] == "response.completed"
+    assert events[-1]["response"]["output"][0]["status"] == "incomplete"
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    for bad, param, words in (
+            ({"prompt": {"id": "pmpt_1"}}, "prompt", "no stored prompt templates"),
+            ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "input.0",
+             "input items of type 'function_call_output' are not supported"),
+            ({"input": [{"role": "tool", "content": "x"}]}, "input.0", "role 'tool' are not supported"),
+            ({"metadata": {"k" * 65: "v"}}, "metadata", "at most 64 characters"),
+            ({"metadata": {str(i): "v" for i in range(17)}}, "metadata", "")):
+        r = await client.post("/v1/responses", json={**body, **bad})
+        err = (await r.json())["error"]
+        assert r.status == 400 and err["param"] == param and words in err["message"], (bad, err)
 
 
 async def test_the_default_id_is_the_checkpoint_path_and_its_name_an_alias(aiohttp_client):

@@ -11,7 +11,7 @@ from common.protocol import ResponsesRequest
 class ResponsesEvents:
     def __init__(self, req: ResponsesRequest, rid: str, model: str, created: int, emit):
         self.req, self.rid, self.model, self.created, self._emit = req, rid, model, created, emit
-        self.item_id = "msg_" + rid.split("-", 1)[-1]
+        self.item_id = "msg_" + rid.split("_", 1)[-1]
         self.seq = 0
         self.text = ""
         self.finish: str | None = None
@@ -21,7 +21,7 @@ class ResponsesEvents:
     # ------------------------------------------------------------ objects
     def response(self, status: str) -> dict:
         done = status != "in_progress"
-        out = [self.message("completed")] if done else []
+        out = [self.message(status)] if done else []
         incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
         r = self.req
         return {"id": self.rid, "object": "response", "created_at": self.created, "status": status,
@@ -29,11 +29,12 @@ class ResponsesEvents:
                 "instructions": r.instructions, "max_output_tokens": r.max_output_tokens,
                 "temperature": r.temperature if r.temperature is not None else 0.0, "top_p": 1.0,
                 "parallel_tool_calls": False, "tool_choice": "none", "tools": [], "text": {"format": {"type": "text"}},
-                "truncation": "disabled", "metadata": {}, "store": False, "user": r.user,
+                "truncation": "disabled", "metadata": r.metadata or {}, "store": False, "user": r.user,
                 "usage": self._usage() if done else None}
 
     def message(self, status: str) -> dict:
-        content = [self.part()] if status == "completed" else []
+        """The output message; "incomplete" when max_output_tokens cut it, as OpenAI marks it (its text kept)."""
+        content = [self.part()] if status != "in_progress" else []
         return {"type": "message", "id": self.item_id, "status": status, "role": "assistant", "content": content}
 
     def part(self) -> dict:
@@ -82,7 +83,7 @@ class ResponsesEvents:
         if last:
             self._event("response.output_text.done", text=self.text, logprobs=[], **ids)
             self._event("response.content_part.done", part=self.part(), **ids)
-            self._event("response.output_item.done", output_index=0, item=self.message("completed"))
+            self._event("response.output_item.done", output_index=0, item=self.message(self._status()))
             # always response.completed (its response's status says "incomplete" when max_output_tokens cut it):
             # the openai client's responses.stream() finishes only on that event
             self._event("response.completed", last=True, response=self.response(self._status()))

@@ -93,7 +93,7 @@ class Serving:
                 prep = self.prepare("chat", r.chat_body())
             except APIError as e:
                 raise as_responses_error(e) from None
-            prep.responses, prep.rid = r, new_id("resp")
+            prep.responses, prep.rid = r, new_id("resp", "_")
             return prep
         req = req or parse_request(kind, body)
         self.check_version(req.model_version)
