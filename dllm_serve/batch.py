@@ -147,7 +147,9 @@ def run(input_path: str, output_path: str, url: str | None, model_path: str | No
             echo(f"serving {model_path} on {url} for the run (logs in {tmp})")
             server = subprocess.Popen([sys.executable, "-m", "dllm_serve", "serve", "--local", "--model-path",
                                        model_path, "--port", str(port), "--worker-base-port", str(_free_ports(16)),
-                                       "--log-dir", tmp, "--stagger", "0", *serve_args],
+                                       "--log-dir", tmp, "--stagger", "0",
+                                       # its /v1/files folder in the run's (a folder per port under $DLLM_CACHE else)
+                                       "--files-dir", str(Path(tmp) / "files"), *serve_args],
                                       stdout=open(Path(tmp) / "serve.log", "wb"), stderr=subprocess.STDOUT,
                                       start_new_session=True, cwd=ROOT, env={**os.environ, "DLLM_API_KEY": ""})
             try:
