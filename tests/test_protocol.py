@@ -108,12 +108,15 @@ def test_responses_errors(body, param):
 def test_responses_become_chat_requests():
     r = parse_request("responses", {"input": [{"type": "message", "role": "user", "content": [
         {"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]}], "instructions": "sys",
-        "max_output_tokens": 7, "temperature": 0.5, "steps": 4, "stream": True, "store": True, "metadata": {"k": 1}})
+        "max_output_tokens": 7, "temperature": 0.5, "steps": 4, "stream": True, "store": True, "metadata": {"k": "1"}})
     body = r.chat_body()
     assert body["messages"] == [{"role": "system", "content": "sys"}, {"role": "user", "content": "ab"}]
     assert body["max_tokens"] == 7 and body["temperature"] == 0.5 and body["steps"] == 4
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
     assert parse_request("chat", body).max_new_tokens == 7
+    with pytest.raises(APIError) as e:          # metadata is echoed back: string values only, as OpenAI's
+        parse_request("responses", {"input": "x", "metadata": {"k": 1}})
+    assert e.value.status == 400 and e.value.param == "metadata.k"
 
 
 # Issue 29: a neutral-only field takes a JSON number or an empty object/array, never a boolean standing in for one
