@@ -118,6 +118,20 @@ def test_a_read_that_fails_half_way_puts_the_old_weights_back(engine, monkeypatc
     assert engine.version == version and _outputs(engine, cases) == before
 
 
+def test_the_served_checkpoint_may_be_deleted_before_the_next_update(tmp_path):
+    """An RL run keeps only its last step: with the served directory gone, every later update was refused ("model
+    path '.../step_1' is not a directory": the check read the served config again from disk). The served configs
+    are kept from the load."""
+    cases = _cases(2)
+    base, s1, s2 = (shutil.copytree(src, tmp_path / n) for src, n in ((A, "base"), (B, "step_1"), (A, "step_2")))
+    e = Engine.from_pretrained(base, device="cpu")
+    e.reload_weights(s1)
+    shutil.rmtree(s1)
+    shutil.rmtree(base)
+    assert e.reload_weights(s2)["path"] == str(s2.resolve())
+    assert _outputs(e, cases) == _outputs(Engine.from_pretrained(A, device="cpu"), cases)
+
+
 async def test_load_weights_needs_the_api_key(aiohttp_client):
     from balancer.app import BalancerConfig, make_app
     open_ = await aiohttp_client(make_app(BalancerConfig(worker_urls=["http://127.0.0.1:9"])))

@@ -60,6 +60,9 @@ class Engine:
         self.prefix_cache = None    # worker/engine/prefix_cache.py, where it is exact (use_prefix_cache)
         self.path: Path | None = None       # the checkpoint the weights came from (from_pretrained, reload_weights)
         self.version: dict | None = None    # its model_version: {"path", "hash"} (worker/models/checkpoint.py)
+        # the served checkpoint's config.json and generation_config.json, read once (check_weights compares a new
+        # checkpoint with them: the served directory may be gone by then, as an RL run keeps only its last step)
+        self.served_configs: tuple[dict, dict] | None = None
         self.graphs = None          # worker/engine/graphs.py GraphedForward, when the forward replays CUDA graphs
 
     @classmethod
@@ -119,6 +122,7 @@ class Engine:
         engine.use_prefix_cache(prefix_cache_gb)
         engine.graphs = graphs
         engine.path = path
+        engine.served_configs = (config, generation_defaults(path))
         engine.version = model_version(path) if layout is None or ranks is not None else None   # rank 0 reports it
         if group is not None:
             engine.ranks = group
@@ -145,8 +149,9 @@ class Engine:
         if family != self.family:
             raise CheckpointError(f"{str(path)!r} is a {family} checkpoint and this worker serves {self.family}: a "
                                   f"family change needs a restart, not a weight update")
-        for what, old, new in (("config.json", read_config(self.path), read_config(path)),
-                               ("generation_config.json", generation_defaults(self.path), generation_defaults(path))):
+        served = self.served_configs or (read_config(self.path), generation_defaults(self.path))
+        for what, old, new in (("config.json", served[0], read_config(path)),
+                               ("generation_config.json", served[1], generation_defaults(path))):
             keys = sorted(k for k in set(old) | set(new) if k not in self.RELOAD_IGNORED and old.get(k) != new.get(k))
             if keys:
                 raise CheckpointError(f"{str(path)!r}: its {what} differs from the served model's in {keys[:10]}: "
