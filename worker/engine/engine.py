@@ -170,36 +170,54 @@ class Engine:
         weights) is emptied. Returns the new model_version. Call it with no batch running (the worker's scheduler
         is idle). A check that fails changes nothing; a read that fails half-way (an I/O error) puts the old
         weights back, and raises RuntimeError (the engine must not serve) if even that fails. With tensor
-        parallelism every follower rank reloads its shard at the same time, and this returns once each has
-        (RankGroup.wait_ready; one that fails ends the worker, a rank's exit being fatal)."""
+        parallelism every follower rank reloads its shard at the same time and this returns once each has
+        (RankGroup.wait_ready); when any rank's read fails, every rank goes back to the old weights (a follower that
+        cannot put them back exits, which ends the worker)."""
         path = Path(path).resolve()
         self.check_weights(path)
         version = model_version(path)
         if self.ranks is not None:
             self.ranks.send(("reload", str(path)))
         title = FAMILIES[self.family].title
+        mine = None
         try:
             reload_native(self.model, path, title)
         except Exception as e:
             log.error("reloading %s failed half-way (%s): putting the weights of %s back", path, e, self.path)
-            try:
-                reload_native(self.model, self.path, title)
-            except Exception as e2:
-                raise RuntimeError(f"reloading {path} failed ({e}) and the previous weights could not be put back "
-                                   f"({e2})") from e2
-            if self.ranks is not None:        # the followers read the new weights: the old ones back on them too
-                self.ranks.wait_ready(f"the weights of {path}")
-                self.ranks.send(("reload", str(self.path)))
-                self.ranks.wait_ready(f"the weights of {self.path}")
-            raise
-        if self.ranks is not None:            # rank 0 serves once every rank has the new weights
-            self.ranks.wait_ready(f"the weights of {path}")
+            self._put_back(path, e)
+            mine = e
+        if self.ranks is not None:            # rank 0 serves once every rank has the new weights, or none has
+            failed = self.ranks.wait_ready(f"the weights of {path}", failures=True)
+            if failed and mine is None:
+                log.error("tensor-parallel rank %d could not read %s (%s): every rank goes back to %s",
+                          failed[0][0], path, failed[0][1], self.path)
+                self._put_back(path, OSError(failed[0][1]))
+            if failed or mine is not None:    # the followers that read the new weights go back too (all of them,
+                self.ranks.send(("reload", str(self.path)))          # the others' read is the same old weights)
+                back = self.ranks.wait_ready(f"the weights of {self.path}", failures=True)
+                if back:
+                    raise RuntimeError(f"reloading {path} failed and the previous weights could not be put back on "
+                                       f"tensor-parallel rank {back[0][0]} ({back[0][1]})")
+                if mine is None:
+                    raise CheckpointError(f"tensor-parallel rank {failed[0][0]} could not read {str(path)!r} "
+                                          f"({failed[0][1]}); every rank keeps the weights of {str(self.path)!r}")
+        if mine is not None:
+            raise mine
         if self.prefix_cache is not None:
             self.prefix_cache.clear()
         if self.graphs is not None:
             self.graphs.clear()
         self.path, self.version = path, version
         return version
+
+    def _put_back(self, path: Path, error: Exception) -> None:
+        """The weights of ``self.path`` back into the model after ``path`` failed half-way; RuntimeError (the engine
+        must not serve) if even that fails."""
+        try:
+            reload_native(self.model, self.path, FAMILIES[self.family].title)
+        except Exception as e2:
+            raise RuntimeError(f"reloading {path} failed ({error}) and the previous weights could not be put back "
+                               f"({e2})") from e2
 
     @property
     def tensor_parallel(self) -> int:

@@ -93,13 +93,15 @@ class RankGroup:
             except OSError as e:
                 fatal(f"tensor-parallel rank unreachable ({e})")
 
-    def wait_ready(self, what: str, word: str = "ready") -> None:
+    def wait_ready(self, what: str, word: str = "ready", failures: bool = False) -> list[tuple[int, str]]:
         """Wait until every follower says ``word``: "joining" when it is about to join the group, "ready" when it
         has loaded ``what`` (its first checkpoint, another one, new weights), so that rank 0 serves only once every
         rank can (a slow follower would otherwise hold rank 0's first collective for up to --rank-timeout). A
         follower that exits meanwhile, or takes longer than ``startup_timeout`` seconds, fails the load
-        (RuntimeError) at once."""
+        (RuntimeError) at once. ``failures``: new weights a follower could not read (its old ones back) are
+        returned, ``[(rank, message)]``, instead of raised."""
         deadline = time.monotonic() + self.startup_timeout
+        failed = []
         for r, (c, p) in enumerate(zip(self.conns, self.procs), start=1):
             closed = False
             while True:
@@ -110,6 +112,9 @@ class RankGroup:
                         if c.poll(0.2):
                             msg = c.recv()
                             if msg == (word,):
+                                break
+                            if failures and isinstance(msg, tuple) and len(msg) == 2 and msg[0] == "failed":
+                                failed.append((r, str(msg[1])))
                                 break
                             raise RuntimeError(f"tensor-parallel rank {r} is out of step: sent {msg!r}")
                     except (EOFError, OSError):
@@ -122,6 +127,7 @@ class RankGroup:
                     done = f"load {what}" if word == "ready" else "start"
                     raise RuntimeError(f"tensor-parallel rank {r} (pid {p.pid}) did not {done} within "
                                        f"--rank-startup-timeout ({self.startup_timeout:g} s)")
+        return failed
 
     def describe(self) -> list[dict]:
         """/health and /worker-status: every rank, its device and process."""
@@ -321,9 +327,15 @@ def follow(argv: list[str] | None = None) -> int:
                 log.info("rank %d loaded %s", a.rank, path)
                 conn.send(("ready",))
             elif msg[0] == "reload":       # new weights in place (Engine.reload_weights on rank 0, checked there)
-                engine.reload_weights(msg[1])
-                log.info("rank %d reloaded the weights of %s", a.rank, msg[1])
-                conn.send(("ready",))
+                try:
+                    engine.reload_weights(msg[1])
+                except (ValueError, OSError) as e:     # its old weights are back: rank 0 puts every rank back
+                    log.error("rank %d could not read the weights of %s (%s): its old weights are back", a.rank,
+                              msg[1], e)
+                    conn.send(("failed", f"{type(e).__name__}: {e}"))
+                else:
+                    log.info("rank %d reloaded the weights of %s", a.rank, msg[1])
+                    conn.send(("ready",))
             elif msg[0] == "generate":
                 _, requests, early_exit, cancelled, long_row_cost = msg
                 engine.long_row_cost = long_row_cost
