@@ -22,7 +22,7 @@ from aiohttp import web
 
 import click
 
-from balancer.app import BalancerConfig, drain, make_app, start_sites
+from balancer.app import BalancerConfig, drain, make_app, start_sites, worker_urls
 from balancer.batcher import BatchConfig
 from common.config import PORT, setting, to_args
 from common.http import EXIT_PORT_IN_USE, AppRunner
@@ -33,7 +33,8 @@ log = logging.getLogger("dllm.supervisor")
 
 
 def _urls(value: str | None) -> list[str]:
-    return [u for u in (value or "").split(",") if u]
+    """--extra-worker-urls: checked as the balancer's --worker-urls are (a base URL each)."""
+    return worker_urls(value) if value and value.strip(", ") else []
 
 
 def _path(value):
@@ -117,6 +118,7 @@ class WorkerProc:
     log_path: Path
     proc: subprocess.Popen | None = None
     crashes: list[float] = field(default_factory=list)
+    in_a_row: int = 0                   # exits since it was last ready (the restart back-off doubles with them)
     restart_at: float | None = None
     ready: bool = False
     ever_ready: bool = False
@@ -177,7 +179,8 @@ class Supervisor:
         if os.environ.get("SLURM_JOB_ID"):
             info["SLURM_JOB_ID"] = os.environ["SLURM_JOB_ID"]
         if self.fatal:
-            info["SERVER_ERROR"] = self.fatal.replace('"', "'").replace("\n", " ")[:2000]
+            error = self.fatal.replace('"', "'").replace("\n", " ")
+            info["SERVER_ERROR"] = error if len(error) <= 2000 else error[:600] + " ... " + error[-1390:]
         path = self.cfg.server_info_file
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
@@ -212,7 +215,12 @@ class Supervisor:
             args += ["--device", "cpu"]
             if not c.worker.get("threads"):
                 args += ["--threads", str(cpu_share(c.cpu_workers))]
-        logf = open(w.log_path, "ab")
+        try:
+            w.log_path.parent.mkdir(parents=True, exist_ok=True)      # (removed while running: made again)
+            logf = open(w.log_path, "ab")
+        except OSError as e:
+            log.error("worker %d: cannot write its log %s (%s): its output is discarded", w.index, w.log_path, e)
+            logf = open(os.devnull, "ab")
         logf.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} starting worker {w.index} on "
                    f"{'GPU ' + w.gpu if w.gpu is not None else 'CPU'}: {' '.join(args)}\n".encode())
         logf.flush()
@@ -246,7 +254,8 @@ class Supervisor:
         now = time.monotonic()
         w.crashes = [t for t in w.crashes if now - t < self.cfg.crash_window] + [now]
         w.ready = False
-        delay = min(self.cfg.restart_backoff * 2 ** (len(w.crashes) - 1), self.cfg.restart_backoff_max)
+        w.in_a_row += 1
+        delay = min(self.cfg.restart_backoff * 2 ** min(w.in_a_row - 1, 62), self.cfg.restart_backoff_max)
         w.restart_at = now + delay
         tail = log_tail(w.log_path)
         if len(w.crashes) >= self.cfg.crash_loop:
@@ -267,6 +276,11 @@ class Supervisor:
         wanted = [] if c.no_balancer else [(c.host, c.port, "the balancer's port (--port)")]
         wanted += [(c.worker_host, w.port, f"worker {w.index}'s port (--worker-base-port {c.worker_base_port})")
                    for w in self.workers]
+        seen: dict[int, str] = {}
+        for host, port, what in wanted:
+            if port in seen:
+                return f"{what} is {port}, which is also {seen[port]}: choose ports that do not overlap"
+            seen[port] = what
         for host, port, what in wanted:
             try:
                 with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
@@ -280,7 +294,7 @@ class Supervisor:
     async def run(self, stop: asyncio.Event | None = None) -> int:
         stop = stop or asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):   # SIGHUP: its terminal or SSH session closed
             loop.add_signal_handler(sig, stop.set)
         taken = self.taken_ports()
         if taken:                       # before anything starts: one line, no worker, never "ready"
@@ -307,6 +321,7 @@ class Supervisor:
                         self._spawn(w)
                     elif w.proc.poll() is None and not w.ready and await self._probe(session, w):
                         w.ready = w.ever_ready = True
+                        w.in_a_row = 0
                         log.info("worker %d ready after %.1f s", w.index, time.monotonic() - w.started_at)
                 if self.fatal:
                     log.error("giving up: %s", self.fatal)

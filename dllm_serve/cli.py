@@ -283,6 +283,17 @@ def balancer(log_level, **values):
     sys.exit(run(build(BalancerConfig, values, batch=build(BatchConfig, values), health=build(HealthConfig, values))))
 
 
+def _writable_dir(path: Path, flag: str) -> None:
+    """Make ``path`` (a directory) or refuse ``flag`` with one line, before anything starts."""
+    import os
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise click.BadParameter(f"cannot make the directory {str(path)!r}: {e.strerror or e}", param_hint=flag)
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise click.BadParameter(f"the directory {str(path)!r} is not writable", param_hint=flag)
+
+
 def _visible_gpus() -> list[str]:
     """GPUs this process may use, without torch: CUDA_VISIBLE_DEVICES when set, else ``nvidia-smi -L``."""
     import os
@@ -305,13 +316,28 @@ def _gpu_ids(gpus: int | None, gpu_ids: str | None, workers: int | None = None) 
     (CUDA_VISIBLE_DEVICES when set, as under SLURM), else 0..N-1; --workers N: CPU workers; none of them: every
     visible GPU, or one CPU worker when there is none."""
     import os
-    if gpu_ids or gpus:
+    if gpus and gpu_ids is not None:
+        raise click.UsageError("give --gpus or --gpu-ids, not both")
+    if workers is not None and (gpus or gpu_ids is not None):
+        raise click.UsageError("--workers is for CPU workers: give it without --gpus/--gpu-ids")
+    if gpu_ids is not None or gpus:
         visible = _visible_gpus()
         if not visible:
             raise click.BadParameter("this machine shows no GPU (CUDA_VISIBLE_DEVICES unset or empty, no nvidia-smi "
                                      "GPU); use --workers N for CPU workers", param_hint="--gpus/--gpu-ids")
-    if gpu_ids:
-        return [g.strip() for g in gpu_ids.split(",") if g.strip()]
+    if gpu_ids is not None:
+        ids = [g.strip() for g in gpu_ids.split(",")]
+        if not ids or "" in ids:
+            raise click.BadParameter(f"{gpu_ids!r}: expected GPU ids separated by commas, e.g. 0,2,4",
+                                     param_hint="--gpu-ids")
+        if len(set(ids)) < len(ids):
+            raise click.BadParameter(f"{gpu_ids!r} names a GPU twice", param_hint="--gpu-ids")
+        missing = [g for g in ids if g not in visible]
+        if missing:
+            source = "CUDA_VISIBLE_DEVICES lists" if os.environ.get("CUDA_VISIBLE_DEVICES") else "nvidia-smi shows"
+            raise click.BadParameter(f"GPU {missing[0]} is not one of those {source} ({','.join(visible)})",
+                                     param_hint="--gpu-ids")
+        return ids
     if gpus:
         if gpus > len(visible):
             source = "CUDA_VISIBLE_DEVICES lists" if os.environ.get("CUDA_VISIBLE_DEVICES") else "nvidia-smi shows"
@@ -424,6 +450,9 @@ def serve(local, model_path, dcp_path, base_model, gpus, gpu_ids, workers, slurm
                  batch=build(BatchConfig, values), health=build(HealthConfig, values))
     cfg = build(ServeConfig, values, model_path=str(resolved), gpu_ids=ids, cpu_workers=workers or 1, worker=worker,
                 balancer=bcfg, log_level=log_level)
+    _writable_dir(cfg.log_dir, "--log-dir")
+    if cfg.server_info_file is not None:
+        _writable_dir(cfg.server_info_file.parent, "--server-info-file")
     where = "no balancer (workers only)" if cfg.no_balancer else f"balancer on http://{cfg.host}:{cfg.port}"
     click.echo(f"dllm-serve: model {resolved}; {len(ids) if ids else cfg.cpu_workers} "
                f"{'GPU' if ids else 'CPU'} worker(s){f' of {tp} ranks' if tp > 1 else ''}; {where}; logs in "

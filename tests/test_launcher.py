@@ -1,6 +1,7 @@
 """Launcher and operations: model resolution, DCP conversion, the status command, GPU assignment, and
 `dllm-serve serve --local` end to end (supervised workers, restart after kill -9, SIGTERM with nothing left)."""
 import json
+import re
 import os
 import shutil
 import signal
@@ -85,6 +86,15 @@ def test_gpu_ids(monkeypatch):
     assert _gpu_ids(2, None) == ["4", "5"]
     with pytest.raises(click.BadParameter, match="--gpus 5 but CUDA_VISIBLE_DEVICES lists 4"):
         _gpu_ids(5, None)
+    # conflicting or impossible GPU flags were taken silently (a review): --workers or --gpus ignored, a GPU twice,
+    # one not visible (its worker crash-looped), "," (no worker at all, yet "running")
+    assert _gpu_ids(None, "6,4") == ["6", "4"]
+    for args, words in (((2, "4"), "not both"), ((None, "4", 3), "--workers is for CPU workers"),
+                        ((1, None, 3), "--workers is for CPU workers"), ((None, "4,4"), "names a GPU twice"),
+                        ((None, "9"), "GPU 9 is not one of those CUDA_VISIBLE_DEVICES lists (4,5,6,7)"),
+                        ((None, ","), "expected GPU ids"), ((None, ""), "expected GPU ids")):
+        with pytest.raises(click.UsageError, match=re.escape(words)):
+            _gpu_ids(*args)
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.setattr("shutil.which", lambda name: None)    # no nvidia-smi: no GPU, checked before launch
     for gpus, ids in ((2, None), (None, "0,1")):

@@ -20,8 +20,8 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from common.http import (BODY_BUDGET, EXIT_PORT_IN_USE, MAX_BATCH_BYTES, AppRunner, BodyBudget, json_response,
-                         middlewares, read_body, read_bytes, settle_gc)
+from common.http import (BODY_BUDGET, EXIT_PORT_IN_USE, MAX_BATCH_BYTES, SHUTDOWN_GRACE, AppRunner, BodyBudget,
+                         json_response, middlewares, read_body, read_bytes, settle_gc)
 from common.metrics import RequestMetrics
 from common.openai_http import add_routes
 from common.protocol import MAX_DEPTH, APIError, error_body, loads
@@ -479,45 +479,51 @@ async def metrics(request: web.Request) -> web.Response:
 
 # ---------------------------------------------------------------- app and lifecycle
 async def _load(app: web.Application) -> None:
-    """Load the model off the event loop; /health says 'loading' meanwhile."""
-    from worker.scheduler import RowScheduler
-    from worker.engine import Engine, GenerationParams
-    from worker.serving import Defaults, Serving
+    """Load the model off the event loop; /health says 'loading' meanwhile. Any failure, an import's included (a
+    broken torch install), is one line and ends the process (status 1): it stayed "loading" for ever."""
     state = app[STATE]
-    c = state.config
     try:
-        import torch
-        if c.threads:
-            torch.set_num_threads(c.threads)
-        state.cpu_threads = torch.get_num_threads()
-        if c.simulate_device is not None:
-            from worker.simulated import SimulatedEngine
-            engine = await asyncio.get_running_loop().run_in_executor(
-                None, lambda: SimulatedEngine(c.model_path, *c.simulate_device, per_step=c.simulate_per_step))
-        else:
-            engine = await asyncio.get_running_loop().run_in_executor(
-                None, lambda: Engine.from_pretrained(c.model_path, device=c.device, dtype=c.dtype,
-                                                      compile=c.compile, tensor_parallel=c.tensor_parallel_size,
-                                                      rank_timeout=c.rank_timeout,
-                                                      rank_startup_timeout=c.rank_startup_timeout,
-                                                      prefix_cache_gb=c.prefix_cache_gb,
-                                                      cuda_graphs=c.cuda_graphs, cuda_graph_max=c.cuda_graph_max,
-                                                      cuda_graph_max_tokens=c.cuda_graph_max_tokens))
-        engine.long_row_cost = c.long_row_cost          # fair share in the step loop (worker.engine.engine._Batch)
-        from worker.models import DEFAULT_ALGORITHM
-        from worker.models.checkpoint import default_max_new_tokens
-        if c.default_max_tokens is None:
-            c.default_max_tokens = default_max_new_tokens(c.model_path, 256)
-        if c.default_algorithm is None:
-            c.default_algorithm = DEFAULT_ALGORITHM.get(engine.family, "basic")
-        engine.plan([1], GenerationParams(algorithm=c.default_algorithm,
-                                          block_length=engine.default_block_length or c.default_block_length))
+        await _start(app)
     except Exception as e:      # one line (the traceback at --log-level debug): the process then exits 1
         log.error("model load failed: %s: %s", type(e).__name__, e)
         log.debug("model load failed", exc_info=True)
         state.status, state.error = "failed", f"{type(e).__name__}: {e}"
         app[LOAD_FAILED].set()
-        return
+
+
+async def _start(app: web.Application) -> None:
+    state = app[STATE]
+    c = state.config
+    from worker.scheduler import RowScheduler
+    from worker.engine import Engine, GenerationParams
+    from worker.serving import Defaults, Serving
+    import torch
+    if c.threads:
+        torch.set_num_threads(c.threads)
+    state.cpu_threads = torch.get_num_threads()
+    if c.simulate_device is not None:
+        from worker.simulated import SimulatedEngine
+        engine = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: SimulatedEngine(c.model_path, *c.simulate_device, per_step=c.simulate_per_step))
+    else:
+        engine = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: Engine.from_pretrained(c.model_path, device=c.device, dtype=c.dtype,
+                                                  compile=c.compile, tensor_parallel=c.tensor_parallel_size,
+                                                  rank_timeout=c.rank_timeout,
+                                                  rank_startup_timeout=c.rank_startup_timeout,
+                                                  prefix_cache_gb=c.prefix_cache_gb,
+                                                  cuda_graphs=c.cuda_graphs, cuda_graph_max=c.cuda_graph_max,
+                                                  cuda_graph_max_tokens=c.cuda_graph_max_tokens))
+    engine.long_row_cost = c.long_row_cost          # fair share in the step loop (worker.engine.engine._Batch)
+    state.cpu_threads = torch.get_num_threads()     # (CPU tensor parallelism shares them out among the ranks)
+    from worker.models import DEFAULT_ALGORITHM
+    from worker.models.checkpoint import default_max_new_tokens
+    if c.default_max_tokens is None:
+        c.default_max_tokens = default_max_new_tokens(c.model_path, 256)
+    if c.default_algorithm is None:
+        c.default_algorithm = DEFAULT_ALGORITHM.get(engine.family, "basic")
+    engine.plan([1], GenerationParams(algorithm=c.default_algorithm,
+                                      block_length=engine.default_block_length or c.default_block_length))
     batcher = RowScheduler(engine, batch_size=c.batch_size, max_wait_time=c.max_wait_time, max_queue=c.max_queue,
                       continuous=c.continuous_batching, max_batch_tokens=c.max_batch_tokens,
                       switch_wait=c.switch_wait, long_row_cost=c.long_row_cost, long_row_share=c.long_row_share)
@@ -606,6 +612,13 @@ async def serve(config: WorkerConfig) -> int:
                        return_when=asyncio.FIRST_COMPLETED)
     state = app[STATE]
     code = 1 if failed.is_set() else 0
+    # a bound on the whole exit: a thread stuck in the device or a read (a hung file system while loading) would
+    # hold the executor's shutdown for ever, and an orphaned worker with it (its supervisor gone)
+    limit = config.drain_timeout + 2 * SHUTDOWN_GRACE
+    import threading
+    timer = threading.Timer(limit, _exit_now, args=(limit,))
+    timer.daemon = True
+    timer.start()
     if not failed.is_set():
         state.status = "draining"
         log.info("draining (up to %.0f s)", config.drain_timeout)
@@ -622,6 +635,13 @@ async def serve(config: WorkerConfig) -> int:
             await asyncio.sleep(0)
     await runner.cleanup()
     return code
+
+
+def _exit_now(limit: float) -> None:
+    log.error("the worker did not end within %.0f s of its stop (--drain-timeout + %.0f s): exiting now", limit,
+              2 * SHUTDOWN_GRACE)
+    logging.shutdown()
+    os._exit(1)
 
 
 def run(config: WorkerConfig) -> int:

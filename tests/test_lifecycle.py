@@ -1,0 +1,142 @@
+"""The launcher's and the worker's lifecycle, as a review found it (2026-11-27): overlapping ports, the restart
+back-off, a log directory removed while running, SIGHUP, a worker whose imports fail or whose load hangs, and
+launch options checked before anything starts."""
+import os
+import signal
+import subprocess
+import sys
+import time
+from types import SimpleNamespace
+
+import pytest
+from click.testing import CliRunner
+
+from balancer.supervisor import ServeConfig, Supervisor
+from dllm_serve.cli import main as cli
+from tests.conftest import TINY_LLADA
+from tests.helpers import DLLM, ROOT, free_port, get_json
+
+
+def _supervisor(tmp_path, **kw) -> Supervisor:
+    return Supervisor(ServeConfig(model_path=str(TINY_LLADA), log_dir=tmp_path / "logs", **kw))
+
+
+def test_ports_that_overlap_fail_the_launch_at_once(tmp_path):
+    """--port inside the workers' ports: the balancer served, took worker 1's port and the launch failed 9 s later
+    naming "another server"; it is refused before anything starts, naming both."""
+    sup = _supervisor(tmp_path, port=44002, worker_base_port=44001, cpu_workers=2)
+    assert sup.taken_ports() == ("worker 1's port (--worker-base-port 44001) is 44002, which is also the "
+                                 "balancer's port (--port): choose ports that do not overlap")
+
+
+def test_the_restart_back_off_doubles_per_crash_in_a_row(tmp_path):
+    """It doubled per crash within --crash-window, so a worker crashing every 8 s with a 15 s window waited 2, 4,
+    4, 4, ... s for ever; now it doubles per crash since the worker was last ready, up to --restart-backoff-max."""
+    sup = _supervisor(tmp_path, restart_backoff=1.0, restart_backoff_max=30.0, crash_window=0.001, crash_loop=100)
+    w = sup.workers[0]
+    w.proc = SimpleNamespace(returncode=1)
+    delays = []
+    for _ in range(7):
+        t0 = time.monotonic()
+        sup._on_exit(w)
+        delays.append(round(w.restart_at - t0))
+        time.sleep(0.002)                    # past the crash window: the window no longer resets the back-off
+    assert delays == [1, 2, 4, 8, 16, 30, 30]
+    w.in_a_row = 0                           # (what a ready worker does)
+    sup._on_exit(w)
+    assert round(w.restart_at - time.monotonic()) == 1
+
+
+def test_a_log_directory_removed_while_running_is_made_again_at_a_restart(tmp_path, monkeypatch):
+    """It raised FileNotFoundError out of the supervisor's loop: every worker and the balancer went down."""
+    import shutil
+
+    import balancer.supervisor as sv
+    sup = _supervisor(tmp_path)
+    started = []
+    monkeypatch.setattr(sv.subprocess, "Popen", lambda args, **kw: started.append(args) or SimpleNamespace(pid=1))
+    shutil.rmtree(tmp_path / "logs")
+    sup._spawn(sup.workers[0])
+    assert started and "starting worker 0" in (tmp_path / "logs" / "worker-0.log").read_text()
+
+
+@pytest.mark.parametrize("flag, value, words", [
+    ("--log-dir", "afile/x", "--log-dir"), ("--server-info-file", "afile/info", "--server-info-file"),
+    ("--extra-worker-urls", "notaurl", "expected a base URL")])
+def test_launch_options_that_cannot_work_are_one_line_before_anything_starts(tmp_path, flag, value, words):
+    """An unwritable --log-dir or --server-info-file was a traceback; --extra-worker-urls took anything (a worker
+    "notaurl" stayed "starting" for ever)."""
+    (tmp_path / "afile").write_text("a file, not a directory")
+    arg = str(tmp_path / value) if "/" in value else value
+    r = CliRunner().invoke(cli, ["serve", "--local", "--model-path", str(TINY_LLADA), flag, arg,
+                                 "--port", str(free_port()), "--worker-base-port", str(free_port())])
+    assert r.exit_code == 2 and words in r.output and "Traceback" not in r.output, r.output
+
+
+def test_a_worker_whose_imports_fail_exits_with_one_line(tmp_path):
+    """A broken torch install (a test double: a `torch` package that raises on import) left the worker "loading"
+    for ever with nothing in its log, and serve waited --startup-timeout (30 min) for it."""
+    (tmp_path / "torch").mkdir()
+    (tmp_path / "torch" / "__init__.py").write_text("raise ImportError('libtorch_cuda.so: cannot open (test double)')")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    p = subprocess.run([*DLLM, "worker", "--model-path", str(TINY_LLADA), "--port", str(free_port()),
+                        "--device", "cpu"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and "model load failed: ImportError: libtorch_cuda.so" in p.stderr, p.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_a_worker_whose_load_hangs_still_ends_after_sigterm(tmp_path):
+    """A read that never returns (a test double for a hung file system: every .safetensors open blocks) held the
+    worker's exit for ever after SIGTERM, so it outlived its supervisor as an orphan. The exit is bounded:
+    --drain-timeout + 10 s."""
+    (tmp_path / "sitecustomize.py").write_text(
+        "import builtins, io, time\n_open = io.open\n"
+        "def blocking(f, *a, **k):\n"
+        "    if str(f).endswith('.safetensors'):\n        time.sleep(10**6)\n"
+        "    return _open(f, *a, **k)\n"
+        "builtins.open = io.open = blocking\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    port = free_port()
+    p = subprocess.Popen([*DLLM, "worker", "--model-path", str(TINY_LLADA), "--port", str(port), "--device", "cpu",
+                          "--drain-timeout", "1"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if get_json(f"http://127.0.0.1:{port}/health")[1]["status"] == "loading":
+                    break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline and p.poll() is None
+            time.sleep(0.2)
+        time.sleep(1)
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(40) == 1 and time.monotonic() - t0 < 30
+        assert "did not end within 11 s of its stop" in p.stdout.read()
+    finally:
+        if p.poll() is None:
+            p.kill()
+
+
+@pytest.mark.slow
+def test_sighup_stops_serve_as_sigterm_does(tmp_path):
+    """SIGHUP (its terminal or SSH session closed) killed the supervisor without a drain and left the server-info
+    file saying "running" with a dead pid."""
+    info = tmp_path / "info"
+    p = subprocess.Popen([*DLLM, "serve", "--local", "--model-path", str(TINY_LLADA), "--port", str(free_port()),
+                          "--worker-base-port", str(free_port()), "--stagger", "0", "--log-dir", str(tmp_path / "l"),
+                          "--server-info-file", str(info)], cwd=ROOT, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 90
+        while 'SERVER_STATUS="running"' not in (info.read_text() if info.exists() else ""):
+            assert time.monotonic() < deadline and p.poll() is None
+            time.sleep(0.2)
+        p.send_signal(signal.SIGHUP)
+        assert p.wait(60) == 0
+        assert 'SERVER_STATUS="stopped"' in info.read_text()
+    finally:
+        if p.poll() is None:
+            p.kill()
