@@ -303,3 +303,44 @@ async def test_a_refused_update_stops_nothing_and_a_pinned_request_waits_for_the
         assert (await update).status == 200 and (await running).status == 200
     finally:
         await worker.close()
+
+
+async def test_one_load_at_a_time_and_a_client_that_leaves_does_not_end_it(aiohttp_client):
+    """A review: two overlapping POST /worker/load_weights both ran (the first to end said "ready" while the other
+    loaded on), and a client leaving mid-load set "ready" at once while the load went on in the device thread, so
+    a request pinned to the old weights was answered by the new ones. The load here is slowed (a test double:
+    1.5 s before the real reload)."""
+    import asyncio
+
+    from common.worker_config import WorkerConfig
+    from worker.app import STATE, make_app
+    client = await aiohttp_client(make_app(WorkerConfig(model_path=str(A), device="cpu")),
+                                  server_kwargs={"handler_cancellation": True})
+    for _ in range(600):
+        if (await (await client.get("/health")).json())["status"] == "ready":
+            break
+        await asyncio.sleep(0.05)
+    engine = client.server.app[STATE].engine
+    real = engine.reload_weights
+    engine.reload_weights = lambda path: (time.sleep(1.5), real(path))[1]
+    first = asyncio.create_task(client.post("/worker/load_weights", json={"model_path": str(B)}))
+    await asyncio.sleep(0.3)
+    second = await client.post("/worker/load_weights", json={"model_path": str(A)})
+    assert second.status in (409, 503), await second.text()          # refused, never interleaved
+    assert (await (await first).json())["model_version"]["path"] == str(B)
+    health = await (await client.get("/health")).json()
+    assert health["status"] == "ready" and health["model_version"]["path"] == str(B)
+
+    with pytest.raises(asyncio.TimeoutError):                        # this client leaves mid-load
+        await asyncio.wait_for(client.post("/worker/load_weights", json={"model_path": str(A)}), 0.5)
+    await asyncio.sleep(0.3)
+    health = await (await client.get("/health")).json()
+    assert health["status"] == "updating" and health["model_version"]["path"] == str(B)
+    r = await client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2})
+    assert r.status == 503                                           # not admitted while the load goes on
+    for _ in range(100):
+        health = await (await client.get("/health")).json()
+        if health["status"] == "ready":
+            break
+        await asyncio.sleep(0.05)
+    assert health["status"] == "ready" and health["model_version"]["path"] == str(A)

@@ -79,6 +79,7 @@ class WorkerState:
     cpu_threads: int | None = None              # torch intra-op threads (/health; --threads)
     launch_id: str | None = field(default_factory=lambda: os.environ.get("DLLM_LAUNCH_ID") or None)
     prep_pool: ThreadPoolExecutor | None = None  # tokenises large bodies off the event loop (off_loop)
+    loading_weights: str | None = None           # the path a POST /worker/load_weights is loading (one at a time)
 
     @property
     def model_names(self) -> list[str]:
@@ -310,7 +311,9 @@ async def worker_load_weights(request: web.Request) -> web.Response:
     """POST /worker/load_weights {"model_path": DIR}: new weights in place (Engine.reload_weights). The worker stops
     admitting (503, /health status "updating"), lets every queued and running row finish on the old weights (at
     most ``timeout`` seconds, default --load-timeout), loads, and admits again. A checkpoint that cannot replace the
-    weights (another family, config, shapes or tokenizer; a bad path) is a 400 and changes nothing."""
+    weights (another family, config, shapes or tokenizer; a bad path) is a 400 and changes nothing. One load at a
+    time (409 for another meanwhile); a client that leaves does not end the load: the worker admits again only once
+    it is over (it said "ready" while a load ran on, and a request pinned to the old weights got the new ones)."""
     state = request.app[STATE]
     require_ready(state)
     body = loads(await read_bytes(request))
@@ -323,17 +326,25 @@ async def worker_load_weights(request: web.Request) -> web.Response:
     engine, loop = state.engine, asyncio.get_running_loop()
     if not hasattr(engine, "reload_weights"):
         raise APIError(400, "this worker cannot load new weights")
+    check_only = body.get("check_only") is True      # the balancer asks before it stops any worker: which weights
+    if not check_only:
+        require_ready(state)              # (it may have changed while the body was read)
+        if state.loading_weights is not None:
+            raise APIError(409, f"new weights are already being loaded ({state.loading_weights})",
+                           code="update_in_progress")
+        state.loading_weights = path      # taken before any wait: a second load is refused, never interleaved
+    handed_over = False
     try:
-        await loop.run_in_executor(None, engine.check_weights, path)       # before anything stops
-        if body.get("check_only") is True:      # the balancer asks before it stops any worker: which weights
-            from worker.models.checkpoint import model_version
-            version = await loop.run_in_executor(None, model_version, os.path.abspath(path))
-            return json_response({"model_version": version, "checked": True})
-    except (ValueError, OSError) as e:
-        raise APIError(400, f"cannot load {path!r}: {e}", param="model_path")
-    state.status = "updating"
-    t0 = time.monotonic()
-    try:
+        try:
+            await loop.run_in_executor(None, engine.check_weights, path)       # before anything stops
+            if check_only:
+                from worker.models.checkpoint import model_version
+                version = await loop.run_in_executor(None, model_version, os.path.abspath(path))
+                return json_response({"model_version": version, "checked": True})
+        except (ValueError, OSError) as e:
+            raise APIError(400, f"cannot load {path!r}: {e}", param="model_path")
+        state.status = "updating"
+        t0 = time.monotonic()
         try:
             async with asyncio.timeout(timeout):
                 while state.batcher.pending or state.batcher.running:
@@ -342,19 +353,53 @@ async def worker_load_weights(request: web.Request) -> web.Response:
             raise APIError(503, f"rows were still running after {timeout:g} s: the weights were not changed",
                            headers={"Retry-After": "5"})
         log.info("loading new weights from %s", path)
-        try:      # on the device thread, like every forward
-            version = await loop.run_in_executor(state.batcher._executor, engine.reload_weights, path)
+        # on the device thread, like every forward; shielded: a client that leaves does not end it
+        load = loop.run_in_executor(state.batcher._executor, engine.reload_weights, path)
+        try:
+            version = await asyncio.shield(load)
+        except asyncio.CancelledError:
+            handed_over = True           # the load goes on: its end sets the status (_weights_loaded)
+            load.add_done_callback(lambda f: _weights_loaded(request.app, path, t0, f))
+            raise
         except (ValueError, OSError) as e:
             raise APIError(400, f"cannot load {path!r}: {e}", param="model_path")
         except RuntimeError as e:          # the old weights could not be put back: this process must not serve
-            state.status, state.error = "failed", str(e)
-            request.app[LOAD_FAILED].set()
+            _load_failed(request.app, e)
             raise APIError(500, str(e))
         log.info("serving new weights %s (%s) after %.1f s", version["hash"], version["path"], time.monotonic() - t0)
         return json_response({"model_version": version, "seconds": round(time.monotonic() - t0, 3)})
     finally:
-        if state.status == "updating":
-            state.status = "ready"
+        if not handed_over:
+            _load_over(state, check_only)
+
+
+def _load_over(state: WorkerState, check_only: bool) -> None:
+    if not check_only:
+        state.loading_weights = None
+    if state.status == "updating":
+        state.status = "ready"
+
+
+def _load_failed(app: web.Application, e: Exception) -> None:
+    state = app[STATE]
+    state.status, state.error = "failed", str(e)
+    app[LOAD_FAILED].set()
+
+
+def _weights_loaded(app: web.Application, path: str, t0: float, f: asyncio.Future) -> None:
+    """The end of a load whose client left (worker_load_weights): the worker admits again now."""
+    state = app[STATE]
+    e = None if f.cancelled() else f.exception()
+    if isinstance(e, RuntimeError):
+        log.error("%s", e)
+        _load_failed(app, e)
+    elif e is not None:
+        log.error("loading %s failed (its client had left): %s; the old weights are kept", path, e)
+    else:
+        v = f.result()
+        log.info("serving new weights %s (%s) after %.1f s (its client had left)", v["hash"], v["path"],
+                 time.monotonic() - t0)
+    _load_over(state, False)
 
 
 # ---------------------------------------------------------------- status endpoints
