@@ -298,7 +298,13 @@ async def load_weights(request: web.Request) -> web.Response:
             path = await asyncio.to_thread(resolve_model, model_path, False)
     except (ResolveError, RuntimeError, OSError) as e:
         raise APIError(400, str(e), param="dcp_path" if dcp_path is not None else "model_path")
-    return json_response(await state.weights.load(str(path), mode, float(timeout)))
+    # shielded: a client that leaves (Ctrl-C of `dllm-serve load-weights`) does not stop an update half-way (workers
+    # on both weights, the failed update's put-back skipped and nothing recorded); it ends as it would have
+    update = asyncio.ensure_future(state.weights.load(str(path), mode, float(timeout)))
+    state.weights.updates.add(update)
+    update.add_done_callback(state.weights.updates.discard)
+    update.add_done_callback(lambda f: f.cancelled() or f.exception())      # (retrieved: no "never retrieved")
+    return json_response(await asyncio.shield(update))
 
 
 # ---------------------------------------------------------------- status endpoints

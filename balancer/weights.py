@@ -54,6 +54,7 @@ class WeightUpdates:
         self.toward: str | None = None       # the hash a running update brings (known once its first load succeeds)
         self.last: dict | None = None        # how the last update ended
         self._lock = asyncio.Lock()
+        self.updates: set = set()            # updates running on (balancer/app.py load_weights: shielded tasks)
         self._sync_task: asyncio.Task | None = None
         self._sync_failed: set = set()         # worker processes (instance ids) the sync could not bring
 
@@ -223,9 +224,10 @@ class WeightUpdates:
         self._sync_task = asyncio.create_task(self._sync_loop(), name="weights-sync")
 
     async def close(self) -> None:
-        if self._sync_task:
-            self._sync_task.cancel()
-            await asyncio.gather(self._sync_task, return_exceptions=True)
+        for task in [self._sync_task, *self.updates]:     # (an update whose client left, at shutdown)
+            if task is not None:
+                task.cancel()
+        await asyncio.gather(*(t for t in [self._sync_task, *self.updates] if t is not None), return_exceptions=True)
 
     async def _sync_loop(self) -> None:
         while True:

@@ -344,3 +344,40 @@ async def test_one_load_at_a_time_and_a_client_that_leaves_does_not_end_it(aioht
             break
         await asyncio.sleep(0.05)
     assert health["status"] == "ready" and health["model_version"]["path"] == str(A)
+
+
+async def test_an_update_whose_client_leaves_ends_as_it_would_have(aiohttp_client):
+    """A review: Ctrl-C of `dllm-serve load-weights` (the balancer's handler cancelled) stopped the update half-way:
+    workers on both weights, no put-back, nothing in last_update. The update is shielded from its client: it goes
+    on, ends, and is recorded. The worker's load is slowed (a test double: 1.5 s before the real reload)."""
+    import asyncio
+
+    from aiohttp.test_utils import TestServer
+    from balancer.app import STATE as BALANCER, BalancerConfig, make_app as balancer_app
+    from worker.app import STATE, WorkerConfig, make_app as worker_app
+    worker = TestServer(worker_app(WorkerConfig(model_path=str(A), device="cpu")))
+    await worker.start_server()
+    try:
+        client = await aiohttp_client(balancer_app(BalancerConfig(worker_urls=[str(worker.make_url("")).rstrip("/")],
+                                                                  api_key="k")),
+                                      server_kwargs={"handler_cancellation": True})
+        auth = {"Authorization": "Bearer k"}
+        for _ in range(600):
+            if (await (await client.get("/health")).json()).get("healthy_workers") == 1:
+                break
+            await asyncio.sleep(0.05)
+        engine = worker.app[STATE].engine
+        real = engine.reload_weights
+        engine.reload_weights = lambda path: (time.sleep(1.5), real(path))[1]
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(client.post("/v1/load_weights", json={"model_path": str(B)}, headers=auth), 0.7)
+        weights = client.server.app[BALANCER].weights
+        for _ in range(100):
+            if weights.last is not None:
+                break
+            await asyncio.sleep(0.05)
+        assert weights.last and weights.last["ok"] and weights.target["path"] == str(B)
+        r = await client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}, headers=auth)
+        assert r.status == 200 and (await r.json())["model_version"]["path"] == str(B)
+    finally:
+        await worker.close()
