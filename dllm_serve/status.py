@@ -2,6 +2,7 @@
 a live view (``--monitor``), or JSON. Exit code: 0 all workers healthy, 1 degraded, 2 down or unreachable."""
 from __future__ import annotations
 
+import http.client
 import json
 import time
 import urllib.error
@@ -23,8 +24,12 @@ def fetch(url: str, timeout: float = 5.0) -> dict:
         for key, path in (("worker_status", "/worker-status"), ("stats", "/stats")):
             with urllib.request.urlopen(url.rstrip("/") + path, timeout=timeout) as r:
                 out[key] = json.loads(r.read())
-    except (urllib.error.URLError, OSError, ValueError) as e:
-        return {"error": f"{url} unreachable: {getattr(e, 'reason', e)}"}
+    except (urllib.error.URLError, OSError, ValueError, http.client.HTTPException) as e:
+        return {"error": f"{url} unreachable: {getattr(e, 'reason', None) or type(e).__name__ + ': ' + str(e)}"}
+    ws = out.get("worker_status")
+    if not (isinstance(ws, dict) and isinstance(ws.get("workers"), list) and "healthy_workers" in ws
+            and "total_workers" in ws and isinstance(out.get("stats"), dict)):
+        return {"error": f"{url} is not a dllm-serve balancer (its /worker-status is not one)"}
     return out
 
 

@@ -242,6 +242,44 @@ def test_status_unreachable():
     assert res.exit_code == 2 and "unreachable" in res.output
 
 
+def test_status_of_something_that_is_not_a_balancer_is_exit_2(tmp_path):
+    """A port that does not speak HTTP (BadStatusLine) or another JSON server (KeyError: 'system_status') were
+    tracebacks with exit 1 (and ended --monitor); both are exit 2 with one line."""
+    import socket
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    class Other(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.end_headers()
+            self.wfile.write(b'{"status": "ok"}')
+
+        def log_message(self, *a):
+            pass
+    other = ThreadingHTTPServer(("127.0.0.1", 0), Other)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    raw = socket.socket()
+    raw.bind(("127.0.0.1", 0))
+    raw.listen()
+
+    def garbage():
+        conn, _ = raw.accept()
+        conn.recv(1024)
+        conn.sendall(b"hello, not HTTP\r\n\r\n")
+        conn.close()
+    threading.Thread(target=garbage, daemon=True).start()
+    try:
+        for url, words in ((f"http://127.0.0.1:{other.server_address[1]}", "is not a dllm-serve balancer"),
+                           (f"http://127.0.0.1:{raw.getsockname()[1]}", "unreachable: BadStatusLine")):
+            res = CliRunner().invoke(cli, ["status", "--url", url])
+            assert res.exit_code == 2 and words in res.output and "Traceback" not in res.output, res.output
+    finally:
+        other.shutdown()
+        raw.close()
+
+
 # ---------------------------------------------------------------- serve --local, end to end
 def _info(path: Path) -> dict:
     if not path.exists():
