@@ -77,8 +77,15 @@ class WeightUpdates:
         return [self.target["hash"]] + ([self.toward] if self.toward else [])
 
     def servable(self, wanted: str) -> bool:
-        """Some healthy worker holds these weights, or the running update is bringing them."""
-        return wanted == self.toward or any(hash_of(w) == wanted for w in self.pool.workers if w.healthy)
+        """Some healthy worker holds these weights and may take batches (:meth:`routable`), or the running update is
+        bringing them. Once an update has succeeded, a worker on other weights takes none: a request pinned to them
+        (a worker that came back on its launch weights and could not be brought to the update's) waited for its
+        --request-timeout instead of its 409."""
+        if wanted == self.toward:
+            return True
+        if self.target is not None and wanted != self.target["hash"]:
+            return False
+        return any(hash_of(w) == wanted for w in self.pool.workers if w.healthy)
 
     def snapshot(self) -> dict:
         versions: dict[str, dict] = {}

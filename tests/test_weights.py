@@ -381,3 +381,21 @@ async def test_an_update_whose_client_leaves_ends_as_it_would_have(aiohttp_clien
         assert r.status == 200 and (await r.json())["model_version"]["path"] == str(B)
     finally:
         await worker.close()
+
+
+def test_a_pin_to_weights_no_routable_worker_holds_is_refused_not_kept_waiting():
+    """A review: after an update, a worker that came back on its launch weights and could not be synced held them,
+    so a request pinned to them was "servable" and waited (--request-timeout: 30 min), while no batch could ever go
+    to that worker (routable: only the update's weights). servable() now agrees with routable()."""
+    from types import SimpleNamespace
+
+    from balancer.weights import WeightUpdates
+    old, new = SimpleNamespace(healthy=True, updating=False, last_health={"model_version": {"hash": "OLD"}}), \
+        SimpleNamespace(healthy=True, updating=False, last_health={"model_version": {"hash": "NEW"}})
+    updates = WeightUpdates(SimpleNamespace(workers=[old, new]), None, None, {})
+    assert updates.servable("OLD") and updates.servable("NEW") and not updates.servable("X")   # no update yet
+    updates.target = {"hash": "NEW", "path": "/new"}
+    assert not updates.routable(old) and updates.routable(new)
+    assert not updates.servable("OLD") and updates.servable("NEW")
+    updates.toward = "OLD"                   # an update bringing them back: worth waiting for
+    assert updates.servable("OLD")
