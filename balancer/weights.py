@@ -145,7 +145,9 @@ class WeightUpdates:
                 await self._drained([w], timeout)
                 version = await self._load_one(w, path, timeout)
             except APIError as e:
-                await self._put_back(done)
+                # a worker that did not answer in time may still be loading them (a client leaving does not stop
+                # a worker's load): it goes back too, once it has settled
+                await self._put_back(done + ([(w, old)] if e.status == 502 else []))
                 raise APIError(e.status, self._failure(w, e.message, done), param=e.param,
                                code=e.code) from None
             finally:
@@ -168,7 +170,9 @@ class WeightUpdates:
             failed = [(w, r) for w, r in zip(workers, results) if isinstance(r, BaseException)]
             if failed:
                 ok = [(w, old) for w, old, r in zip(workers, olds, results) if not isinstance(r, BaseException)]
-                await self._put_back(ok)
+                unanswered = [(w, old) for w, old, r in zip(workers, olds, results)
+                              if isinstance(r, APIError) and r.status == 502]      # (maybe loading on: back too)
+                await self._put_back(ok + unanswered)
                 w, e = failed[0]
                 msg = e.message if isinstance(e, APIError) else f"{type(e).__name__}: {e}"
                 raise APIError(getattr(e, "status", 502), self._failure(w, msg, ok), param=getattr(e, "param", None))
@@ -213,6 +217,12 @@ class WeightUpdates:
                 continue
             w.updating = True
             try:
+                if not await self._settled(w):
+                    log.error("worker %d is still loading new weights: it could not be put back on %s", w.index,
+                              old["path"])
+                    continue
+                if hash_of(w) == old.get("hash"):
+                    continue                    # (a load that never happened: nothing to put back)
                 await self._drained([w], self.drain_timeout)
                 await self._load_one(w, old["path"], self.drain_timeout)
                 log.info("worker %d put back on %s", w.index, old["path"])
@@ -220,6 +230,25 @@ class WeightUpdates:
                 log.error("worker %d could not be put back on %s: %s", w.index, old["path"], e.message)
             finally:
                 w.updating = False
+
+    async def _settled(self, w: Worker) -> bool:
+        """Wait until ``w``'s /health no longer says "updating" (a load it was asked for and did not answer in time
+        goes on to its end; its model_version is then the one it holds), up to --request-timeout +
+        --weight-load-timeout; False if it still says so then."""
+        deadline = time.monotonic() + self.drain_timeout + self.load_timeout
+        while time.monotonic() < deadline:
+            try:
+                async with self._session().get(w.url + "/health", headers=self.headers,
+                                               timeout=aiohttp.ClientTimeout(total=5)) as r:
+                    data = await r.json(content_type=None)
+            except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
+                return True                     # gone: its restart is the sync's business
+            if not isinstance(data, dict) or data.get("status") != "updating":
+                if isinstance(data, dict) and isinstance(data.get("model_version"), dict):
+                    w.last_health = {**w.last_health, "model_version": data["model_version"]}
+                return True
+            await asyncio.sleep(0.2)
+        return False
 
     @staticmethod
     def _failure(w: Worker, message: str, done: list) -> str:

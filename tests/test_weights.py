@@ -399,3 +399,34 @@ def test_a_pin_to_weights_no_routable_worker_holds_is_refused_not_kept_waiting()
     assert not updates.servable("OLD") and updates.servable("NEW")
     updates.toward = "OLD"                   # an update bringing them back: worth waiting for
     assert updates.servable("OLD")
+
+
+async def test_a_worker_that_did_not_answer_its_load_in_time_is_put_back_once_it_has_loaded(aiohttp_client):
+    """A review: past --weight-load-timeout the balancer answered 502 and left the worker to finish its load on the
+    new weights (the fleet mixed, a failed update said to change nothing). It now waits for the worker to settle and
+    puts it back. The worker's load is slowed (a test double: 3 s before the real reload)."""
+    import asyncio
+
+    from aiohttp.test_utils import TestServer
+    from balancer.app import BalancerConfig, make_app as balancer_app
+    from worker.app import STATE, WorkerConfig, make_app as worker_app
+    worker = TestServer(worker_app(WorkerConfig(model_path=str(A), device="cpu")), handler_cancellation=True)
+    await worker.start_server()
+    try:
+        client = await aiohttp_client(balancer_app(BalancerConfig(
+            worker_urls=[str(worker.make_url("")).rstrip("/")], api_key="k", weight_load_timeout=1)))
+        auth = {"Authorization": "Bearer k"}
+        for _ in range(600):
+            if (await (await client.get("/health")).json()).get("healthy_workers") == 1:
+                break
+            await asyncio.sleep(0.05)
+        engine = worker.app[STATE].engine
+        real = engine.reload_weights
+        engine.reload_weights = lambda path: (time.sleep(3) if Path(path) == B else None, real(path))[1]
+        r = await client.post("/v1/load_weights", json={"model_path": str(B), "timeout": 0.5}, headers=auth)
+        assert r.status == 502, await r.text()
+        assert engine.version["path"] == str(A)          # put back, not left on B
+        r = await client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}, headers=auth)
+        assert r.status == 200 and (await r.json())["model_version"]["path"] == str(A)
+    finally:
+        await worker.close()
