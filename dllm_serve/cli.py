@@ -423,6 +423,14 @@ def serve(local, model_path, dcp_path, base_model, gpus, gpu_ids, workers, slurm
         sys.exit(submit(slurm_script, sys.argv[2:] if len(sys.argv) > 2 else []))
     from balancer.supervisor import run
     from common.resolve import ResolveError, resolve_model
+    if dcp_path:                 # usage errors (exit 2), as --model-path's are; a DCP that cannot convert is exit 1
+        if model_path:
+            raise click.UsageError("give --model-path or --dcp-path (with --base-model), not both")
+        if not base_model:
+            raise click.UsageError("--dcp-path needs --base-model (the checkpoint whose config, tokenizer and tensor "
+                                   "names it uses)")
+        if not Path(dcp_path).is_dir():
+            raise click.BadParameter(f"{dcp_path!r} is not a directory", param_hint="--dcp-path")
     try:
         if dcp_path:
             from common.dcp_cache import ensure_converted

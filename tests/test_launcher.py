@@ -172,6 +172,18 @@ def test_dcp_racing_launches_convert_once(tmp_path):
     assert len({out.strip() for out, _ in outs}) == 1
 
 
+def test_serve_dcp_usage_errors_are_exit_2_as_model_path_ones(tmp_path):
+    """`serve --dcp-path` without --base-model, or with a path that is not a directory, exited 1 ("error:") where
+    the same mistakes with --model-path are usage errors (exit 2)."""
+    (tmp_path / "d").mkdir()
+    for args, words in ((["--dcp-path", str(tmp_path / "d")], "--dcp-path needs --base-model"),
+                        (["--dcp-path", str(tmp_path / "none"), "--base-model", str(TINY_LLADA)], "not a directory"),
+                        (["--dcp-path", str(tmp_path / "d"), "--base-model", str(TINY_LLADA), "--model-path",
+                          str(TINY_LLADA)], "not both")):
+        r = CliRunner().invoke(cli, ["serve", "--local", *args])
+        assert r.exit_code == 2 and words in r.output, r.output
+
+
 def test_dcp_with_wrong_names_is_a_clear_error(tmp_path, monkeypatch):
     import torch
     import torch.distributed.checkpoint as dcp
