@@ -2,6 +2,8 @@
 /v1/load_weights on the balancer (rolling and paused), requests pinned to a version, refused and failed loads that
 change nothing. The two versions are the fixtures tiny-llada and tiny-llada-peaky (the same architecture, config and
 tokenizer, other weights), each with the reference code's goldens."""
+import asyncio
+import contextlib
 import json
 import shutil
 import subprocess
@@ -33,6 +35,32 @@ def _cases(n: int = 3) -> list[dict]:
 
 def _outputs(engine: Engine, cases: list[dict]) -> list[list[int]]:
     return [engine.generate([Request(c["prompt"], params_of(c))], early_exit=False)[0].canvas for c in cases]
+
+
+@contextlib.asynccontextmanager
+async def _balancer_over_one_worker(aiohttp_client, delay=None, worker_server=None, balancer_server=None, **cfg):
+    """A real worker on A behind a balancer with --api-key k, both in this process: (the balancer's client, the
+    worker's app). ``delay(path)``: seconds each reload waits before it runs (a test double for a slow load)."""
+    from aiohttp.test_utils import TestServer
+    from balancer.app import BalancerConfig, make_app as balancer_app
+    from worker.app import STATE, WorkerConfig, make_app as worker_app
+    worker = TestServer(worker_app(WorkerConfig(model_path=str(A), device="cpu")), **(worker_server or {}))
+    await worker.start_server()
+    try:
+        client = await aiohttp_client(balancer_app(BalancerConfig(
+            worker_urls=[str(worker.make_url("")).rstrip("/")], api_key="k", **cfg)),
+            server_kwargs=balancer_server or {})
+        for _ in range(600):
+            if (await (await client.get("/health")).json()).get("healthy_workers") == 1:
+                break
+            await asyncio.sleep(0.05)
+        if delay is not None:
+            engine = worker.app[STATE].engine
+            real = engine.reload_weights
+            engine.reload_weights = lambda path: (time.sleep(delay(path)), real(path))[1]
+        yield client, worker.app
+    finally:
+        await worker.close()
 
 
 @pytest.fixture(scope="module")
@@ -272,22 +300,9 @@ async def test_a_refused_update_stops_nothing_and_a_pinned_request_waits_for_the
     """The balancer has a worker check the checkpoint before any worker leaves the routing (a refused one answered
     400 only after the batches in flight had drained: seconds of a paused fleet), and knows the incoming weights'
     hash at once, so a request pinned to them waits for the update instead of a 409."""
-    import asyncio
-
-    from aiohttp.test_utils import TestServer
-    from balancer.app import BalancerConfig, make_app as balancer_app
     from tests.conftest import TINY_DREAM
-    from worker.app import WorkerConfig, make_app as worker_app
-    worker = TestServer(worker_app(WorkerConfig(model_path=str(A), device="cpu")))
-    await worker.start_server()
-    try:
-        client = await aiohttp_client(balancer_app(BalancerConfig(worker_urls=[str(worker.make_url("")).rstrip("/")],
-                                                                  api_key="k")))
+    async with _balancer_over_one_worker(aiohttp_client) as (client, _):
         auth = {"Authorization": "Bearer k"}
-        for _ in range(600):
-            if (await (await client.get("/health")).json()).get("healthy_workers") == 1:
-                break
-            await asyncio.sleep(0.05)
         long = {"prompt": [5, 6], "max_tokens": 512, "block_length": 512, "ignore_eos": True}
         running = asyncio.ensure_future(client.post("/v1/completions", json=long, headers=auth))
         await asyncio.sleep(0.3)
@@ -301,8 +316,6 @@ async def test_a_refused_update_stops_nothing_and_a_pinned_request_waits_for_the
         assert pinned.status == 200, await pinned.text()
         assert (await pinned.json())["model_version"]["hash"] == checkpoint.model_version(B)["hash"]
         assert (await update).status == 200 and (await running).status == 200
-    finally:
-        await worker.close()
 
 
 async def test_one_load_at_a_time_and_a_client_that_leaves_does_not_end_it(aiohttp_client):
@@ -310,8 +323,6 @@ async def test_one_load_at_a_time_and_a_client_that_leaves_does_not_end_it(aioht
     loaded on), and a client leaving mid-load set "ready" at once while the load went on in the device thread, so
     a request pinned to the old weights was answered by the new ones. The load here is slowed (a test double:
     1.5 s before the real reload)."""
-    import asyncio
-
     from common.worker_config import WorkerConfig
     from worker.app import STATE, make_app
     client = await aiohttp_client(make_app(WorkerConfig(model_path=str(A), device="cpu")),
@@ -350,25 +361,10 @@ async def test_an_update_whose_client_leaves_ends_as_it_would_have(aiohttp_clien
     """A review: Ctrl-C of `dllm-serve load-weights` (the balancer's handler cancelled) stopped the update half-way:
     workers on both weights, no put-back, nothing in last_update. The update is shielded from its client: it goes
     on, ends, and is recorded. The worker's load is slowed (a test double: 1.5 s before the real reload)."""
-    import asyncio
-
-    from aiohttp.test_utils import TestServer
-    from balancer.app import STATE as BALANCER, BalancerConfig, make_app as balancer_app
-    from worker.app import STATE, WorkerConfig, make_app as worker_app
-    worker = TestServer(worker_app(WorkerConfig(model_path=str(A), device="cpu")))
-    await worker.start_server()
-    try:
-        client = await aiohttp_client(balancer_app(BalancerConfig(worker_urls=[str(worker.make_url("")).rstrip("/")],
-                                                                  api_key="k")),
-                                      server_kwargs={"handler_cancellation": True})
+    from balancer.app import STATE as BALANCER
+    async with _balancer_over_one_worker(aiohttp_client, delay=lambda path: 1.5,
+                                         balancer_server={"handler_cancellation": True}) as (client, _):
         auth = {"Authorization": "Bearer k"}
-        for _ in range(600):
-            if (await (await client.get("/health")).json()).get("healthy_workers") == 1:
-                break
-            await asyncio.sleep(0.05)
-        engine = worker.app[STATE].engine
-        real = engine.reload_weights
-        engine.reload_weights = lambda path: (time.sleep(1.5), real(path))[1]
         with pytest.raises(asyncio.TimeoutError):
             await asyncio.wait_for(client.post("/v1/load_weights", json={"model_path": str(B)}, headers=auth), 0.7)
         weights = client.server.app[BALANCER].weights
@@ -379,8 +375,6 @@ async def test_an_update_whose_client_leaves_ends_as_it_would_have(aiohttp_clien
         assert weights.last and weights.last["ok"] and weights.target["path"] == str(B)
         r = await client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}, headers=auth)
         assert r.status == 200 and (await r.json())["model_version"]["path"] == str(B)
-    finally:
-        await worker.close()
 
 
 def test_a_pin_to_weights_no_routable_worker_holds_is_refused_not_kept_waiting():
@@ -405,28 +399,13 @@ async def test_a_worker_that_did_not_answer_its_load_in_time_is_put_back_once_it
     """A review: past --weight-load-timeout the balancer answered 502 and left the worker to finish its load on the
     new weights (the fleet mixed, a failed update said to change nothing). It now waits for the worker to settle and
     puts it back. The worker's load is slowed (a test double: 3 s before the real reload)."""
-    import asyncio
-
-    from aiohttp.test_utils import TestServer
-    from balancer.app import BalancerConfig, make_app as balancer_app
-    from worker.app import STATE, WorkerConfig, make_app as worker_app
-    worker = TestServer(worker_app(WorkerConfig(model_path=str(A), device="cpu")), handler_cancellation=True)
-    await worker.start_server()
-    try:
-        client = await aiohttp_client(balancer_app(BalancerConfig(
-            worker_urls=[str(worker.make_url("")).rstrip("/")], api_key="k", weight_load_timeout=1)))
+    from worker.app import STATE
+    async with _balancer_over_one_worker(aiohttp_client, delay=lambda path: 3 if Path(path) == B else 0,
+                                         worker_server={"handler_cancellation": True},
+                                         weight_load_timeout=1) as (client, worker):
         auth = {"Authorization": "Bearer k"}
-        for _ in range(600):
-            if (await (await client.get("/health")).json()).get("healthy_workers") == 1:
-                break
-            await asyncio.sleep(0.05)
-        engine = worker.app[STATE].engine
-        real = engine.reload_weights
-        engine.reload_weights = lambda path: (time.sleep(3) if Path(path) == B else None, real(path))[1]
         r = await client.post("/v1/load_weights", json={"model_path": str(B), "timeout": 0.5}, headers=auth)
         assert r.status == 502, await r.text()
-        assert engine.version["path"] == str(A)          # put back, not left on B
+        assert worker[STATE].engine.version["path"] == str(A)          # put back, not left on B
         r = await client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}, headers=auth)
         assert r.status == 200 and (await r.json())["model_version"]["path"] == str(A)
-    finally:
-        await worker.close()
