@@ -67,6 +67,9 @@ class ServeConfig:
     min_workers: int = setting(1, "Ready workers needed before the balancer serves.", type=click.IntRange(1))
     startup_timeout: float = setting(1800.0, "Seconds for the first --min-workers to become ready.",
                                      type=click.FloatRange(1))
+    worker_start_timeout: float = setting(1800.0, "Seconds a started worker has to become ready; one still "
+                                                  "starting then is killed and restarted as a crashed one.",
+                                          type=click.FloatRange(1))
     restart_backoff: float = setting(1.0, "Seconds before a crashed worker is restarted, doubled per crash in a row "
                                           "up to --restart-backoff-max.", type=click.FloatRange(0))
     restart_backoff_max: float = setting(60.0, "Longest wait before a crashed worker is restarted.",
@@ -122,6 +125,7 @@ class WorkerProc:
     restart_at: float | None = None
     ready: bool = False
     ever_ready: bool = False
+    killed: bool = False                # killed for --worker-start-timeout (its exit not yet seen)
     started_at: float = 0.0
     launch_id: str = field(default_factory=lambda: secrets.token_hex(8))   # this slot's workers show it on /health
 
@@ -199,6 +203,27 @@ class Supervisor:
 
     # ------------------------------------------------------------ workers
     def _spawn(self, w: WorkerProc) -> None:
+        args, env = self._command(w)
+        try:
+            w.log_path.parent.mkdir(parents=True, exist_ok=True)      # (removed while running: made again)
+            logf = open(w.log_path, "ab")
+        except OSError as e:
+            log.error("worker %d: cannot write its log %s (%s): its output is discarded", w.index, w.log_path, e)
+            logf = open(os.devnull, "ab")
+        logf.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} starting worker {w.index} on "
+                   f"{'GPU ' + w.gpu if w.gpu is not None else 'CPU'}: {' '.join(args)}\n".encode())
+        logf.flush()
+        w.proc = subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                  preexec_fn=_die_with_parent, cwd=Path(__file__).resolve().parent.parent)
+        logf.close()
+        w.ready = w.killed = False
+        w.started_at = time.monotonic()
+        w.restart_at = None
+        log.info("worker %d started (pid %d, port %d, %s)", w.index, w.proc.pid, w.port,
+                 f"GPU {w.gpu}" if w.gpu is not None else "CPU")
+
+    def _command(self, w: WorkerProc) -> tuple[list[str], dict]:
+        """Worker ``w``'s command line and environment."""
         c = self.cfg
         args = [sys.executable, "-m", "dllm_serve", "worker", "--model-path", c.model_path,
                 "--host", c.worker_host, "--port", str(w.port), *c.worker_command()]
@@ -215,23 +240,18 @@ class Supervisor:
             args += ["--device", "cpu"]
             if not c.worker.get("threads"):
                 args += ["--threads", str(cpu_share(c.cpu_workers))]
+        return args, env
+
+    def _kill_unready(self, w: WorkerProc, now: float) -> None:
+        """A worker still not ready --worker-start-timeout after its start (a load hung on a file system, a
+        rendezvous that never came): killed, so that it is restarted as a crashed one."""
+        log.error("worker %d not ready %.0f s after its start (--worker-start-timeout): killing it. Last lines of "
+                  "%s:\n%s", w.index, now - w.started_at, w.log_path, log_tail(w.log_path, 10))
+        w.killed = True                  # once: its exit (next rounds) restarts it
         try:
-            w.log_path.parent.mkdir(parents=True, exist_ok=True)      # (removed while running: made again)
-            logf = open(w.log_path, "ab")
-        except OSError as e:
-            log.error("worker %d: cannot write its log %s (%s): its output is discarded", w.index, w.log_path, e)
-            logf = open(os.devnull, "ab")
-        logf.write(f"\n==== {time.strftime('%Y-%m-%d %H:%M:%S')} starting worker {w.index} on "
-                   f"{'GPU ' + w.gpu if w.gpu is not None else 'CPU'}: {' '.join(args)}\n".encode())
-        logf.flush()
-        w.proc = subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                  preexec_fn=_die_with_parent, cwd=Path(__file__).resolve().parent.parent)
-        logf.close()
-        w.ready = False
-        w.started_at = time.monotonic()
-        w.restart_at = None
-        log.info("worker %d started (pid %d, port %d, %s)", w.index, w.proc.pid, w.port,
-                 f"GPU {w.gpu}" if w.gpu is not None else "CPU")
+            os.killpg(w.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
     async def _probe(self, session: aiohttp.ClientSession, w: WorkerProc) -> bool:
         try:
@@ -323,6 +343,9 @@ class Supervisor:
                         w.ready = w.ever_ready = True
                         w.in_a_row = 0
                         log.info("worker %d ready after %.1f s", w.index, time.monotonic() - w.started_at)
+                    elif (w.proc.poll() is None and not w.ready and not w.killed
+                          and now - w.started_at > self.cfg.worker_start_timeout):
+                        self._kill_unready(w, now)
                 if self.fatal:
                     log.error("giving up: %s", self.fatal)
                     self.status = "failed"

@@ -173,10 +173,26 @@ def sse(data: dict, responses: bool, seq: int = 0) -> bytes:
 
 
 def _event(data: dict, responses: bool, opened: dict) -> bytes:
-    """:func:`sse` of one event of a stream, numbering an error event after the stream's last (``opened["seq"]``)."""
-    if responses and isinstance(data.get("sequence_number"), int):
+    """:func:`sse` of one event of a stream, numbering an error event after the stream's last (``opened["seq"]``).
+    In a Responses stream an error is followed, as on OpenAI's, by ``response.failed``: the response the stream
+    last showed (``opened["response"]``), its status "failed" and its ``error`` set."""
+    if not responses:
+        return sse(data, False)
+    if isinstance(data.get("sequence_number"), int):
         opened["seq"] = data["sequence_number"] + 1
-    return sse(data, responses, opened.get("seq", 0))
+    if isinstance(data.get("response"), dict):
+        opened["response"] = data["response"]
+    out = sse(data, True, opened.get("seq", 0))
+    if "type" not in data and isinstance(data.get("error"), dict):
+        seq = opened["seq"] = opened.get("seq", 0) + 1
+        last = opened.get("response")
+        if last is not None:
+            e = data["error"]
+            failed = {**last, "status": "failed", "error": {"code": e.get("code") or e.get("type") or "server_error",
+                                                            "message": e.get("message") or ""}}
+            out += sse({"type": "response.failed", "sequence_number": seq, "response": failed}, True)
+            opened["seq"] = seq + 1
+    return out
 
 
 async def answer_stream(request: web.Request, source, responses: bool = False,

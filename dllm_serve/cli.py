@@ -395,7 +395,8 @@ SERVE_WORKER = ("default_algorithm", "default_max_tokens", "dtype", "score_mc_nu
     "api_key": {"help": "Clients must send this Bearer key on /v1 (status endpoints stay open); the workers then get "
                         "a generated key of their own unless --worker-api-key is given."}})
 @options(ServeConfig, only=("worker_api_key", "log_dir", "server_info_file", "stagger", "min_workers",
-                            "startup_timeout", "restart_backoff", "restart_backoff_max", "crash_loop", "crash_window",
+                            "startup_timeout", "worker_start_timeout", "restart_backoff", "restart_backoff_max",
+                            "crash_loop", "crash_window",
                             "stop_timeout"))
 @options(BalancerConfig, only=("request_timeout", "max_body_bytes_in_flight", "files_dir", "max_file_bytes",
                                "batch_concurrency", "weight_load_timeout"))

@@ -83,13 +83,24 @@ def free_port(n: int = 1) -> int:
 
 
 class Proc:
+    """A server (`dllm-serve ARGS`), its output in ``log``: forked from this test process's fork server
+    (tests/forkserver.py: the same server without the seconds its imports cost) where the environment allows,
+    else a plain subprocess."""
+
     def __init__(self, args: list[str], port: int, log: Path, env: dict | None = None):
+        from tests.forkserver import fork_server
         self.port = port
         self.url = f"http://127.0.0.1:{port}"
         self.log = log
-        self._f = open(log, "wb")
-        self.p = subprocess.Popen(DLLM + args, stdout=self._f, stderr=subprocess.STDOUT, cwd=ROOT,
-                                  env={**os.environ, **(env or {})}, start_new_session=True)
+        self._f = None
+        env = {**os.environ, **(env or {})}
+        server = fork_server(args)
+        if server is not None and server.serves(env):
+            self.p = server.spawn(args, env, ROOT, log)
+        else:
+            self._f = open(log, "wb")
+            self.p = subprocess.Popen(DLLM + args, stdout=self._f, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
+                                      start_new_session=True)
 
     def wait_ready(self, timeout: float = 90.0, path: str = "/health", want: str | None = "ready") -> None:
         deadline = time.monotonic() + timeout
@@ -106,7 +117,8 @@ class Proc:
         raise TimeoutError(f"{self.url} not {want} after {timeout} s:\n{self.tail()}")
 
     def tail(self, n: int = 4000) -> str:
-        self._f.flush()
+        if self._f is not None:
+            self._f.flush()
         return self.log.read_bytes()[-n:].decode(errors="replace")
 
     def signal(self, sig: int) -> None:
@@ -120,7 +132,8 @@ class Proc:
             except subprocess.TimeoutExpired:
                 os.killpg(self.p.pid, signal.SIGKILL)
                 self.p.wait()
-        self._f.close()
+        if self._f is not None:
+            self._f.close()
         return self.p.returncode
 
 

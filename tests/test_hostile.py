@@ -148,8 +148,12 @@ def check_answer(status: int, body: bytes, ctype: str) -> None:
 
 
 class GoodTraffic:
-    """Good requests (chat and completion, plain and streamed), 4 at a time, for as long as the suite runs; each
-    answer is compared with the one the same request got alone before the suite began."""
+    """Good requests (chat and completion, plain and streamed), 4 lanes at once, each pausing PAUSE s between its
+    requests (as many as the hostile ones need beside them, without the suite's machine spending its time on them),
+    for as long as the suite runs; each answer is compared with the one the same request got alone before the suite
+    began."""
+
+    PAUSE = 0.05
 
     def __init__(self, url: str):
         self.url, self.results, self.stop = url, [], threading.Event()
@@ -189,6 +193,7 @@ class GoodTraffic:
                     except Exception as e:        # noqa: BLE001  (recorded, then asserted on)
                         self.results.append((idx, (0, repr(e))))
                     i += 1
+                    await asyncio.sleep(self.PAUSE)
             await asyncio.gather(*[lane(k) for k in range(4)])
 
     def check(self) -> int:

@@ -140,3 +140,63 @@ def test_sighup_stops_serve_as_sigterm_does(tmp_path):
     finally:
         if p.poll() is None:
             p.kill()
+
+
+READY_DOUBLE = """
+import http.server, json, os, sys
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = json.dumps({"status": "ready", "launch_id": os.environ["DLLM_LAUNCH_ID"]}).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+"""
+
+
+async def test_a_worker_still_starting_after_its_start_timeout_is_killed_and_restarted(tmp_path, caplog):
+    """Once --min-workers were ready, a worker whose start hung (a load blocked on a file system, a rendezvous
+    that never came) stayed "starting" for ever. After --worker-start-timeout it is killed and restarted as a
+    crashed one (the back-off, the crash-loop count), once per start. The workers are test doubles: worker 0 a
+    process answering /health "ready", worker 1 one that sleeps."""
+    import asyncio
+    import logging
+
+    class Doubles(Supervisor):
+        def _command(self, w):
+            args, env = super()._command(w)
+            code = READY_DOUBLE if w.index == 0 else "import time; time.sleep(600)"
+            return [sys.executable, "-c", code, str(w.port)], env
+
+    sup = Doubles(ServeConfig(model_path="x", log_dir=tmp_path / "logs", cpu_workers=2, no_balancer=True,
+                              worker_base_port=free_port(2), stagger=0, worker_start_timeout=1, restart_backoff=0.1,
+                              crash_loop=100))
+    caplog.set_level(logging.INFO, "dllm.supervisor")
+    stop = asyncio.Event()
+    run = asyncio.create_task(sup.run(stop))
+    pids = set()
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 4.5:
+        if sup.workers[1].proc is not None:
+            pids.add(sup.workers[1].proc.pid)
+        await asyncio.sleep(0.05)
+    assert sup.status == "running" and sup.workers[0].ready and not sup.workers[1].ready
+    stop.set()
+    assert await asyncio.wait_for(run, 30) == 0
+    kills = [r.getMessage() for r in caplog.records if "--worker-start-timeout" in r.getMessage()]
+    assert 2 <= len(kills) <= 4 and all(k.startswith("worker 1 not ready") for k in kills), kills
+    assert len(pids) >= len(kills)              # each kill was followed by a new process
+    assert sup.workers[0].proc.returncode is not None and sup.workers[1].proc.returncode is not None
+
+
+def test_serve_takes_the_worker_start_timeout(monkeypatch):
+    import balancer.supervisor
+    seen = []
+    monkeypatch.setattr(balancer.supervisor, "run", lambda cfg: seen.append(cfg) or 0)
+    r = CliRunner().invoke(cli, ["serve", "--local", "--model-path", str(TINY_LLADA), "--worker-start-timeout", "7"])
+    assert r.exit_code == 0, r.output
+    assert seen[0].worker_start_timeout == 7 and ServeConfig(model_path="x").worker_start_timeout == 1800

@@ -268,7 +268,9 @@ async def test_a_batch_past_the_request_timeout_ends_its_stream_with_504_lines(a
 
 async def test_a_responses_stream_past_the_timeout_ends_with_openais_error_event(aiohttp_client):
     """A Responses stream that fails once open ends with `event: error` and a typed error (it was an unnamed data
-    line holding the chat streams' error body). The model is slowed (a test double: 20 ms a forward), so the 4,000
+    line holding the chat streams' error body), then `response.failed`, as OpenAI's: the response the stream showed,
+    its status "failed" and its error set (a client reading the events, not the openai client, which raises at the
+    error, ended without a terminal event). The model is slowed (a test double: 20 ms a forward), so the 4,000
     tokens cannot finish inside the 5 s while the first block (4 forwards) is streamed well inside it, even on a loaded
     machine (a 1 s timeout failed on one: the first block came later)."""
     import time
@@ -282,12 +284,19 @@ async def test_a_responses_stream_past_the_timeout_ends_with_openais_error_event
     text = (await asyncio.wait_for(r.read(), 30)).decode()
     assert r.status == 200 and "response.output_text.delta" in text, text[:300]
     events = text.strip().split("\n\n")
-    last, before = events[-1].split("\n"), orjson.loads(events[-2].split("\n")[1][6:])
-    assert last[0] == "event: error" and last[1].startswith("data: ")
-    data = orjson.loads(last[1][6:])
+    err, failed = events[-2].split("\n"), events[-1].split("\n")
+    before, created = orjson.loads(events[-3].split("\n")[1][6:]), orjson.loads(events[0].split("\n")[1][6:])
+    assert err[0] == "event: error" and err[1].startswith("data: ")
+    data = orjson.loads(err[1][6:])
     assert data["type"] == "error" and data["code"] == "timeout" and "--request-timeout" in data["message"]
     assert data["error"]["type"] == "timeout"
     assert data["sequence_number"] == before["sequence_number"] + 1       # (OpenAI's ResponseErrorEvent has one)
+    assert failed[0] == "event: response.failed"
+    end = orjson.loads(failed[1][6:])
+    assert end["type"] == "response.failed" and end["sequence_number"] == data["sequence_number"] + 1
+    r = end["response"]
+    assert r["id"] == created["response"]["id"] and r["status"] == "failed"
+    assert r["error"]["code"] == "timeout" and "--request-timeout" in r["error"]["message"]
 
 
 async def test_responses_objects_as_openai_writes_them(aiohttp_client):
