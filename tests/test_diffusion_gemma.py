@@ -146,6 +146,7 @@ def test_rows_joining_a_running_batch_are_exact(engine, golden):
 
 
 @pytest.mark.bf16
+@pytest.mark.slow          # 10 s under AVX2 alone: the slow tier's AVX2 process runs it (tests/test_bf16_kernels.py)
 def test_bfloat16_cases_alone_are_exact(golden):
     """The reference in bfloat16 on CPU with oneDNN off, on this ATen kernel set: the same tokens and decoder
     forwards, alone and together."""
