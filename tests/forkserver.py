@@ -23,7 +23,6 @@ import json
 import os
 import re
 import select
-import signal
 import subprocess
 import sys
 import threading
@@ -108,8 +107,7 @@ def _preload(kind: str) -> None:
 
 # ---------------------------------------------------------------- the test process's side
 class Forked:
-    """A forked server, as far as the tests use a ``subprocess.Popen``: pid, returncode, poll, wait, send_signal,
-    terminate, kill."""
+    """A forked server, as far as the tests use a ``subprocess.Popen``: pid, returncode, poll, wait, send_signal."""
 
     def __init__(self, server: "ForkServer", pid: int):
         self.server, self.pid, self.returncode = server, pid, None
@@ -133,12 +131,6 @@ class Forked:
                 os.kill(self.pid, sig)
             except ProcessLookupError:
                 pass
-
-    def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
-
-    def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
 
 
 class ForkServer:
