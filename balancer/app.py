@@ -72,6 +72,11 @@ class BalancerConfig:
     weight_load_timeout: float = setting(600.0, "Seconds one worker may take to load new weights (POST "
                                                 "/v1/load_weights, or a worker brought onto them when it comes back) "
                                                 "once its batches have finished.", type=click.FloatRange(1))
+    weight_sync_retry: float = setting(10.0, "Seconds before the balancer tries again to bring a worker onto the last "
+                                             "update's weights when it could not (a worker that came back on other "
+                                             "weights takes no requests until then); doubled after each failure "
+                                             "of that process in a row.", type=FiniteFloatRange(0.1))
+    weight_sync_retry_max: float = setting(600.0, "Longest wait between two such tries.", type=FiniteFloatRange(0.1))
     http_processes: int = setting(1, "Processes accepting client connections on --port (SO_REUSEPORT): the balancer "
                                      "itself plus N-1 front processes that read and validate requests and hand them "
                                      "to its one queue over a Unix socket. Raise it when one core of HTTP work is "
@@ -153,7 +158,7 @@ class BalancerState:
         self.metrics.failures.batcher = self.batcher
         self.batcher.on_batch = self.metrics.batch_size.observe
         self.weights = WeightUpdates(self.pool, self.batcher, lambda: self.session, headers, cfg.weight_load_timeout,
-                                     cfg.request_timeout)
+                                     cfg.request_timeout, (cfg.weight_sync_retry, cfg.weight_sync_retry_max))
         self.batcher.routable, self.batcher.servable = self.weights.routable, self.weights.servable
         self.batcher.allowed_versions = self.weights.allowed_versions
         self.window = Window(60.0)

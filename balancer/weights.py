@@ -13,7 +13,9 @@ A load the first worker refuses (a bad path, another family, config, shapes or t
 that fails later has its predecessors put back on their old weights, so a failed update leaves the fleet as it was.
 Only one update runs at a time. Workers report their weights (``model_version``: the checkpoint's path and content
 hash) on /health and with every answer; once an update has succeeded, a worker that comes back on other weights (a
-restarted process starts from its launch checkpoint) is brought to the update's weights before it gets requests.
+restarted process starts from its launch checkpoint) is brought to the update's weights before it gets requests; one
+that cannot load them is tried again after --weight-sync-retry seconds, doubled for each failure in a row (up to
+--weight-sync-retry-max), and listed under ``weights.sync_failures`` on /stats meanwhile.
 
 A request may require weights (``model_version``: a hash): it goes only to workers that hold them, waits while an
 update is bringing them, and gets 409 when no worker will (docs/api.md)."""
@@ -45,7 +47,7 @@ def hash_of(w: Worker) -> str | None:
 
 class WeightUpdates:
     def __init__(self, pool: WorkerPool, batcher, session_factory, headers: dict, load_timeout: float = 600.0,
-                 drain_timeout: float = 1800.0):
+                 drain_timeout: float = 1800.0, sync_retry: tuple[float, float] = (10.0, 600.0)):
         self.pool, self.batcher, self._session, self.headers = pool, batcher, session_factory, headers
         self.load_timeout = load_timeout      # seconds one worker may take to load, once drained (--weight-load-timeout)
         self.drain_timeout = drain_timeout    # a put-back's and a sync's wait for batches (--request-timeout)
@@ -56,7 +58,9 @@ class WeightUpdates:
         self._lock = asyncio.Lock()
         self.updates: set = set()            # updates running on (balancer/app.py load_weights: shielded tasks)
         self._sync_task: asyncio.Task | None = None
-        self._sync_failed: set = set()         # worker processes (instance ids) the sync could not bring
+        self.sync_retry, self.sync_retry_max = sync_retry       # --weight-sync-retry, --weight-sync-retry-max
+        # worker processes (instance ids) the sync could not bring: failures in a row, when to try again, why
+        self._sync_failed: dict[str, dict] = {}
 
     # ------------------------------------------------------------ what the batcher asks
     def routable(self, w: Worker) -> bool:
@@ -93,8 +97,12 @@ class WeightUpdates:
             v = version_of(w)
             if v:
                 versions.setdefault(v["hash"], {**v, "workers": []})["workers"].append(w.index)
+        now = time.monotonic()
+        failed = [{"worker": w.index, "failures": f["failures"], "error": f["error"],
+                   "next_try_in": round(max(0.0, f["next"] - now), 1)}
+                  for w in self.pool.workers if (f := self._sync_failed.get(w.instance_id)) is not None]
         return {"target": self.target, "versions": list(versions.values()),
-                "update": self.current, "last_update": self.last}
+                "update": self.current, "last_update": self.last, "sync_failures": failed}
 
     # ------------------------------------------------------------ the update
     async def load(self, path: str, mode: str, timeout: float) -> dict:
@@ -265,14 +273,36 @@ class WeightUpdates:
                 task.cancel()
         await asyncio.gather(*(t for t in [self._sync_task, *self.updates] if t is not None), return_exceptions=True)
 
+    def _sync_due(self, w: Worker, now: float) -> bool:
+        f = self._sync_failed.get(w.instance_id)
+        return f is None or now >= f["next"]
+
+    def _sync_failure(self, w: Worker, message: str) -> None:
+        """Try ``w``'s process again after --weight-sync-retry seconds, doubled for each failure in a row (up to
+        --weight-sync-retry-max): a load that timed out or ran out of memory may succeed later; until then the worker
+        takes no batch (:meth:`routable`)."""
+        f = self._sync_failed.get(w.instance_id) or {"failures": 0}
+        f["failures"] += 1
+        wait = min(self.sync_retry_max, self.sync_retry * 2 ** (f["failures"] - 1))
+        f.update(error=message, next=time.monotonic() + wait)
+        self._sync_failed[w.instance_id] = f
+        log.error("worker %d could not load the update's weights (failure %d in a row; next try in %.0f s): %s",
+                  w.index, f["failures"], wait, message)
+
     async def _sync_loop(self) -> None:
         while True:
             await asyncio.sleep(0.5)
             if self.target is None or self._lock.locked():
                 continue
+            now = time.monotonic()
+            # forget processes replaced since, and those that reached the weights after all (a load that answered
+            # too late)
+            pending = {w.instance_id for w in self.pool.workers if hash_of(w) != self.target["hash"]}
+            for gone in [k for k in self._sync_failed if k not in pending]:
+                del self._sync_failed[gone]
             for w in self.pool.workers:
                 if (w.healthy and not w.updating and hash_of(w) not in (None, self.target["hash"])
-                        and w.instance_id not in self._sync_failed):
+                        and self._sync_due(w, now)):
                     async with self._lock:
                         log.info("worker %d serves %s, not the update's %s: loading %s", w.index, hash_of(w),
                                  self.target["hash"], self.target["path"])
@@ -281,12 +311,12 @@ class WeightUpdates:
                         try:
                             await self._drained([w], self.drain_timeout)
                             await self._load_one(w, self.target["path"], self.drain_timeout)
-                        except APIError as e:      # not retried for this process (it gets no batch either)
-                            self._sync_failed.add(w.instance_id)
-                            log.error("worker %d could not load the update's weights: %s", w.index, e.message)
-                        except Exception:
-                            self._sync_failed.add(w.instance_id)
+                            self._sync_failed.pop(w.instance_id, None)
+                        except APIError as e:
+                            self._sync_failure(w, e.message)
+                        except Exception as e:
                             log.exception("weights sync of worker %d", w.index)
+                            self._sync_failure(w, f"{type(e).__name__}: {e}")
                         finally:
                             w.updating = False
                             self.batcher.versions_changed()

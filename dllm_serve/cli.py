@@ -399,7 +399,8 @@ SERVE_WORKER = ("default_algorithm", "default_max_tokens", "dtype", "score_mc_nu
                             "crash_loop", "crash_window",
                             "stop_timeout"))
 @options(BalancerConfig, only=("request_timeout", "max_body_bytes_in_flight", "files_dir", "max_file_bytes",
-                               "batch_concurrency", "weight_load_timeout"))
+                               "batch_concurrency", "weight_load_timeout", "weight_sync_retry",
+                               "weight_sync_retry_max"))
 @options(HealthConfig, only=("stall_timeout", "stall_steps", "stall_floor", "interval"))
 @options(BalancerConfig, only=("drain_timeout",))
 @options(ServeConfig, only=("extra_worker_urls", "no_balancer"))

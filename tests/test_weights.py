@@ -409,3 +409,60 @@ async def test_a_worker_that_did_not_answer_its_load_in_time_is_put_back_once_it
         assert worker[STATE].engine.version["path"] == str(A)          # put back, not left on B
         r = await client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}, headers=auth)
         assert r.status == 200 and (await r.json())["model_version"]["path"] == str(A)
+
+
+async def test_a_worker_the_sync_could_not_bring_onto_the_update_is_tried_again(aiohttp_client):
+    """Once an update has succeeded, a worker that comes back on other weights (here: loaded behind the balancer's
+    back) is brought onto the update's. Its first two loads fail (a test double: the reload raises OSError for B
+    twice, as a checkpoint on a flaky file system would): it is listed in /stats weights.sync_failures with its
+    error, tried again after --weight-sync-retry (doubled), and serves again on B once a load succeeds. (It was never
+    tried again before its process changed.)"""
+    from balancer.pool import HealthConfig
+    from worker.app import STATE
+    async with _balancer_over_one_worker(aiohttp_client, weight_sync_retry=0.2, weight_sync_retry_max=0.5,
+                                         health=HealthConfig(interval=0.1)) as (client, worker):
+        auth = {"Authorization": "Bearer k"}
+        r = await client.post("/v1/load_weights", json={"model_path": str(B)}, headers=auth)
+        assert r.status == 200, await r.text()
+        hb = (await r.json())["model_version"]["hash"]
+        engine = worker[STATE].engine
+        real, fails = engine.reload_weights, [2]
+
+        def flaky(path):
+            if Path(path) == B and fails[0]:
+                fails[0] -= 1
+                raise OSError("the file system went away")
+            return real(path)
+        engine.reload_weights = flaky
+        await asyncio.get_running_loop().run_in_executor(worker[STATE].batcher._executor, real, str(A))
+        seen = []
+        for _ in range(200):
+            weights = (await (await client.get("/stats")).json())["weights"]
+            seen += weights["sync_failures"]
+            if engine.version["hash"] == hb and not weights["sync_failures"]:
+                break
+            await asyncio.sleep(0.05)
+        assert engine.version["hash"] == hb and fails == [0]
+        assert {f["failures"] for f in seen} == {1, 2}, seen
+        assert all(f["worker"] == 0 and "the file system went away" in f["error"] for f in seen)
+        r = await client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}, headers=auth)
+        assert r.status == 200 and (await r.json())["model_version"]["hash"] == hb
+
+
+def test_the_sync_retry_waits_double_up_to_the_cap():
+    from types import SimpleNamespace
+
+    from balancer.weights import WeightUpdates
+    w = SimpleNamespace(index=3, instance_id="p1", healthy=True, updating=False,
+                        last_health={"model_version": {"hash": "OLD"}})
+    updates = WeightUpdates(SimpleNamespace(workers=[w]), None, None, {}, sync_retry=(10.0, 35.0))
+    waits = []
+    for _ in range(4):
+        t0 = time.monotonic()
+        updates._sync_failure(w, "no")
+        waits.append(round(updates._sync_failed["p1"]["next"] - t0))
+        assert not updates._sync_due(w, time.monotonic())
+    assert waits == [10, 20, 35, 35]
+    assert updates._sync_due(w, time.monotonic() + 36)
+    (listed,) = updates.snapshot()["sync_failures"]
+    assert listed.pop("next_try_in") > 30 and listed == {"worker": 3, "failures": 4, "error": "no"}
