@@ -23,6 +23,18 @@ def fingerprint(dcp_path: Path, base_model: Path) -> dict:
     return {"dcp_path": str(dcp_path.resolve()), "base_model": str(base_model), "files": digest}
 
 
+def dcp_layout(path: Path) -> tuple[Path, Path | None]:
+    """(directory holding .metadata, tokenizer directory or None); ValueError when ``path`` is not a DCP checkpoint
+    (a file check: the supervisor and the balancer refuse such a path before starting a conversion)."""
+    if (path / "weights" / ".metadata").is_file():
+        tok = path / "tokenizer"
+        return path / "weights", tok if tok.is_dir() else None
+    if (path / ".metadata").is_file():
+        return path, None
+    raise ValueError(f"{str(path)!r} is not a DCP checkpoint: expected weights/.metadata (structured) or .metadata "
+                     f"with *.distcp files (legacy)")
+
+
 def default_output(dcp_path: Path) -> Path:
     cache = Path(os.environ.get("DLLM_CACHE", Path.home() / ".cache" / "dllm-serve")) / "converted"
     tag = hashlib.sha256(str(dcp_path.resolve()).encode()).hexdigest()[:16]
@@ -35,6 +47,10 @@ def ensure_converted(dcp_path: str | Path, base_model: str | Path, output: str |
     dcp_path = Path(dcp_path).absolute()           # (the conversion runs in the project's directory)
     if not dcp_path.is_dir():
         raise RuntimeError(f"--dcp-path {str(dcp_path)!r} is not a directory")
+    try:
+        dcp_layout(dcp_path)
+    except ValueError as e:
+        raise RuntimeError(f"DCP conversion failed: {e}") from None
     if base_model is None:
         raise RuntimeError("--dcp-path needs --base-model (the checkpoint whose config, tokenizer and tensor names "
                            "the DCP was trained from)")

@@ -2,7 +2,8 @@
 # Runs the test suite (creates .venv first when missing or stale). Extra arguments go to pytest:
 #   ./scripts/test.sh -k golden -x
 # With no arguments (or output options only): the fast tier in $DLLM_TEST_PROCESSES pytest processes (default 2,
-# pytest-xdist; one torch thread each, the tiny models gain nothing from more), then the slow tier (servers,
+# pytest-xdist, tests spread one by one but those of an xdist_group together; one torch thread each, the tiny
+# models gain nothing from more), then the slow tier (servers,
 # clusters, faults under load) in $DLLM_TEST_SLOW_PROCESSES (default 3: its tests wait on servers, timeouts and
 # peers much of the time, so a third process fills two cores), then the slow tests marked `alone` (the SLURM
 # clusters) in one process. `./scripts/test.sh -m "not slow"` runs the fast tier the same parallel way; any other
@@ -13,7 +14,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup_venv.sh
 .venv/bin/python -m compileall -q -j 0 common worker balancer dllm_serve tests bench > /dev/null || true
 procs=${DLLM_TEST_PROCESSES:-2}
-par() { OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} .venv/bin/python -m pytest -n "$procs" "$@"; }
+par() { OMP_NUM_THREADS=${OMP_NUM_THREADS:-1} .venv/bin/python -m pytest -n "$procs" --dist loadgroup "$@"; }
 whole=1                         # no arguments, or output options only (.ci/run gives -q): the whole suite, tiered
 for a in "$@"; do
     case $a in -q|-qq|-v|-vv|-r*|--tb=*|--durations=*) ;; *) whole=0 ;; esac

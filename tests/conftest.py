@@ -34,28 +34,20 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_collection_finish(session):
     """The `bf16` subprocesses (tests/test_bf16_kernels.py) start as soon as the run's tests are known, instead of
-    waiting in their turn: the fast tier's on one thread of its own beside the tests before it (15 s), the whole
-    suite's three at the lowest CPU priority, so that they take only what the tests leave idle (25 s of the suite's
-    wall time otherwise). The tests take them from ``config.dllm_bf16_early`` / ``config.dllm_bf16_slow_early``.
-    Not in pytest-xdist processes (scripts/test.sh): each collects every test, and only one runs the driver; there
-    the driver starts them itself."""
+    waiting in their turn, at the lowest CPU priority, so that they take only what the tests leave idle (25 s of the
+    suite's wall time otherwise). The test takes them from ``config.dllm_bf16_early``. Not in pytest-xdist processes
+    (scripts/test.sh): each collects every test, and only one runs the driver; there the driver starts them itself."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         return
     ids = {item.nodeid for item in session.items}
-    if f"{BF16_DRIVER}::test_bf16_tests_pass_under_avx2" in ids:
-        from tests.test_bf16_kernels import FAST, _start
-        session.config.dllm_bf16_early = _start(*FAST)
     if f"{BF16_DRIVER}::test_bf16_tests_pass_under_each_cpu_kernel_set" in ids:
-        from tests.test_bf16_kernels import SLOW, _start
-        session.config.dllm_bf16_slow_early = [(capability, _start(capability, tier, nice=19))
-                                              for capability, tier in SLOW]
+        from tests.test_bf16_kernels import SETS, _start
+        session.config.dllm_bf16_early = [(capability, _start(capability, nice=19)) for capability in SETS]
 
 
 def pytest_sessionfinish(session):
-    early = [getattr(session.config, "dllm_bf16_early", None)]
-    early += [proc for _, proc in getattr(session.config, "dllm_bf16_slow_early", None) or []]
-    for proc in early:
-        if proc is not None and proc.poll() is None:     # a run that ended before the test (-x, Ctrl-C)
+    for _, proc in getattr(session.config, "dllm_bf16_early", None) or []:
+        if proc.poll() is None:     # a run that ended before the test (-x, Ctrl-C)
             proc.kill()
             proc.wait()
 

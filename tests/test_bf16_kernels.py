@@ -4,8 +4,8 @@ bfloat16 results on CPU depend on the arithmetic: ATen picks its vectorised kern
 AVX2, AVX512; read once, when torch is imported) and oneDNN runs bfloat16 matmuls with the CPU's own instructions. The
 `bf16` tests therefore run with oneDNN off (tests/conftest.py) and compare with the reference's result for the kernel
 set torch reports (the goldens hold one per set, tests/fixtures/README.md). Each set needs its own process: this test
-runs `pytest -m bf16` in a subprocess per set (in the fast tier only AVX2's fast ones; all in the suite, the sets'
-processes at once, at the lowest CPU priority; each started as soon as the tests are collected),
+runs `pytest -m bf16` in a subprocess per set (in the slow tier: the sets' processes at once, at the lowest CPU
+priority; each started as soon as the tests are collected where pytest runs in one process),
 with one thread as the goldens were made, checks that it passed and that the kernel set it ran is the one asked for
 whenever this CPU has it. Elsewhere the `bf16` tests are skipped. By hand:
 `DLLM_SERVE_BF16_KERNELS=1 ATEN_CPU_CAPABILITY=avx2 .venv/bin/python -m pytest -m bf16 tests/test_llada2.py`."""
@@ -39,16 +39,15 @@ def best_capability() -> str:
     return out.stdout.strip()
 
 
-# the fast tier runs the fast `bf16` tests under one kernel set (AVX2's); the whole suite runs every `bf16` test
-# under each (AVX2's slow ones apart; the other sets' in one process each: a process costs seconds to start). The
-# suite's three processes run at once: each has one thread, and they are independent.
-FAST = ("avx2", "and not slow")
-SLOW = [("avx2", "and slow"), ("default", ""), ("avx512", "")]
+# every `bf16` test under each kernel set, in one process per set (a process costs seconds to start), in the slow
+# tier only (the fast tier's AVX2 process took a core for 20 s of its 3 minutes). The three processes run at once:
+# each has one thread, and they are independent.
+SETS = ["avx2", "default", "avx512"]
 
 
-def _start(capability: str, tier: str, nice: int = 0) -> subprocess.Popen:
+def _start(capability: str, nice: int = 0) -> subprocess.Popen:
     env = {**_env(capability), BF16_ENV: "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen([sys.executable, "-m", "pytest", "-m", f"bf16 {tier}".strip(), "-p", "no:cacheprovider",
+    return subprocess.Popen([sys.executable, "-m", "pytest", "-m", "bf16", "-p", "no:cacheprovider",
                              "-rs", *FILES], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, preexec_fn=(lambda: os.nice(nice)) if nice else None)
 
@@ -68,17 +67,11 @@ def _check(capability: str, proc: subprocess.Popen) -> None:
         assert ran.group(1) == want, f"asked for {want} on a {best} CPU, torch ran {ran.group(1)}"
 
 
-def test_bf16_tests_pass_under_avx2(pytestconfig):
-    proc = getattr(pytestconfig, "dllm_bf16_early", None)      # started when collection ended (tests/conftest.py)
-    pytestconfig.dllm_bf16_early = None
-    _check(FAST[0], proc or _start(*FAST))
-
-
 @pytest.mark.slow
 def test_bf16_tests_pass_under_each_cpu_kernel_set(pytestconfig):
-    procs = getattr(pytestconfig, "dllm_bf16_slow_early", None)     # started when collection ended (conftest.py)
-    pytestconfig.dllm_bf16_slow_early = None
-    procs = procs or [(capability, _start(capability, tier)) for capability, tier in SLOW]
+    procs = getattr(pytestconfig, "dllm_bf16_early", None)     # started when collection ended (conftest.py)
+    pytestconfig.dllm_bf16_early = None
+    procs = procs or [(capability, _start(capability)) for capability in SETS]
     try:
         for capability, proc in procs:
             _check(capability, proc)

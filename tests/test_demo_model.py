@@ -1,5 +1,6 @@
 """The shipped demo model (worker/demo_model, trained by scripts/train_toy_model.py) still reaches its documented
 accuracy on a small held-out sample (problems the training run never drew), with the reference `basic` algorithm."""
+import functools
 import json
 import sys
 from pathlib import Path
@@ -20,12 +21,26 @@ def demo():
     return Engine.from_pretrained(MODEL, device="cpu", dtype="float32"), json.loads((MODEL / "accuracy.json").read_text())
 
 
-def test_documented_accuracy_on_a_held_out_sample(demo):
-    from quality import held_out, training_problems
+@pytest.fixture
+def seen() -> set[str]:
+    """Every prompt the training run drew: its 766k draws replayed once per process (5 s) for this module's tests,
+    which run in one pytest-xdist process (the xdist_group marks; scripts/test.sh runs with --dist loadgroup)."""
+    return _training_problems()
+
+
+@functools.lru_cache(maxsize=1)
+def _training_problems() -> frozenset[str]:
+    from quality import training_problems
+    return frozenset(training_problems(MODEL))
+
+
+@pytest.mark.xdist_group("demo_training")
+def test_documented_accuracy_on_a_held_out_sample(demo, seen):
+    from quality import held_out
     from worker.engine import GenerationParams, Request
     from worker.tokenizer import apply_chat_template
     engine, documented = demo
-    problems = held_out(90, seed=4242, seen=training_problems(MODEL))
+    problems = held_out(90, seed=4242, seen=seen)
     reqs = [Request(apply_chat_template(engine.tokenizer, [{"role": "user", "content": prompt}]),
                     GenerationParams(gen_length=16, block_length=16, steps=16)) for _, prompt, _ in problems]
     results = engine.generate(reqs)
@@ -48,12 +63,12 @@ def test_the_demo_answers_the_readme_example(demo):
     assert engine.tokenizer.decode(r.token_ids, skip_special_tokens=True).strip() == "1 2 5 8"
 
 
-def test_the_lm_eval_tasks_are_held_out_problems_with_right_answers():
+@pytest.mark.xdist_group("demo_training")
+def test_the_lm_eval_tasks_are_held_out_problems_with_right_answers(seen):
     """bench/lm_eval_tasks (docs/api.md's lm-eval commands): problems the training run never drew, each answer right
     and the candidate at `label`."""
-    from quality import training_problems
     rows = [json.loads(line) for line in (ROOT / "bench" / "lm_eval_tasks" / "demo_problems.jsonl").open()]
-    assert len(rows) == 24 and not {r["prompt"] for r in rows} & training_problems(MODEL)
+    assert len(rows) == 24 and not {r["prompt"] for r in rows} & seen
     for r in rows:
         task, *words = r["prompt"].split()
         if task == "add":

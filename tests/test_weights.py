@@ -299,11 +299,16 @@ def test_load_weights_from_a_dcp_converts_it_once(tmp_path, monkeypatch):
 async def test_a_refused_update_stops_nothing_and_a_pinned_request_waits_for_the_incoming_weights(aiohttp_client):
     """The balancer has a worker check the checkpoint before any worker leaves the routing (a refused one answered
     400 only after the batches in flight had drained: seconds of a paused fleet), and knows the incoming weights'
-    hash at once, so a request pinned to them waits for the update instead of a 409."""
+    hash at once, so a request pinned to them waits for the update instead of a 409. The model is slowed (a test
+    double: 25 ms a forward), so the long request runs for more than the refusal's 2 s."""
     from tests.conftest import TINY_DREAM
-    async with _balancer_over_one_worker(aiohttp_client) as (client, _):
+    from worker.app import STATE
+    async with _balancer_over_one_worker(aiohttp_client) as (client, worker):
+        model = worker[STATE].engine.model
+        forward = model.forward
+        model.forward = lambda *a, **k: (time.sleep(0.025), forward(*a, **k))[1]
         auth = {"Authorization": "Bearer k"}
-        long = {"prompt": [5, 6], "max_tokens": 512, "block_length": 512, "ignore_eos": True}
+        long = {"prompt": [5, 6], "max_tokens": 96, "block_length": 96, "ignore_eos": True}
         running = asyncio.ensure_future(client.post("/v1/completions", json=long, headers=auth))
         await asyncio.sleep(0.3)
         t = time.monotonic()

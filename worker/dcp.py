@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from common import dcp_cache
 from worker.models.checkpoint import CheckpointError, SAFETENSORS_DTYPES, safetensors_header, weight_files
 
 COPY = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -23,14 +24,11 @@ SHARD_BYTES = 5 * 1024 ** 3
 
 
 def dcp_layout(path: Path) -> tuple[Path, Path | None]:
-    """(directory holding .metadata, tokenizer directory or None)."""
-    if (path / "weights" / ".metadata").is_file():
-        tok = path / "tokenizer"
-        return path / "weights", tok if tok.is_dir() else None
-    if (path / ".metadata").is_file():
-        return path, None
-    raise CheckpointError(f"{str(path)!r} is not a DCP checkpoint: expected weights/.metadata (structured) or "
-                          ".metadata with *.distcp files (legacy)")
+    """(directory holding .metadata, tokenizer directory or None): common/dcp_cache.py's check."""
+    try:
+        return dcp_cache.dcp_layout(path)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
 
 
 def base_tensors(base: Path) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
