@@ -130,9 +130,12 @@ def test_every_golden_case_in_one_batch_and_some_alone(engine, golden):
 
 
 @pytest.mark.slow
-def test_every_golden_case_alone(engine, golden):
-    bad = [i for i, c in enumerate(golden["cases"])
-           if not same(engine.generate([Request(c["prompt"], params(c))])[0], c, max_tokens(c))]
+def test_the_odd_golden_cases_alone(engine, golden):
+    """Every other case alone (of the even ones, 2, 14 and 21 run alone above; all 25 run batched above, through
+    the worker and the balancer in the serve test and with the prefix cache in tests/test_prefix_cache.py): a
+    decoder forward of this 4-layer model is ~1,700 small operations on the CPU, so all 25 alone took 22 s."""
+    bad = [i for i, c in enumerate(golden["cases"]) if i % 2
+           and not same(engine.generate([Request(c["prompt"], params(c))])[0], c, max_tokens(c))]
     assert bad == []
 
 
