@@ -388,7 +388,8 @@ def test_serve_reports_a_crash_loop_and_gives_up(tmp_path):
     info = tmp_path / "server.env"
     r = subprocess.run([*DLLM, "serve", "--local", "--model-path", str(broken), "--port", str(free_port()),
                         "--worker-base-port", str(free_port()), "--server-info-file", str(info),
-                        "--log-dir", str(tmp_path / "logs")], cwd=ROOT, capture_output=True, text=True, timeout=180)
+                        "--log-dir", str(tmp_path / "logs"), "--crash-loop", "2", "--restart-backoff", "0.1"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert r.returncode == 1
     assert "crash loop" in r.stderr and "truncated" in r.stderr     # the worker's own log tail is shown
     assert _info(info)["SERVER_STATUS"] == '"failed"' and "SERVER_ERROR" in _info(info)
