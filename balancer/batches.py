@@ -25,7 +25,8 @@ from aiohttp import BodyPartReader, web
 
 from common.batchfile import BATCH_URLS, is_final, parse_line, result_key, result_line
 from common.http import json_response
-from common.protocol import APIError, loads, parse_request
+from common.openai_http import parse
+from common.protocol import APIError, loads
 
 log = logging.getLogger("dllm.balancer.batches")
 
@@ -392,7 +393,7 @@ class BatchJobs:
         shutting down or the batch is ``cancelled()`` meanwhile (the line is not answered)."""
         body = orjson.dumps(line.body)
         try:
-            req = parse_request(line.kind, body)
+            req = await parse(line.kind, body)       # (a line's body may be as large as a request's)
         except APIError as e:
             return e.status, e.body()
         state, delay = self.state, 0.1

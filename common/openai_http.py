@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import functools
 import time
 from typing import Any, AsyncIterator, NamedTuple, Protocol
@@ -86,13 +87,31 @@ class Door(Protocol):
     def close(self, request: web.Request, source, status: int, seconds: float) -> None: ...
 
 
+# A body up to this size is parsed and validated on the event loop (a few milliseconds at most); a larger one (up to
+# 64 MiB: a million chat messages or 30 million token ids, seconds of pydantic) on the process's one parsing thread,
+# so that the server's other clients are answered meanwhile (they share the GIL with it, in 5 ms turns).
+PARSE_INLINE_BYTES = 256 * 1024
+_parser: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+async def parse(kind: str, body: bytes):
+    """parse_request(kind, body), off the event loop for a body over PARSE_INLINE_BYTES (large bodies one at a
+    time)."""
+    if len(body) <= PARSE_INLINE_BYTES:
+        return parse_request(kind, body)
+    global _parser
+    if _parser is None:
+        _parser = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="parse")
+    return await asyncio.get_running_loop().run_in_executor(_parser, parse_request, kind, body)
+
+
 async def handle(request: web.Request, kind: str, door: Door) -> web.StreamResponse:
     t0 = time.monotonic()
     status = 499          # the client went away before an answer (nginx's convention), unless set below
     source = None
     try:
         body = await read_body(request)
-        req = parse_request(kind, body)      # the one JSON language; the body is passed on as it is
+        req = await parse(kind, body)      # the one JSON language; the body is passed on as it is
         source = await door.open(request, kind, body, req)
         stream, req = req.stream, None      # the parsed body (as large as the body) is not kept while answering
         opened: dict = {}

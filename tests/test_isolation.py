@@ -398,3 +398,37 @@ async def test_malformed_http_is_answered_in_the_openai_shape():
         await _malformed_is_openai_shaped(port, b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
     finally:
         await runner.cleanup()
+
+
+async def test_a_large_body_is_parsed_off_the_event_loop(aiohttp_client, monkeypatch):
+    """A 60 MiB body of token ids took 17 s of pydantic on the balancer's event loop (every client waited; the
+    worker's too). Bodies over PARSE_INLINE_BYTES are parsed on a thread of their own: here the parse of a large
+    body is slowed (a test double: 1.5 s inside it) and the balancer answers /health and a small request
+    meanwhile; small bodies are still parsed on the loop."""
+    import threading
+
+    from common import openai_http
+    real, where = openai_http.parse_request, []
+
+    def slowed(kind, body):
+        where.append((len(body) > openai_http.PARSE_INLINE_BYTES, threading.current_thread().name))
+        if len(body) > openai_http.PARSE_INLINE_BYTES:
+            time.sleep(1.5)
+        return real(kind, body)
+    monkeypatch.setattr(openai_http, "parse_request", slowed)
+    seen = []
+    async with workers(fake_worker("ok", seen)) as urls:
+        client = await aiohttp_client(make_app(BalancerConfig(worker_urls=urls, health=HealthConfig(interval=0.05))))
+        while (await (await client.get("/health")).json())["healthy_workers"] != 1:
+            await asyncio.sleep(0.02)
+        big = asyncio.ensure_future(client.post("/v1/completions", json={"prompt": [7] * 200_000, "max_tokens": 1}))
+        while not where:
+            await asyncio.sleep(0.01)
+        t0 = time.monotonic()
+        assert (await client.get("/health")).status == 200
+        small = await client.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+        assert small.status == 200 and time.monotonic() - t0 < 1.0 and not big.done()
+        assert (await big).status == 200
+    loop_thread = threading.current_thread().name
+    assert [(large, name == loop_thread) for large, name in where] == [(True, False), (False, True)]
+    assert where[0][1].startswith("parse")

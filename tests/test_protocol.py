@@ -24,6 +24,13 @@ from common.protocol import APIError, parse_request
     ({"prompt": "x", "stream": "yes"}, "stream"),
     ({"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),      # without stream (vLLM's)
     ({}, "prompt"),
+    # the prompt's form is read from its first item, and the offending item is named (the union of forms said
+    # "prompt: Input should be a valid string" for all of these)
+    ({"prompt": [5, "a"]}, "prompt.1"),
+    ({"prompt": ["a", 5]}, "prompt.1"),
+    ({"prompt": [[5], [6, "x"]]}, "prompt.1.1"),
+    ({"prompt": [5.5]}, "prompt.0"),
+    ({"prompt": [True]}, "prompt.0"),
 ])
 def test_completion_errors_name_the_parameter(body, param):
     with pytest.raises(APIError) as e:
