@@ -170,7 +170,7 @@ async def worker_batch(request: web.Request) -> web.StreamResponse:
     require_ready(state)
     # each row's body nests as the balancer allowed, 3 levels down
     raw = await read_bytes(request, MAX_BATCH_BYTES)
-    body = loads(raw, MAX_DEPTH + 3)
+    body = await off_loop(state, len(raw), loads, raw, MAX_DEPTH + 3)     # (60 MiB of token ids: a second)
     items = body.get("requests") if isinstance(body, dict) else None
     if not isinstance(items, list) or not items:
         raise APIError(400, "body must be {\"requests\": [{\"id\", \"kind\", \"body\"}, ...]}", param="requests")
