@@ -87,22 +87,28 @@ class Door(Protocol):
     def close(self, request: web.Request, source, status: int, seconds: float) -> None: ...
 
 
-# A body up to this size is parsed and validated on the event loop (a few milliseconds at most); a larger one (up to
-# 64 MiB: a million chat messages or 30 million token ids, seconds of pydantic) on the process's one parsing thread,
-# so that the server's other clients are answered meanwhile (they share the GIL with it, in 5 ms turns).
-PARSE_INLINE_BYTES = 256 * 1024
-_parser: concurrent.futures.ThreadPoolExecutor | None = None
+# A body up to this size is parsed, validated and prepared on the event loop (a few milliseconds at most); a larger
+# one (up to 64 MiB: a million chat messages or 30 million token ids, seconds of pydantic and tokenizing) on the
+# process's one large-body thread, so that the server's other clients are answered meanwhile (they share the GIL
+# with it, in 5 ms turns), large bodies one at a time.
+INLINE_BYTES = 256 * 1024
+_large_bodies: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+async def off_loop(size: int, fn, *args):
+    """``fn(*args)``, for a body of ``size`` bytes: on the event loop up to INLINE_BYTES, else on the large-body
+    thread."""
+    if size <= INLINE_BYTES:
+        return fn(*args)
+    global _large_bodies
+    if _large_bodies is None:
+        _large_bodies = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="large-body")
+    return await asyncio.get_running_loop().run_in_executor(_large_bodies, fn, *args)
 
 
 async def parse(kind: str, body: bytes):
-    """parse_request(kind, body), off the event loop for a body over PARSE_INLINE_BYTES (large bodies one at a
-    time)."""
-    if len(body) <= PARSE_INLINE_BYTES:
-        return parse_request(kind, body)
-    global _parser
-    if _parser is None:
-        _parser = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="parse")
-    return await asyncio.get_running_loop().run_in_executor(_parser, parse_request, kind, body)
+    """parse_request(kind, body), off the event loop for a large body."""
+    return await off_loop(len(body), parse_request, kind, body)
 
 
 async def handle(request: web.Request, kind: str, door: Door) -> web.StreamResponse:

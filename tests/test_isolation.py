@@ -402,7 +402,7 @@ async def test_malformed_http_is_answered_in_the_openai_shape():
 
 async def test_a_large_body_is_parsed_off_the_event_loop(aiohttp_client, monkeypatch):
     """A 60 MiB body of token ids took 17 s of pydantic on the balancer's event loop (every client waited; the
-    worker's too). Bodies over PARSE_INLINE_BYTES are parsed on a thread of their own: here the parse of a large
+    worker's too). Bodies over INLINE_BYTES are parsed on a thread of their own: here the parse of a large
     body is slowed (a test double: 1.5 s inside it) and the balancer answers /health and a small request
     meanwhile; small bodies are still parsed on the loop."""
     import threading
@@ -411,8 +411,8 @@ async def test_a_large_body_is_parsed_off_the_event_loop(aiohttp_client, monkeyp
     real, where = openai_http.parse_request, []
 
     def slowed(kind, body):
-        where.append((len(body) > openai_http.PARSE_INLINE_BYTES, threading.current_thread().name))
-        if len(body) > openai_http.PARSE_INLINE_BYTES:
+        where.append((len(body) > openai_http.INLINE_BYTES, threading.current_thread().name))
+        if len(body) > openai_http.INLINE_BYTES:
             time.sleep(1.5)
         return real(kind, body)
     monkeypatch.setattr(openai_http, "parse_request", slowed)
@@ -431,4 +431,4 @@ async def test_a_large_body_is_parsed_off_the_event_loop(aiohttp_client, monkeyp
         assert (await big).status == 200
     loop_thread = threading.current_thread().name
     assert [(large, name == loop_thread) for large, name in where] == [(True, False), (False, True)]
-    assert where[0][1].startswith("parse")
+    assert where[0][1].startswith("large-body")

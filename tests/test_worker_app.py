@@ -394,11 +394,11 @@ async def test_streamed_answers_count_their_tokens(aiohttp_client):
 async def test_large_bodies_are_prepared_off_the_event_loop_and_long_prompts_fail_at_the_first(aiohttp_client):
     """A 60 MB request of 300 prompts, each too long for the context, held the event loop for 41 s (every prompt
     was encoded before any was checked): /health went unanswered and the balancer took the worker out. Now a body
-    over PREPARE_INLINE_BYTES is prepared on the worker's preparing thread, and the first prompt past the context
-    ends the request."""
+    over INLINE_BYTES is prepared on the large-body thread (common/openai_http.py), and the first prompt past the
+    context ends the request."""
     import threading
 
-    from worker.app import PREPARE_INLINE_BYTES
+    from common.openai_http import INLINE_BYTES
     client, _ = await ready_client(aiohttp_client)
     serving = client.server.app[STATE].serving
     where, encoded = [], []
@@ -420,17 +420,17 @@ async def test_large_bodies_are_prepared_off_the_event_loop_and_long_prompts_fai
         r = await client.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 1})
         assert r.status == 200 and where == [threading.current_thread().name]       # small: on the loop
         long = "di vo " * (serving.max_prompt_chars // 6 - 1)       # under the character guard, over the context
-        assert len(long) * 4 > PREPARE_INLINE_BYTES
+        assert len(long) * 4 > INLINE_BYTES
         r = await client.post("/v1/completions", json={"prompt": [long] * 4, "max_tokens": 1})
         err = (await r.json())["error"]
         assert r.status == 400 and err["param"] == "prompt" and "longer than the model's context" in err["message"]
-        assert where[-1].startswith("prepare") and len(encoded) == 1
+        assert where[-1].startswith("large-body") and len(encoded) == 1
         body = {"requests": [{"id": f"r{i}", "kind": "completion", "body": {"prompt": [long, "x"], "max_tokens": 1}}
                              for i in range(2)] + [{"id": "ok", "kind": "completion",
                                                     "body": {"prompt": [5, 6], "max_tokens": 1}}]}
         r = await client.post("/worker/batch", json=body)
         events = {e["id"]: e for e in map(orjson.loads, (await r.read()).splitlines())}
-        assert where[-1].startswith("prepare") and len(encoded) == 3
+        assert where[-1].startswith("large-body") and len(encoded) == 3
         assert events["r0"]["status"] == events["r1"]["status"] == 400 and events["ok"]["event"] == "response"
     finally:
         serving.prepare, serving.tok = prepare, tok

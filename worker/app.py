@@ -12,7 +12,6 @@ import secrets
 import signal
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import orjson
@@ -23,7 +22,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from common.http import (BODY_BUDGET, EXIT_PORT_IN_USE, MAX_BATCH_BYTES, SHUTDOWN_GRACE, AppRunner, BodyBudget,
                          json_response, middlewares, read_body, read_bytes, settle_gc)
 from common.metrics import RequestMetrics
-from common.openai_http import add_routes
+from common.openai_http import add_routes, off_loop
 from common.protocol import MAX_DEPTH, APIError, error_body, loads
 from common.worker_config import WorkerConfig
 
@@ -78,7 +77,6 @@ class WorkerState:
     tokens_generated: int = 0                    # completion tokens answered since the start (/health)
     cpu_threads: int | None = None              # torch intra-op threads (/health; --threads)
     launch_id: str | None = field(default_factory=lambda: os.environ.get("DLLM_LAUNCH_ID") or None)
-    prep_pool: ThreadPoolExecutor | None = None  # tokenises large bodies off the event loop (off_loop)
     loading_weights: str | None = None           # the path a POST /worker/load_weights is loading (one at a time)
 
     @property
@@ -108,22 +106,6 @@ async def read_request(request: web.Request):
     return loads(await read_body(request))
 
 
-# A body up to this size is tokenised on the event loop (well under a millisecond); a larger one (up to 64 MiB of
-# prompts, 1,024 rows of a /worker/batch, a million ids to detokenize: seconds) on the preparing thread, so that
-# /health, cancels and the other requests' answers go on meanwhile.
-PREPARE_INLINE_BYTES = 256 * 1024
-
-
-async def off_loop(state: WorkerState, size: int, fn, *args):
-    """``fn(*args)``: on the event loop for a body of ``size`` bytes up to PREPARE_INLINE_BYTES, else on the
-    worker's one preparing thread (large requests are prepared one at a time)."""
-    if size <= PREPARE_INLINE_BYTES:
-        return fn(*args)
-    if state.prep_pool is None:
-        state.prep_pool = ThreadPoolExecutor(1, thread_name_prefix="prepare")
-    return await asyncio.get_running_loop().run_in_executor(state.prep_pool, fn, *args)
-
-
 def require_ready(state: WorkerState) -> None:
     if state.status != "ready":
         msg = {"loading": "the model is still loading", "draining": "the worker is shutting down",
@@ -147,7 +129,7 @@ class WorkerDoor:
     async def open(self, request: web.Request, kind: str, body: bytes, req):
         state = self.state
         require_ready(state)
-        prep = await off_loop(state, len(body), state.serving.prepare, kind, body, req)
+        prep = await off_loop(len(body), state.serving.prepare, kind, body, req)
         require_ready(state)             # (the state may have changed while a large body was prepared)
         run = state.serving.submit(prep)
         state.active += 1
@@ -170,7 +152,7 @@ async def worker_batch(request: web.Request) -> web.StreamResponse:
     require_ready(state)
     # each row's body nests as the balancer allowed, 3 levels down
     raw = await read_bytes(request, MAX_BATCH_BYTES)
-    body = await off_loop(state, len(raw), loads, raw, MAX_DEPTH + 3)     # (60 MiB of token ids: a second)
+    body = await off_loop(len(raw), loads, raw, MAX_DEPTH + 3)     # (60 MiB of token ids: a second)
     items = body.get("requests") if isinstance(body, dict) else None
     if not isinstance(items, list) or not items:
         raise APIError(400, "body must be {\"requests\": [{\"id\", \"kind\", \"body\"}, ...]}", param="requests")
@@ -222,7 +204,7 @@ async def worker_batch(request: web.Request) -> web.StreamResponse:
         return out
 
     runs = {}
-    preps = await off_loop(state, len(raw), prepare_rows)
+    preps = await off_loop(len(raw), prepare_rows)
     require_ready(state)
     for rid, prep in zip(ids, preps):
         emit = emitter(rid)
@@ -274,14 +256,14 @@ async def tokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
     require_ready(state)
     raw = await read_body(request)
-    return json_response(await off_loop(state, len(raw), lambda: state.serving.tokenize(loads(raw))))
+    return json_response(await off_loop(len(raw), lambda: state.serving.tokenize(loads(raw))))
 
 
 async def detokenize(request: web.Request) -> web.Response:
     state = request.app[STATE]
     require_ready(state)
     raw = await read_body(request)
-    return json_response(await off_loop(state, len(raw), lambda: state.serving.detokenize(loads(raw))))
+    return json_response(await off_loop(len(raw), lambda: state.serving.detokenize(loads(raw))))
 
 
 async def tokenizer_info(request: web.Request) -> web.Response:
@@ -603,8 +585,6 @@ async def _lifecycle(app: web.Application):
         state.steps.stop()
     if state.batcher:
         await state.batcher.close()
-    if state.prep_pool is not None:
-        state.prep_pool.shutdown(wait=False, cancel_futures=True)
     if state.engine is not None and getattr(state.engine, "ranks", None) is not None:
         state.engine.close()          # the follower ranks leave with their worker
 
