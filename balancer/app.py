@@ -38,7 +38,7 @@ from common.config import PORT, FiniteFloatRange, setting
 from common.http import (BODY_BUDGET, EXIT_PORT_IN_USE, EXTRA_SERVED, MAX_BODY_BYTES, MAX_BODY_BYTES_IN_FLIGHT,
                          AppRunner, BodyBudget, HTTP_GC_THRESHOLD, json_response, middlewares, read_body, settle_gc)
 from common.metrics import RequestMetrics
-from common.openai_http import add_routes
+from common.openai_http import add_routes, off_loop
 from common.protocol import APIError, error_body, guarded_by_api_key, loads
 
 log = logging.getLogger("dllm.balancer")
@@ -250,7 +250,7 @@ async def to_a_worker(request: web.Request) -> web.Response:
     takes longer than --worker-call-timeout, or the worker refuses the balancer's --worker-api-key)."""
     state = request.app[STATE]
     body = await read_body(request)
-    loads(body)
+    await off_loop(len(body), loads, body)
     path = request.match_info.route.resource.canonical      # the route's own path, never the client's
     tried = []
     for w in sorted(state.pool.healthy(), key=lambda w: (w.inflight_rows, w.index)):

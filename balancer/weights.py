@@ -59,8 +59,9 @@ class WeightUpdates:
         self.updates: set = set()            # updates running on (balancer/app.py load_weights: shielded tasks)
         self._sync_task: asyncio.Task | None = None
         self.sync_retry, self.sync_retry_max = sync_retry       # --weight-sync-retry, --weight-sync-retry-max
-        # worker processes (instance ids) the sync could not bring: failures in a row, when to try again, why
-        self._sync_failed: dict[str, dict] = {}
+        # the worker processes ((index, instance id): a process id alone may be unknown) the sync could not bring
+        # onto the target: {"target": its hash, "failures" in a row, "next" try (monotonic), "error"}
+        self._sync_failed: dict[tuple, dict] = {}
 
     # ------------------------------------------------------------ what the batcher asks
     def routable(self, w: Worker) -> bool:
@@ -100,7 +101,7 @@ class WeightUpdates:
         now = time.monotonic()
         failed = [{"worker": w.index, "failures": f["failures"], "error": f["error"],
                    "next_try_in": round(max(0.0, f["next"] - now), 1)}
-                  for w in self.pool.workers if (f := self._sync_failed.get(w.instance_id)) is not None]
+                  for w in self.pool.workers if (f := self._sync_failed.get(_process(w))) is not None]
         return {"target": self.target, "versions": list(versions.values()),
                 "update": self.current, "last_update": self.last, "sync_failures": failed}
 
@@ -274,49 +275,68 @@ class WeightUpdates:
         await asyncio.gather(*(t for t in [self._sync_task, *self.updates] if t is not None), return_exceptions=True)
 
     def _sync_due(self, w: Worker, now: float) -> bool:
-        f = self._sync_failed.get(w.instance_id)
+        f = self._sync_failed.get(_process(w))
         return f is None or now >= f["next"]
 
-    def _sync_failure(self, w: Worker, message: str) -> None:
-        """Try ``w``'s process again after --weight-sync-retry seconds, doubled for each failure in a row (up to
-        --weight-sync-retry-max): a load that timed out or ran out of memory may succeed later; until then the worker
-        takes no batch (:meth:`routable`)."""
-        f = self._sync_failed.get(w.instance_id) or {"failures": 0}
+    def _sync_failure(self, process: tuple, index: int, message: str) -> None:
+        """Try the worker ``process`` again after --weight-sync-retry seconds, doubled for each failure in a row (up
+        to --weight-sync-retry-max): a load that timed out or ran out of memory may succeed later; until then the
+        worker takes no batch (:meth:`routable`)."""
+        f = self._sync_failed.get(process) or {"failures": 0}
         f["failures"] += 1
-        wait = min(self.sync_retry_max, self.sync_retry * 2 ** (f["failures"] - 1))
-        f.update(error=message, next=time.monotonic() + wait)
-        self._sync_failed[w.instance_id] = f
+        wait = min(self.sync_retry_max, self.sync_retry * 2.0 ** min(f["failures"] - 1, 60))
+        f.update(target=self.target["hash"], error=message, next=time.monotonic() + wait)
+        self._sync_failed[process] = f
         log.error("worker %d could not load the update's weights (failure %d in a row; next try in %.0f s): %s",
-                  w.index, f["failures"], wait, message)
+                  index, f["failures"], wait, message)
 
     async def _sync_loop(self) -> None:
         while True:
             await asyncio.sleep(0.5)
-            if self.target is None or self._lock.locked():
+            try:
+                await self._sync_round()
+            except asyncio.CancelledError:
+                raise
+            except Exception:               # (a bug here must not end the sync for good)
+                log.exception("weights sync")
+
+    async def _sync_round(self) -> None:
+        if self.target is None or self._lock.locked():
+            return
+        now, target = time.monotonic(), self.target["hash"]
+        # forget processes replaced since, those that reached the weights after all (a load that answered too
+        # late), and failures to reach an earlier target
+        pending = {_process(w) for w in self.pool.workers if hash_of(w) != target}
+        for gone in [k for k, f in self._sync_failed.items() if k not in pending or f["target"] != target]:
+            del self._sync_failed[gone]
+        for w in self.pool.workers:
+            if not (w.healthy and not w.updating and hash_of(w) not in (None, target) and self._sync_due(w, now)):
                 continue
-            now = time.monotonic()
-            # forget processes replaced since, and those that reached the weights after all (a load that answered
-            # too late)
-            pending = {w.instance_id for w in self.pool.workers if hash_of(w) != self.target["hash"]}
-            for gone in [k for k in self._sync_failed if k not in pending]:
-                del self._sync_failed[gone]
-            for w in self.pool.workers:
-                if (w.healthy and not w.updating and hash_of(w) not in (None, self.target["hash"])
-                        and self._sync_due(w, now)):
-                    async with self._lock:
-                        log.info("worker %d serves %s, not the update's %s: loading %s", w.index, hash_of(w),
-                                 self.target["hash"], self.target["path"])
-                        w.updating = True
-                        self.batcher.versions_changed()
-                        try:
-                            await self._drained([w], self.drain_timeout)
-                            await self._load_one(w, self.target["path"], self.drain_timeout)
-                            self._sync_failed.pop(w.instance_id, None)
-                        except APIError as e:
-                            self._sync_failure(w, e.message)
-                        except Exception as e:
-                            log.exception("weights sync of worker %d", w.index)
-                            self._sync_failure(w, f"{type(e).__name__}: {e}")
-                        finally:
-                            w.updating = False
-                            self.batcher.versions_changed()
+            async with self._lock:
+                if self.target is None or not w.healthy or hash_of(w) in (None, self.target["hash"]):
+                    continue                    # (an update ran while this round waited for the lock)
+                process = _process(w)           # the process asked (health may show its successor by the end)
+                log.info("worker %d serves %s, not the update's %s: loading %s", w.index, hash_of(w),
+                         self.target["hash"], self.target["path"])
+                w.updating = True
+                self.batcher.versions_changed()
+                error = None
+                try:
+                    await self._drained([w], self.drain_timeout)
+                    await self._load_one(w, self.target["path"], self.drain_timeout)
+                except APIError as e:
+                    error = e.message
+                except Exception as e:
+                    log.exception("weights sync of worker %d", w.index)
+                    error = f"{type(e).__name__}: {e}"
+                finally:
+                    w.updating = False
+                    self.batcher.versions_changed()
+                if error is None:
+                    self._sync_failed.pop(process, None)
+                elif _process(w) == process:    # (a process replaced meanwhile starts with a clean slate)
+                    self._sync_failure(process, w.index, error)
+
+
+def _process(w: Worker) -> tuple:
+    return (w.index, w.instance_id)

@@ -88,9 +88,10 @@ class Door(Protocol):
 
 
 # A body up to this size is parsed, validated and prepared on the event loop (a few milliseconds at most); a larger
-# one (up to 64 MiB: a million chat messages or 30 million token ids, seconds of pydantic and tokenizing) on the
-# process's one large-body thread, so that the server's other clients are answered meanwhile (they share the GIL
-# with it, in 5 ms turns), large bodies one at a time.
+# one (up to 64 MiB: a million chat messages or 30 million token ids, seconds of work) on the process's one
+# large-body thread, large bodies one at a time. The event loop goes on while the thread runs Python (validators,
+# chat templates, tokenizer calls: they share the GIL in 5 ms turns), not during one long call into C that holds
+# the GIL: orjson's read and pydantic-core's validation of a 52 MiB body of token ids still stop it for ~0.8 s.
 INLINE_BYTES = 256 * 1024
 _large_bodies: concurrent.futures.ThreadPoolExecutor | None = None
 

@@ -402,9 +402,10 @@ async def test_malformed_http_is_answered_in_the_openai_shape():
 
 async def test_a_large_body_is_parsed_off_the_event_loop(aiohttp_client, monkeypatch):
     """A 60 MiB body of token ids took 17 s of pydantic on the balancer's event loop (every client waited; the
-    worker's too). Bodies over INLINE_BYTES are parsed on a thread of their own: here the parse of a large
-    body is slowed (a test double: 1.5 s inside it) and the balancer answers /health and a small request
-    meanwhile; small bodies are still parsed on the loop."""
+    worker's too). Bodies over INLINE_BYTES are parsed on the large-body thread: here the parse of a large body
+    is slowed (a test double: 1.5 s asleep inside it) and the balancer answers /health and a small request
+    meanwhile; small bodies are still parsed on the loop. (A real parse's C parts hold the GIL: the loop waits for
+    each of them, docs/reliability.md.)"""
     import threading
 
     from common import openai_http

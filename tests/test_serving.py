@@ -187,8 +187,9 @@ def test_the_prompt_size_limit_is_per_prompt(serving):
 
 def test_more_messages_than_the_context_are_refused_before_the_template_runs(serving, monkeypatch):
     """Each message takes at least one token: more messages than the context's tokens are refused without
-    templating them (100,000 one-letter messages took 6.5 s of the worker's CPU before), on chat, Responses and
-    /tokenize; as many as the context still reach the template (its length check refuses them later)."""
+    templating them (100,000 one-letter messages took 6.5 s of the worker's CPU before), on chat and Responses; as
+    many as the context still reach the template (its length check refuses them later). /tokenize counts prompts
+    past the context, up to 4 times it (as its text guard)."""
     import worker.serving as serving_module
     n = serving.engine.max_sequence_length
     templated = []
@@ -199,8 +200,10 @@ def test_more_messages_than_the_context_are_refused_before_the_template_runs(ser
         with pytest.raises(APIError) as e:
             serving.prepare(kind, body)
         assert e.value.status == 400 and e.value.param == param and f"{param}: {n + 1} of them" in e.value.message
+    assert templated == []
+    assert serving.tokenize({"messages": many})["count"] == 1 and len(templated.pop()) == n + 1
     with pytest.raises(APIError) as e:
-        serving.tokenize({"messages": many})
+        serving.tokenize({"messages": [{"role": "user", "content": "x"}] * (4 * n + 1)})
     assert e.value.status == 400 and e.value.param == "messages"
     assert templated == []
     serving.prepare("chat", {"messages": many[:n], "max_tokens": 1})

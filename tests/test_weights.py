@@ -455,19 +455,34 @@ async def test_a_worker_the_sync_could_not_bring_onto_the_update_is_tried_again(
 
 
 def test_the_sync_retry_waits_double_up_to_the_cap():
+    """The wait doubles per failure in a row up to the cap, for as long as the failures go on (2 ** 1024 overflowed
+    a float: a review); a failure is forgotten once the target changes, or its process is replaced."""
     from types import SimpleNamespace
 
     from balancer.weights import WeightUpdates
     w = SimpleNamespace(index=3, instance_id="p1", healthy=True, updating=False,
                         last_health={"model_version": {"hash": "OLD"}})
     updates = WeightUpdates(SimpleNamespace(workers=[w]), None, None, {}, sync_retry=(10.0, 35.0))
+    updates.target = {"hash": "NEW", "path": "/new"}
     waits = []
     for _ in range(4):
         t0 = time.monotonic()
-        updates._sync_failure(w, "no")
-        waits.append(round(updates._sync_failed["p1"]["next"] - t0))
+        updates._sync_failure((3, "p1"), 3, "no")
+        waits.append(round(updates._sync_failed[(3, "p1")]["next"] - t0))
         assert not updates._sync_due(w, time.monotonic())
     assert waits == [10, 20, 35, 35]
     assert updates._sync_due(w, time.monotonic() + 36)
     (listed,) = updates.snapshot()["sync_failures"]
     assert listed.pop("next_try_in") > 30 and listed == {"worker": 3, "failures": 4, "error": "no"}
+    for _ in range(2000):
+        updates._sync_failure((3, "p1"), 3, "no")
+    assert updates._sync_failed[(3, "p1")]["next"] - time.monotonic() <= 35
+
+    async def rounds():
+        await updates._sync_round()                     # same target, same process: still waiting
+        assert (3, "p1") in updates._sync_failed
+        updates.target = {"hash": "NEWER", "path": "/newer"}
+        updates._sync_due = lambda w, now: False        # (no load in this unit test)
+        await updates._sync_round()
+        assert updates._sync_failed == {}
+    asyncio.run(rounds())

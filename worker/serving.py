@@ -285,14 +285,16 @@ class Serving:
             raise APIError(404, f"The model {name!r} does not exist; this server serves {self.model_name!r}",
                            param="model", code="model_not_found")
 
-    def _check_message_count(self, n: int, param: str) -> None:
+    def _check_message_count(self, n: int, param: str, limit: int | None = None) -> None:
         """Every chat template renders each message with at least one token (its role's markers), so more messages
         than the model's context cannot fit it: refused before the template runs (100,000 one-letter messages, a 3 MB
-        body, took 6.5 s of the worker's CPU to template and tokenize before the length check refused them)."""
-        if n > self.engine.max_sequence_length:
-            raise APIError(400, f"{param}: {n} of them cannot fit the model's maximum sequence length "
-                                f"({self.engine.max_sequence_length} tokens), each taking at least one token",
-                           param=param)
+        body, took 6.5 s of the worker's CPU to template and tokenize before the length check refused them).
+        ``limit``: another bound (/tokenize counts prompts past the context, up to 4 times it, as its text guard)."""
+        limit = self.engine.max_sequence_length if limit is None else limit
+        if n > limit:
+            raise APIError(400, f"{param}: {n} of them is more than this server takes ({limit}: each message takes "
+                                f"at least one token; the model's maximum sequence length is "
+                                f"{self.engine.max_sequence_length} tokens)", param=param)
 
     def tokenize(self, body) -> dict:
         req = parse_body(TokenizeRequest, body)
@@ -304,7 +306,7 @@ class Serving:
         if req.prompt is not None:
             ids = self.tok(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]
         else:
-            self._check_message_count(len(req.messages), "messages")
+            self._check_message_count(len(req.messages), "messages", 4 * self.engine.max_sequence_length)
             msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
             try:
                 ids = apply_chat_template(self.tok, msgs, req.add_generation_prompt)
