@@ -42,7 +42,7 @@ def pytest_collection_finish(session):
     ids = {item.nodeid for item in session.items}
     if f"{BF16_DRIVER}::test_bf16_tests_pass_under_each_cpu_kernel_set" in ids:
         from tests.test_bf16_kernels import SETS, _start
-        session.config.dllm_bf16_early = [(capability, _start(capability, nice=19)) for capability in SETS]
+        session.config.dllm_bf16_early = [(capability, _start(capability)) for capability in SETS]
 
 
 def pytest_sessionfinish(session):
