@@ -120,7 +120,9 @@ def _write_dcp(dest: Path, layout: str):
         dcp.save({"model." + k: v for k, v in sd.items()}, checkpoint_id=str(dest))
 
 
-@pytest.mark.parametrize("layout", ["structured", "legacy"])
+# (each conversion is a subprocess importing torch, ~5 s: the fast tier keeps the structured layout and the errors
+# found without one; the slow tier runs the rest)
+@pytest.mark.parametrize("layout", ["structured", pytest.param("legacy", marks=pytest.mark.slow)])
 def test_dcp_converts_once_and_generates_identically(tmp_path, layout, llada_golden, monkeypatch):
     monkeypatch.setenv("DLLM_CACHE", str(tmp_path / "cache"))
     _write_dcp(tmp_path / "ckpt", layout)
@@ -141,6 +143,7 @@ def test_dcp_converts_once_and_generates_identically(tmp_path, layout, llada_gol
     assert converted["canvas"] == case["output"]
 
 
+@pytest.mark.slow
 def test_dcp_relative_paths_and_an_output_that_is_not_a_conversion(tmp_path, monkeypatch):
     """Relative --dcp-path and --output were read in the project's directory (the conversion runs there): "not a DCP
     checkpoint", or a conversion written into the checkout. And an existing --output was replaced whole, whatever it
@@ -160,6 +163,7 @@ def test_dcp_relative_paths_and_an_output_that_is_not_a_conversion(tmp_path, mon
     assert again.exit_code == 0 and "reusing" in again.stderr
 
 
+@pytest.mark.slow
 def test_dcp_racing_launches_convert_once(tmp_path):
     _write_dcp(tmp_path / "ckpt", "structured")
     env = dict(os.environ, DLLM_CACHE=str(tmp_path / "cache"))
@@ -195,6 +199,7 @@ def test_dcp_with_wrong_names_is_a_clear_error(tmp_path, monkeypatch):
     assert r.exit_code != 0 and "not a DCP checkpoint" in r.output
 
 
+@pytest.mark.slow
 def test_dcp_of_another_model_size_is_refused_before_converting(tmp_path, monkeypatch):
     """A DCP with the base model's names but other shapes (another size of the family) was converted, and failed only
     when a worker loaded it; it is refused at once, naming a tensor, and nothing is written."""
