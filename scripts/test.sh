@@ -6,7 +6,7 @@
 # models gain nothing from more), then the slow tier (servers,
 # clusters, faults under load) in $DLLM_TEST_SLOW_PROCESSES (default 3: its tests wait on servers, timeouts and
 # peers much of the time, so a third process fills two cores), then the slow tests marked `alone` (the SLURM
-# clusters) in one process. `./scripts/test.sh -m "not slow"` runs the fast tier the same parallel way; any other
+# clusters; the bfloat16 kernel-set processes, at the lowest priority, during them) in one process. `./scripts/test.sh -m "not slow"` runs the fast tier the same parallel way; any other
 # arguments run one pytest process. The project's modules are compiled once first (the tests start many Python
 # processes, and PYTHONDONTWRITEBYTECODE, where set, keeps each from caching them).
 set -euo pipefail

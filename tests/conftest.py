@@ -26,6 +26,8 @@ BF16_DRIVER = "tests/test_bf16_kernels.py"
 def pytest_collection_modifyitems(config, items):
     if os.environ.get(BF16_ENV):
         return
+    # the `bf16` driver last: its processes (started when collection ends) use what the tests before it leave idle
+    items.sort(key=lambda item: item.nodeid.startswith(f"{BF16_DRIVER}::test_bf16_tests_pass"))
     skip = pytest.mark.skip(reason=f"bfloat16: run once per CPU kernel set by {BF16_DRIVER} (or set {BF16_ENV}=1)")
     for item in items:
         if item.get_closest_marker("bf16"):
@@ -34,9 +36,10 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_collection_finish(session):
     """The `bf16` subprocesses (tests/test_bf16_kernels.py) start as soon as the run's tests are known, instead of
-    waiting in their turn, at the lowest CPU priority, so that they take only what the tests leave idle (25 s of the
-    suite's wall time otherwise). The test takes them from ``config.dllm_bf16_early``. Not in pytest-xdist processes
-    (scripts/test.sh): each collects every test, and only one runs the driver; there the driver starts them itself."""
+    waiting in their turn, at the lowest CPU priority, so that they take only what the tests leave idle (the driver
+    runs last; scripts/test.sh runs it in its last stage, one process, with the SLURM tests). The test takes them from
+    ``config.dllm_bf16_early``. Not in pytest-xdist processes: each collects every test, and only one runs the driver;
+    there the driver starts them itself."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         return
     ids = {item.nodeid for item in session.items}

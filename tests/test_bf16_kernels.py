@@ -4,9 +4,9 @@ bfloat16 results on CPU depend on the arithmetic: ATen picks its vectorised kern
 AVX2, AVX512; read once, when torch is imported) and oneDNN runs bfloat16 matmuls with the CPU's own instructions. The
 `bf16` tests therefore run with oneDNN off (tests/conftest.py) and compare with the reference's result for the kernel
 set torch reports (the goldens hold one per set, tests/fixtures/README.md). Each set needs its own process: this test
-runs `pytest -m bf16` in a subprocess per set (in the slow tier: the sets' processes at once, at the lowest CPU
-priority; each started as soon as the tests are collected where pytest runs in one process),
-with one thread as the goldens were made, checks that it passed and that the kernel set it ran is the one asked for
+runs `pytest -m bf16` in a subprocess per set (the sets' processes at once, at the lowest CPU priority, started as soon
+as the tests are collected; the test is marked `alone` and runs last, so scripts/test.sh runs it in its last stage,
+where they use what the SLURM tests leave idle), with one thread as the goldens were made, checks that it passed and that the kernel set it ran is the one asked for
 whenever this CPU has it. Elsewhere the `bf16` tests are skipped. By hand:
 `DLLM_SERVE_BF16_KERNELS=1 ATEN_CPU_CAPABILITY=avx2 .venv/bin/python -m pytest -m bf16 tests/test_llada2.py`."""
 import functools
@@ -14,6 +14,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -39,10 +40,13 @@ def best_capability() -> str:
     return out.stdout.strip()
 
 
-# every `bf16` test under each kernel set, in one process per set (a process costs seconds to start), in the slow
-# tier only (the fast tier's AVX2 process took a core for 20 s of its 3 minutes). The three processes run at once:
-# each has one thread, and they are independent.
+# every `bf16` test under each kernel set, in one process per set (a process costs seconds to start; each needs ~20 s
+# of one core), in the last stage only (the fast tier's AVX2 process took a core for 20 s of its 3 minutes; in the
+# parallel slow tier, at the lowest priority, they once got under 63 s of CPU in 300 s and failed CI). The three
+# processes run at once: each has one thread, and they are independent.
 SETS = ["avx2", "default", "avx512"]
+# how long the test waits for all of them (the processes started when collection ended)
+WAIT_S = 270
 
 
 def _start(capability: str) -> subprocess.Popen:
@@ -53,9 +57,13 @@ def _start(capability: str) -> subprocess.Popen:
                             text=True, preexec_fn=lambda: os.nice(19))
 
 
-def _check(capability: str, proc: subprocess.Popen) -> None:
+def _check(capability: str, proc: subprocess.Popen, deadline: float) -> None:
     try:
-        out = proc.communicate(timeout=600)[0]
+        out = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0]
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out = proc.communicate()[0]
+        pytest.fail(f"[{capability}] not done in {WAIT_S} s:\n" + (out or "")[-4000:])
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -69,13 +77,15 @@ def _check(capability: str, proc: subprocess.Popen) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_bf16_tests_pass_under_each_cpu_kernel_set(pytestconfig):
     procs = getattr(pytestconfig, "dllm_bf16_early", None)     # started when collection ended (conftest.py)
     pytestconfig.dllm_bf16_early = None
     procs = procs or [(capability, _start(capability)) for capability in SETS]
+    deadline = time.monotonic() + WAIT_S
     try:
         for capability, proc in procs:
-            _check(capability, proc)
+            _check(capability, proc, deadline)
     finally:
         for _, proc in procs:
             if proc.poll() is None:
