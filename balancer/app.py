@@ -35,7 +35,7 @@ from balancer.pool import HealthConfig, WorkerPool
 from balancer.stats import Window
 from balancer.weights import MODES, WeightUpdates
 from common.config import PORT, FiniteFloatRange, setting
-from common.http import (BODY_BUDGET, EXIT_PORT_IN_USE, EXTRA_SERVED, MAX_BODY_BYTES, MAX_BODY_BYTES_IN_FLIGHT,
+from common.http import (BODY_BUDGET, BODY_TIMEOUT, BODY_TIMEOUT_S, EXIT_PORT_IN_USE, KEEPALIVE_TIMEOUT, EXTRA_SERVED, MAX_BODY_BYTES, MAX_BODY_BYTES_IN_FLIGHT,
                          AppRunner, BodyBudget, HTTP_GC_THRESHOLD, json_response, middlewares, read_body, settle_gc)
 from common.metrics import RequestMetrics
 from common.openai_http import add_routes, off_loop
@@ -97,6 +97,13 @@ class BalancerConfig:
                                   "bodies over 1 MiB may fill three quarters); past it a request gets 503 + "
                                   "Retry-After (one body is at most 64 MiB: 413).",
         type=click.IntRange(1))
+    body_timeout: float = setting(BODY_TIMEOUT, "Seconds a request body may go without a byte arriving; then the "
+                                                "request gets 408 and its connection is closed.",
+                                  type=click.FloatRange(0, min_open=True))
+    keepalive_timeout: float = setting(KEEPALIVE_TIMEOUT, "Seconds a client connection may stay idle between "
+                                                          "requests (one whose next request's headers have not all "
+                                                          "arrived counts as idle) before it is closed.",
+                                       type=click.FloatRange(1))
     api_key: str | None = setting(None, "Require 'Authorization: Bearer KEY' on /v1.", envvar="DLLM_API_KEY")
     worker_api_key: str | None = setting(None, "Bearer key the balancer sends to workers.",
                                          envvar="DLLM_WORKER_API_KEY")
@@ -492,6 +499,7 @@ async def _expire_loop(state: BalancerState) -> None:
 
 async def _lifecycle(app: web.Application):
     state = app[STATE]
+    # idle connections to workers go after 30 s, before a worker's own --keepalive-timeout (75 s) closes them
     state.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
                                           json_serialize=lambda o: orjson.dumps(o).decode())
     state.pool.start()
@@ -515,6 +523,7 @@ def make_app(cfg: BalancerConfig) -> web.Application:
                           client_max_size=MAX_BODY_BYTES)
     app[STATE] = BalancerState(cfg)
     app[BODY_BUDGET] = BodyBudget(cfg.max_body_bytes_in_flight)
+    app[BODY_TIMEOUT_S] = cfg.body_timeout
     app[EXTRA_SERVED] = ("/v1/files", "/v1/batches")
     app.cleanup_ctx.append(_lifecycle)
     app[DOOR] = BalancerDoor(app[STATE])
@@ -561,7 +570,7 @@ async def serve(cfg: BalancerConfig, stop: asyncio.Event | None = None) -> int:
     """Serve until SIGTERM/SIGINT (or, when given, until ``stop`` is set): then stop admitting (503), finish what is
     queued and in flight (up to ``drain_timeout``), stop the front processes, exit."""
     app = make_app(cfg)
-    runner = AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = AppRunner(app, handler_cancellation=True, access_log=None, keepalive_timeout=cfg.keepalive_timeout)
     await runner.setup()
     try:
         await start_sites(runner, cfg)

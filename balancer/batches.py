@@ -24,7 +24,7 @@ import orjson
 from aiohttp import BodyPartReader, web
 
 from common.batchfile import BATCH_URLS, is_final, parse_line, result_key, result_line
-from common.http import json_response
+from common.http import body_read, json_response
 from common.openai_http import parse
 from common.protocol import APIError, loads
 
@@ -148,18 +148,18 @@ class BatchJobs:
         data = self._data(fid)
         try:
             reader = await request.multipart()
-            while (part := await reader.next()) is not None:
+            while (part := await body_read(request, reader.next())) is not None:
                 if not isinstance(part, BodyPartReader):
                     raise APIError(400, "a nested multipart part is not a form field", param="file")
                 if part.name == "purpose":
-                    purpose = (await part.text()).strip()
+                    purpose = (await body_read(request, part.text())).strip()
                 elif part.name == "file":
                     if filename is not None:
                         raise APIError(400, "one file part per upload", param="file")
                     filename = part.filename or "upload.jsonl"
                     filename.encode("utf-8")      # (a name that is not UTF-8: UnicodeEncodeError, a 400 below)
                     with open(data, "wb") as f:
-                        while chunk := await part.read_chunk(1 << 20):
+                        while chunk := await body_read(request, part.read_chunk(1 << 20)):
                             size += len(chunk)
                             if size > self.max_file_bytes:
                                 raise APIError(413, f"the file is larger than --max-file-bytes "

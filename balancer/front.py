@@ -44,7 +44,7 @@ import yarl
 from aiohttp import web
 
 from balancer.batcher import Pending
-from common.http import (BODY_BUDGET, MAX_BODY_BYTES, MAX_BODY_BYTES_IN_FLIGHT, AppRunner, BodyBudget, middlewares,
+from common.http import (BODY_BUDGET, BODY_TIMEOUT, BODY_TIMEOUT_S, KEEPALIVE_TIMEOUT, MAX_BODY_BYTES, MAX_BODY_BYTES_IN_FLIGHT, AppRunner, BodyBudget, middlewares,
                          read_bytes, HTTP_GC_THRESHOLD, SHUTDOWN_GRACE, settle_gc)
 from common.openai_http import ENDPOINTS, Event, EventBox, add_routes, meaningful
 from common.protocol import APIError, error_body, guarded_by_api_key
@@ -242,7 +242,8 @@ class Fronts:
         env = {**os.environ, "DLLM_FRONT": json.dumps({
             "fd": theirs.fileno(), "host": self.host, "port": self.port, "central": self.central_socket,
             "api_key": self.api_key, "index": i, "log_level": logging.getLogger().getEffectiveLevel(),
-            "max_body_bytes_in_flight": self.state.cfg.max_body_bytes_in_flight, "connect_timeout": self.timeout})}
+            "max_body_bytes_in_flight": self.state.cfg.max_body_bytes_in_flight, "connect_timeout": self.timeout,
+            "body_timeout": self.state.cfg.body_timeout, "keepalive_timeout": self.state.cfg.keepalive_timeout})}
         proc = None
         try:
             proc = await asyncio.create_subprocess_exec(
@@ -342,6 +343,8 @@ class FrontConfig:
     log_level: int = logging.INFO
     connect_timeout: float = 10.0        # seconds to open a connection to the central's socket (--front-timeout)
     max_body_bytes_in_flight: int = MAX_BODY_BYTES_IN_FLIGHT     # this front's own bound (the balancer's setting)
+    body_timeout: float = BODY_TIMEOUT                           # the balancer's --body-timeout
+    keepalive_timeout: float = KEEPALIVE_TIMEOUT                 # the balancer's --keepalive-timeout (the central's too)
 
 
 @dataclass(eq=False)
@@ -439,6 +442,7 @@ async def serve_front(cfg: FrontConfig) -> int:
                           client_max_size=MAX_BODY_BYTES)
     app[FRONT] = front
     app[BODY_BUDGET] = BodyBudget(cfg.max_body_bytes_in_flight)
+    app[BODY_TIMEOUT_S] = cfg.body_timeout
     app[DOOR] = FrontDoor(front)
     add_routes(app, app[DOOR])
     app.router.add_route("*", "/{tail:.*}", proxy)
@@ -446,12 +450,15 @@ async def serve_front(cfg: FrontConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, lambda: None)          # the central decides when fronts stop
     # no total: a proxied call takes as long as the central takes, and the central bounds its own work (its calls
-    # to workers, a weight update); an upload goes at its client's pace
-    front.session = aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=cfg.central),
+    # to workers, a weight update); an upload goes at its client's pace. Idle connections to the central are let go
+    # well before the central's own --keepalive-timeout closes them (no request sent on a connection being closed).
+    front.session = aiohttp.ClientSession(connector=aiohttp.UnixConnector(
+                                              path=cfg.central, keepalive_timeout=min(15.0, cfg.keepalive_timeout / 2)),
                                           timeout=aiohttp.ClientTimeout(total=None, sock_connect=cfg.connect_timeout))
     link = front.link = CentralLink(front)
     await loop.create_connection(lambda: link, sock=socket.socket(fileno=cfg.fd))
-    runner = AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=4.0)
+    runner = AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=4.0,
+                       keepalive_timeout=cfg.keepalive_timeout)
     await runner.setup()
     try:
         await web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True, reuse_port=True).start()

@@ -388,7 +388,8 @@ class Supervisor:
         if self.cfg.worker_api_key:
             bcfg.worker_api_key = self.cfg.worker_api_key
         self.app = make_app(bcfg)
-        self.runner = AppRunner(self.app, handler_cancellation=True, access_log=None)
+        self.runner = AppRunner(self.app, handler_cancellation=True, access_log=None,
+                                keepalive_timeout=bcfg.keepalive_timeout)
         await self.runner.setup()
         await start_sites(self.runner, bcfg)
 

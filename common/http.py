@@ -37,6 +37,13 @@ JSON_CONTENT_TYPES = ("", "application/json", "text/plain", "application/x-www-f
 
 SMALL_BODY_BYTES = 1024 ** 2             # a body up to this size may use the budget's last quarter (BodyBudget)
 
+# Slow clients (--body-timeout, --keepalive-timeout; nginx's client_body_timeout and keepalive_timeout): seconds a
+# request body may go without a byte arriving (then 408 and the connection closed), and seconds a connection may sit
+# idle between requests before it is closed; a request whose headers have not all arrived counts as idle, so this
+# bounds a client that trickles its headers too. aiohttp's own idle default, without run_app, is an hour.
+BODY_TIMEOUT = 60.0
+KEEPALIVE_TIMEOUT = 75.0
+
 
 class BodyBudget:
     """The bytes of request bodies one server process holds at once, over all its requests
@@ -77,6 +84,19 @@ class BodyBudget:
 
 
 BODY_BUDGET = web.AppKey("body_budget", BodyBudget)
+BODY_TIMEOUT_S = web.AppKey("body_timeout", float)       # the app's --body-timeout (default BODY_TIMEOUT)
+
+
+async def body_read(request: web.Request, aw):
+    """Await ``aw``, a read of ``request``'s body, for at most the app's --body-timeout: past it a 408 (the
+    request's connection is then closed, errors_middleware). For every read that waits on the client."""
+    timeout = request.app.get(BODY_TIMEOUT_S, BODY_TIMEOUT)
+    try:
+        async with asyncio.timeout(timeout):
+            return await aw
+    except TimeoutError:
+        raise APIError(408, f"no byte of the request body arrived for {timeout:g} s (--body-timeout)",
+                       type="invalid_request_error", code="body_timeout") from None
 
 
 async def read_bytes(request: web.Request, max_bytes: int = MAX_BODY_BYTES) -> bytes:
@@ -89,8 +109,15 @@ async def read_bytes(request: web.Request, max_bytes: int = MAX_BODY_BYTES) -> b
         raise APIError(413, f"the request body is larger than {max_bytes} bytes")
     if budget is not None and length:
         budget.take(request, length)
-    buf = bytearray()
-    while chunk := await request.content.readany():
+    buf, content = bytearray(), request.content
+    while True:
+        chunk = content.read_nowait()                  # what has arrived: usually a small body's whole
+        if not chunk:
+            if content.at_eof():
+                break
+            chunk = await body_read(request, content.readany())
+            if not chunk:
+                break
         if len(buf) + len(chunk) > max_bytes:
             raise APIError(413, f"the request body is larger than {max_bytes} bytes")
         if budget is not None and length is None:
@@ -173,7 +200,12 @@ def _error_answer(request: web.Request) -> web.StreamResponse:
     try:
         raise
     except APIError as e:
-        return json_response(e.body(), e.status, e.headers or retry_headers(e.status))
+        resp = json_response(e.body(), e.status, e.headers or retry_headers(e.status))
+        if e.status == 408:          # the body stopped midway: close the connection once answered, with no wait
+            resp.force_close()       # for the body's rest (aiohttp would read and drop it for 10 s: "lingering")
+            if hasattr(request.protocol, "_lingering_time"):
+                request.protocol._lingering_time = 0.0
+        return resp
     except web.HTTPException as e:
         if e.status < 400:
             raise
@@ -289,10 +321,12 @@ SHUTDOWN_GRACE = 5.0
 class AppRunner(web.AppRunner):
     """aiohttp's AppRunner whose connections answer malformed HTTP in the OpenAI error shape (:class:`_Connection`);
     every server here (balancer, front processes, worker, supervisor) runs its app with it. Its cleanup waits at
-    most :data:`SHUTDOWN_GRACE` for the handlers still running."""
+    most :data:`SHUTDOWN_GRACE` for the handlers still running; an idle connection is closed after
+    ``keepalive_timeout`` (default :data:`KEEPALIVE_TIMEOUT`)."""
 
     def __init__(self, app: web.Application, **kwargs):
         kwargs.setdefault("shutdown_timeout", SHUTDOWN_GRACE)
+        kwargs.setdefault("keepalive_timeout", KEEPALIVE_TIMEOUT)
         super().__init__(app, **kwargs)
 
     async def _make_server(self) -> web.Server:

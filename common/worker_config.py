@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import click
 
 from common.config import PORT, setting
-from common.http import WORKER_BODY_BYTES_IN_FLIGHT
+from common.http import BODY_TIMEOUT, KEEPALIVE_TIMEOUT, WORKER_BODY_BYTES_IN_FLIGHT
 
 DTYPES = ["auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"]   # checked before anything starts
 
@@ -135,6 +135,14 @@ class WorkerConfig:
                                      "included (bodies over 1 MiB may fill three quarters: keep that above the "
                                      "balancer's --max-inflight-per-worker x 128 MiB); past it a request gets 503 "
                                      "+ Retry-After.", type=click.IntRange(1))
+    body_timeout: float = setting(BODY_TIMEOUT, "Seconds a request body may go without a byte arriving; then the "
+                                                "request gets 408 and its connection is closed.",
+                                  type=click.FloatRange(0, min_open=True))
+    keepalive_timeout: float = setting(KEEPALIVE_TIMEOUT, "Seconds a client connection may stay idle between "
+                                                          "requests (one whose next request's headers have not all "
+                                                          "arrived counts as idle) before it is closed; behind a "
+                                                          "balancer keep it above 30 s (the balancer lets its idle "
+                                                          "connections go after 30 s).", type=click.FloatRange(1))
     request_timeout: float = setting(1800.0, "Seconds before a request is abandoned with 504.",
                                      type=click.FloatRange(0, min_open=True))
     drain_timeout: float = setting(60.0, "Seconds SIGTERM waits for running work; then the connections still "

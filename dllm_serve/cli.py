@@ -398,7 +398,8 @@ SERVE_WORKER = ("default_algorithm", "default_max_tokens", "dtype", "score_mc_nu
                             "startup_timeout", "worker_start_timeout", "restart_backoff", "restart_backoff_max",
                             "crash_loop", "crash_window",
                             "stop_timeout"))
-@options(BalancerConfig, only=("request_timeout", "max_body_bytes_in_flight", "files_dir", "max_file_bytes",
+@options(BalancerConfig, only=("request_timeout", "max_body_bytes_in_flight", "body_timeout", "keepalive_timeout",
+                               "files_dir", "max_file_bytes",
                                "batch_concurrency", "weight_load_timeout", "weight_sync_retry",
                                "weight_sync_retry_max"))
 @options(HealthConfig, only=("stall_timeout", "stall_steps", "stall_floor", "interval"))

@@ -6,6 +6,7 @@ and with a front process; the split test uses a fake worker (a test double that 
 import asyncio
 import contextlib
 import json
+import socket
 import time
 
 import aiohttp
@@ -22,8 +23,9 @@ from balancer.pool import HealthConfig
 from common.protocol import MAX_DEPTH, APIError, loads, parse_request
 from tests.conftest import TINY_LLADA
 from tests.fakes import fake_worker, workers
-from tests.helpers import raw_http
+from tests.helpers import free_port, raw_http, read_http_answer
 from tests.test_balancer_fronts import balancer as balancer_with_fronts
+from tests.test_balancer_fronts import wait_ready
 from worker.app import WorkerConfig
 from worker.app import make_app as make_worker_app
 
@@ -433,3 +435,110 @@ async def test_a_large_body_is_parsed_off_the_event_loop(aiohttp_client, monkeyp
     loop_thread = threading.current_thread().name
     assert [(large, name == loop_thread) for large, name in where] == [(True, False), (False, True)]
     assert where[0][1].startswith("large-body")
+
+
+def _stalled(port: int, head: bytes, sent: bytes, timeout: float = 10.0) -> tuple[int, dict, bytes, bool, float]:
+    """Send ``head`` + ``sent`` of a body that promises more, then nothing: the answer, whether the server closed the
+    connection after it, and the seconds it took."""
+    t0 = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.sendall(head + sent)
+        status, headers, body = read_http_answer(s)
+        try:
+            closed = s.recv(1) == b""
+        except (socket.timeout, ConnectionResetError):
+            closed = False
+    return status, headers, body, closed, time.monotonic() - t0
+
+
+def _closed_after(port: int, trickle: bytes = b"", gap: float = 0.1, timeout: float = 10.0) -> float:
+    """Seconds until the server closes a connection that sends nothing (or ``trickle`` a byte every ``gap`` s)."""
+    t0 = time.monotonic()
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as s:
+        s.settimeout(gap if trickle else timeout)
+        for i in range(int(timeout / gap)):
+            if trickle:
+                try:
+                    s.sendall(trickle[i % len(trickle):i % len(trickle) + 1])
+                except OSError:
+                    return time.monotonic() - t0
+            try:
+                if s.recv(1) == b"":
+                    return time.monotonic() - t0
+            except socket.timeout:
+                continue
+            except ConnectionResetError:
+                return time.monotonic() - t0
+    return float("inf")
+
+
+async def _slow_clients_are_let_go(port: int, body_timeout: float, keepalive: float, multipart: bool) -> None:
+    head = POST + b"Content-Length: 100\r\n\r\n"
+    status, headers, body, closed, took = await asyncio.to_thread(_stalled, port, head, b'{"prompt": "a", ')
+    assert status == 408 and closed and body_timeout - 0.1 < took < body_timeout + 2, (status, body, took)
+    err = _openai_error(status, headers, body)
+    assert err["code"] == "body_timeout" and "--body-timeout" in err["message"]
+    chunked = POST + b"Transfer-Encoding: chunked\r\n\r\n"
+    status, _, _, closed, took = await asyncio.to_thread(_stalled, port, chunked, b"4\r\n{\"pr\r\n")
+    assert status == 408 and closed, status
+    # a body that keeps coming, each piece within the timeout, is read whole however long it takes
+    pieces = [b'{"prompt": "a", ', b'"max_tokens": 1', b", ", b'"n": 1}']
+    parts = [POST + b"Content-Length: %d\r\nConnection: close\r\n\r\n" % sum(map(len, pieces))] + pieces
+    status, _, body = await asyncio.to_thread(raw_http, port, *parts, gap=body_timeout / 2)
+    assert status == 200, body
+    if multipart:            # an upload to /v1/files that stops midway
+        head = (b"POST /v1/files HTTP/1.1\r\nHost: x\r\nContent-Type: multipart/form-data; boundary=B\r\n"
+                b"Content-Length: 100000\r\n\r\n")
+        sent = (b'--B\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--B\r\nContent-Disposition: '
+                b'form-data; name="file"; filename="a.jsonl"\r\n\r\n{"custom_id": ')
+        status, _, body, closed, _ = await asyncio.to_thread(_stalled, port, head, sent)
+        assert status == 408 and closed, body
+    # idle connections, and one that trickles its headers, are closed after --keepalive-timeout
+    idle, trickled = await asyncio.gather(asyncio.to_thread(_closed_after, port),
+                                          asyncio.to_thread(_closed_after, port, b"GET /health HTTP/1.1\r\nX-A: "
+                                                                                 + b"a" * 200))
+    assert keepalive - 0.1 < idle < keepalive + 2 and keepalive - 0.1 < trickled < keepalive + 2, (idle, trickled)
+
+
+async def test_slow_clients_get_408_and_idle_connections_are_closed(tmp_path):
+    """A client that stops sending its body midway held its connection, its handler and its share of
+    --max-body-bytes-in-flight until it disconnected; one that trickled its headers was kept for an hour (aiohttp's
+    idle default outside run_app). Now a body that goes --body-timeout without a byte gets a 408 (OpenAI shape) and
+    its connection is closed; a body whose pieces keep coming is read whole; a connection idle for
+    --keepalive-timeout, or still sending its headers by then, is closed. Through the runner every server uses."""
+    from balancer.app import serve
+    from common.http import BODY_TIMEOUT_S
+    async with workers(fake_worker("ok", [])) as urls:
+        port = free_port()
+        cfg = BalancerConfig(worker_urls=urls, port=port, body_timeout=0.6, keepalive_timeout=1.0,
+                             files_dir=str(tmp_path), health=HealthConfig(interval=0.05))
+        stop = asyncio.Event()
+        task = asyncio.create_task(serve(cfg, stop))
+        try:
+            await wait_ready(f"http://127.0.0.1:{port}", 1, 1)
+            await _slow_clients_are_let_go(port, 0.6, 1.0, multipart=True)
+        finally:
+            stop.set()
+            await asyncio.wait_for(task, 30)
+    assert make_worker_app(WorkerConfig(model_path=str(TINY_LLADA), body_timeout=7.0))[BODY_TIMEOUT_S] == 7.0
+
+
+async def test_a_stalled_body_gives_back_its_share(aiohttp_client):
+    """The 408's request gives its Content-Length back to the body budget at once."""
+    from common.http import BODY_BUDGET
+    async with workers(fake_worker("ok", [])) as urls:
+        client = await aiohttp_client(make_app(BalancerConfig(worker_urls=urls, body_timeout=0.3)))
+        budget = client.server.app[BODY_BUDGET]
+        status, *_ = await asyncio.to_thread(_stalled, client.server.port, POST + b"Content-Length: 5000000\r\n\r\n",
+                                             b"{")
+        assert status == 408 and budget.used == 0 and budget.peak == 5_000_000
+
+
+@pytest.mark.slow
+async def test_slow_clients_are_let_go_by_front_processes_too():
+    """The same through --http-processes 2: the fronts take the balancer's --body-timeout and --keepalive-timeout
+    (connections spread over both processes by the kernel)."""
+    async with workers(fake_worker("ok", [])) as urls, \
+            balancer_with_fronts(urls, processes=2, body_timeout=0.6, keepalive_timeout=1.0) as base:
+        port = int(base.rsplit(":", 1)[1])
+        await asyncio.gather(*(_slow_clients_are_let_go(port, 0.6, 1.0, multipart=False) for _ in range(4)))

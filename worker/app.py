@@ -19,7 +19,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from common.http import (BODY_BUDGET, EXIT_PORT_IN_USE, MAX_BATCH_BYTES, SHUTDOWN_GRACE, AppRunner, BodyBudget,
+from common.http import (BODY_BUDGET, BODY_TIMEOUT_S, EXIT_PORT_IN_USE, MAX_BATCH_BYTES, SHUTDOWN_GRACE, AppRunner, BodyBudget,
                          json_response, middlewares, read_body, read_bytes, settle_gc)
 from common.metrics import RequestMetrics
 from common.openai_http import add_routes, off_loop
@@ -593,6 +593,7 @@ def make_app(config: WorkerConfig) -> web.Application:
     app = web.Application(middlewares=middlewares(config.api_key, lambda path: path not in OPEN_PATHS),
                           client_max_size=MAX_BATCH_BYTES)
     app[BODY_BUDGET] = BodyBudget(config.max_body_bytes_in_flight)
+    app[BODY_TIMEOUT_S] = config.body_timeout
     state = WorkerState(config)
     state.metrics = WorkerMetrics(state)
     app[STATE] = state
@@ -618,7 +619,7 @@ def make_app(config: WorkerConfig) -> web.Application:
 async def serve(config: WorkerConfig) -> int:
     """Run until SIGTERM/SIGINT (drain: stop admitting, finish what is running, exit) or a failed model load."""
     app = make_app(config)
-    runner = AppRunner(app, handler_cancellation=True, access_log=None)
+    runner = AppRunner(app, handler_cancellation=True, access_log=None, keepalive_timeout=config.keepalive_timeout)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port, reuse_address=True)
     try:
