@@ -44,7 +44,8 @@ import yarl
 from aiohttp import web
 
 from balancer.batcher import Pending
-from common.http import (BODY_BUDGET, BODY_TIMEOUT, BODY_TIMEOUT_S, KEEPALIVE_TIMEOUT, MAX_BODY_BYTES, MAX_BODY_BYTES_IN_FLIGHT, AppRunner, BodyBudget, middlewares,
+from common.http import (BODY_BUDGET, BODY_TIMEOUT, BODY_TIMEOUT_S, KEEPALIVE_TIMEOUT, MAX_BODY_BYTES,
+                         MAX_BODY_BYTES_IN_FLIGHT, AppRunner, BodyBudget, close_once_answered, middlewares,
                          read_bytes, HTTP_GC_THRESHOLD, SHUTDOWN_GRACE, settle_gc)
 from common.openai_http import ENDPOINTS, Event, EventBox, add_routes, meaningful
 from common.protocol import APIError, error_body, guarded_by_api_key
@@ -420,7 +421,10 @@ async def proxy(request: web.Request) -> web.Response:
                                          headers=headers, data=body) as r:
             keep = {k: v for k, v in r.headers.items() if k.lower() in ("content-type", "retry-after", "allow")}
             if r.content_length is not None and r.content_length <= PROXY_CHUNK:
-                return web.Response(body=await r.read(), status=r.status, headers=keep)
+                resp = web.Response(body=await r.read(), status=r.status, headers=keep)
+                if r.status == 408:          # the central gave up on the body (--body-timeout): so does this end
+                    close_once_answered(request, resp)
+                return resp
             resp = web.StreamResponse(status=r.status, headers=keep)    # a large answer (a file) goes through too
             if r.content_length is not None:
                 resp.content_length = r.content_length

@@ -88,15 +88,30 @@ BODY_TIMEOUT_S = web.AppKey("body_timeout", float)       # the app's --body-time
 
 
 async def body_read(request: web.Request, aw):
-    """Await ``aw``, a read of ``request``'s body, for at most the app's --body-timeout: past it a 408 (the
-    request's connection is then closed, errors_middleware). For every read that waits on the client."""
-    timeout = request.app.get(BODY_TIMEOUT_S, BODY_TIMEOUT)
+    """Await ``aw``, a read of ``request``'s body, while its bytes keep arriving: once the app's --body-timeout
+    passes with no new byte of the body (the read may need many: a multipart field), a 408, and the request's
+    connection is closed once answered (:func:`close_once_answered`). For every read that waits on the client."""
+    timeout, content = request.app.get(BODY_TIMEOUT_S, BODY_TIMEOUT), request.content
+    task = asyncio.ensure_future(aw)
     try:
-        async with asyncio.timeout(timeout):
-            return await aw
-    except TimeoutError:
-        raise APIError(408, f"no byte of the request body arrived for {timeout:g} s (--body-timeout)",
-                       type="invalid_request_error", code="body_timeout") from None
+        while True:
+            seen = content.total_bytes
+            done, _ = await asyncio.wait((task,), timeout=timeout)
+            if done:
+                return task.result()
+            if content.total_bytes == seen:
+                raise APIError(408, f"no byte of the request body arrived for {timeout:g} s (--body-timeout)",
+                               type="invalid_request_error", code="body_timeout")
+    finally:
+        task.cancel()
+
+
+def close_once_answered(request: web.Request, resp: web.StreamResponse) -> None:
+    """``request``'s connection closes as soon as ``resp`` is written, with no wait for the rest of its body
+    (aiohttp would read and drop it for 10 s, "lingering"): for a body that stopped arriving (408)."""
+    resp.force_close()
+    if hasattr(request.protocol, "_lingering_time"):
+        request.protocol._lingering_time = 0.0
 
 
 async def read_bytes(request: web.Request, max_bytes: int = MAX_BODY_BYTES) -> bytes:
@@ -201,10 +216,8 @@ def _error_answer(request: web.Request) -> web.StreamResponse:
         raise
     except APIError as e:
         resp = json_response(e.body(), e.status, e.headers or retry_headers(e.status))
-        if e.status == 408:          # the body stopped midway: close the connection once answered, with no wait
-            resp.force_close()       # for the body's rest (aiohttp would read and drop it for 10 s: "lingering")
-            if hasattr(request.protocol, "_lingering_time"):
-                request.protocol._lingering_time = 0.0
+        if e.status == 408:          # the body stopped midway
+            close_once_answered(request, resp)
         return resp
     except web.HTTPException as e:
         if e.status < 400:

@@ -140,9 +140,9 @@ class WorkerConfig:
                                   type=click.FloatRange(0, min_open=True))
     keepalive_timeout: float = setting(KEEPALIVE_TIMEOUT, "Seconds a client connection may stay idle between "
                                                           "requests (one whose next request's headers have not all "
-                                                          "arrived counts as idle) before it is closed; behind a "
-                                                          "balancer keep it above 30 s (the balancer lets its idle "
-                                                          "connections go after 30 s).", type=click.FloatRange(1))
+                                                          "arrived counts as idle) before it is closed; over 30 "
+                                                          "(a balancer lets its idle connections to workers go "
+                                                          "after 30 s).", type=click.FloatRange(30, min_open=True))
     request_timeout: float = setting(1800.0, "Seconds before a request is abandoned with 504.",
                                      type=click.FloatRange(0, min_open=True))
     drain_timeout: float = setting(60.0, "Seconds SIGTERM waits for running work; then the connections still "

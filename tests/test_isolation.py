@@ -476,6 +476,7 @@ async def _slow_clients_are_let_go(port: int, body_timeout: float, keepalive: fl
     head = POST + b"Content-Length: 100\r\n\r\n"
     status, headers, body, closed, took = await asyncio.to_thread(_stalled, port, head, b'{"prompt": "a", ')
     assert status == 408 and closed and body_timeout - 0.1 < took < body_timeout + 2, (status, body, took)
+    assert headers.get("connection") == "close"
     err = _openai_error(status, headers, body)
     assert err["code"] == "body_timeout" and "--body-timeout" in err["message"]
     chunked = POST + b"Transfer-Encoding: chunked\r\n\r\n"
@@ -486,13 +487,24 @@ async def _slow_clients_are_let_go(port: int, body_timeout: float, keepalive: fl
     parts = [POST + b"Content-Length: %d\r\nConnection: close\r\n\r\n" % sum(map(len, pieces))] + pieces
     status, _, body = await asyncio.to_thread(raw_http, port, *parts, gap=body_timeout / 2)
     assert status == 200, body
-    if multipart:            # an upload to /v1/files that stops midway
+    if multipart:            # an upload to /v1/files that stops midway through its file
         head = (b"POST /v1/files HTTP/1.1\r\nHost: x\r\nContent-Type: multipart/form-data; boundary=B\r\n"
                 b"Content-Length: 100000\r\n\r\n")
         sent = (b'--B\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--B\r\nContent-Disposition: '
-                b'form-data; name="file"; filename="a.jsonl"\r\n\r\n{"custom_id": ')
-        status, _, body, closed, _ = await asyncio.to_thread(_stalled, port, head, sent)
-        assert status == 408 and closed, body
+                b'form-data; name="file"; filename="a.jsonl"\r\n\r\n' + b" " * 20000)
+        status, headers, body, closed, took = await asyncio.to_thread(_stalled, port, head, sent)
+        assert status == 408 and closed and took < body_timeout + 2 and headers.get("connection") == "close", body
+        # a field that arrives slowly, each piece within the timeout, is read whole: the timeout is per byte
+        field = b"x" * 600
+        pieces = [field[i:i + 100] for i in range(0, len(field), 100)] + [
+            b'\r\n--B\r\nContent-Disposition: form-data; name="purpose"\r\n\r\nbatch\r\n--B\r\nContent-'
+            b'Disposition: form-data; name="file"; filename="a.jsonl"\r\n\r\n{}\n\r\n--B--\r\n']
+        start = b'--B\r\nContent-Disposition: form-data; name="expires_after"\r\n\r\n'
+        length = len(start) + sum(map(len, pieces))
+        parts = [b"POST /v1/files HTTP/1.1\r\nHost: x\r\nContent-Type: multipart/form-data; boundary=B\r\n"
+                 b"Content-Length: %d\r\nConnection: close\r\n\r\n" % length + start] + pieces
+        status, _, body = await asyncio.to_thread(raw_http, port, *parts, gap=body_timeout / 2)
+        assert status == 200, body
     # idle connections, and one that trickles its headers, are closed after --keepalive-timeout
     idle, trickled = await asyncio.gather(asyncio.to_thread(_closed_after, port),
                                           asyncio.to_thread(_closed_after, port, b"GET /health HTTP/1.1\r\nX-A: "
@@ -541,4 +553,4 @@ async def test_slow_clients_are_let_go_by_front_processes_too():
     async with workers(fake_worker("ok", [])) as urls, \
             balancer_with_fronts(urls, processes=2, body_timeout=0.6, keepalive_timeout=1.0) as base:
         port = int(base.rsplit(":", 1)[1])
-        await asyncio.gather(*(_slow_clients_are_let_go(port, 0.6, 1.0, multipart=False) for _ in range(4)))
+        await asyncio.gather(*(_slow_clients_are_let_go(port, 0.6, 1.0, multipart=True) for _ in range(4)))
