@@ -35,7 +35,7 @@ from balancer.pool import HealthConfig, WorkerPool
 from balancer.stats import Window
 from balancer.weights import MODES, WeightUpdates
 from common.config import PORT, FiniteFloatRange, setting
-from common.http import (BODY_BUDGET, BODY_TIMEOUT, BODY_TIMEOUT_S, EXIT_PORT_IN_USE, KEEPALIVE_TIMEOUT, EXTRA_SERVED, MAX_BODY_BYTES, MAX_BODY_BYTES_IN_FLIGHT,
+from common.http import (BODY_BUDGET, BODY_TIMEOUT, BODY_TIMEOUT_S, EXIT_PORT_IN_USE, KEEPALIVE_TIMEOUT, SEND_TIMEOUT, EXTRA_SERVED, MAX_BODY_BYTES, MAX_BODY_BYTES_IN_FLIGHT,
                          AppRunner, BodyBudget, HTTP_GC_THRESHOLD, json_response, middlewares, read_body, settle_gc)
 from common.metrics import RequestMetrics
 from common.openai_http import add_routes, off_loop
@@ -99,6 +99,10 @@ class BalancerConfig:
         type=click.IntRange(1))
     body_timeout: float = setting(BODY_TIMEOUT, "Seconds a request body may go without a byte arriving; then the "
                                                 "request gets 408 and its connection is closed.",
+                                  type=click.FloatRange(0, min_open=True))
+    send_timeout: float = setting(SEND_TIMEOUT, "Seconds an answer may wait, its buffers full, while the client "
+                                                "takes no byte of it; then the connection is dropped (its request "
+                                                "counts as the client's disconnect).",
                                   type=click.FloatRange(0, min_open=True))
     keepalive_timeout: float = setting(KEEPALIVE_TIMEOUT, "Seconds a client connection may stay idle between "
                                                           "requests (one whose next request's headers have not all "
@@ -570,7 +574,8 @@ async def serve(cfg: BalancerConfig, stop: asyncio.Event | None = None) -> int:
     """Serve until SIGTERM/SIGINT (or, when given, until ``stop`` is set): then stop admitting (503), finish what is
     queued and in flight (up to ``drain_timeout``), stop the front processes, exit."""
     app = make_app(cfg)
-    runner = AppRunner(app, handler_cancellation=True, access_log=None, keepalive_timeout=cfg.keepalive_timeout)
+    runner = AppRunner(app, handler_cancellation=True, access_log=None, keepalive_timeout=cfg.keepalive_timeout,
+                       send_timeout=cfg.send_timeout)
     await runner.setup()
     try:
         await start_sites(runner, cfg)

@@ -44,7 +44,7 @@ import yarl
 from aiohttp import web
 
 from balancer.batcher import Pending
-from common.http import (BODY_BUDGET, BODY_TIMEOUT, BODY_TIMEOUT_S, KEEPALIVE_TIMEOUT, MAX_BODY_BYTES,
+from common.http import (BODY_BUDGET, BODY_TIMEOUT, BODY_TIMEOUT_S, KEEPALIVE_TIMEOUT, MAX_BODY_BYTES, SEND_TIMEOUT,
                          MAX_BODY_BYTES_IN_FLIGHT, AppRunner, BodyBudget, close_once_answered, middlewares,
                          read_bytes, HTTP_GC_THRESHOLD, SHUTDOWN_GRACE, settle_gc)
 from common.openai_http import ENDPOINTS, Event, EventBox, add_routes, meaningful
@@ -244,7 +244,8 @@ class Fronts:
             "fd": theirs.fileno(), "host": self.host, "port": self.port, "central": self.central_socket,
             "api_key": self.api_key, "index": i, "log_level": logging.getLogger().getEffectiveLevel(),
             "max_body_bytes_in_flight": self.state.cfg.max_body_bytes_in_flight, "connect_timeout": self.timeout,
-            "body_timeout": self.state.cfg.body_timeout, "keepalive_timeout": self.state.cfg.keepalive_timeout})}
+            "body_timeout": self.state.cfg.body_timeout, "keepalive_timeout": self.state.cfg.keepalive_timeout,
+            "send_timeout": self.state.cfg.send_timeout})}
         proc = None
         try:
             proc = await asyncio.create_subprocess_exec(
@@ -346,6 +347,7 @@ class FrontConfig:
     max_body_bytes_in_flight: int = MAX_BODY_BYTES_IN_FLIGHT     # this front's own bound (the balancer's setting)
     body_timeout: float = BODY_TIMEOUT                           # the balancer's --body-timeout
     keepalive_timeout: float = KEEPALIVE_TIMEOUT                 # the balancer's --keepalive-timeout (the central's too)
+    send_timeout: float = SEND_TIMEOUT                           # the balancer's --send-timeout
 
 
 @dataclass(eq=False)
@@ -462,7 +464,7 @@ async def serve_front(cfg: FrontConfig) -> int:
     link = front.link = CentralLink(front)
     await loop.create_connection(lambda: link, sock=socket.socket(fileno=cfg.fd))
     runner = AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=4.0,
-                       keepalive_timeout=cfg.keepalive_timeout)
+                       keepalive_timeout=cfg.keepalive_timeout, send_timeout=cfg.send_timeout)
     await runner.setup()
     try:
         await web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True, reuse_port=True).start()

@@ -389,7 +389,7 @@ class Supervisor:
             bcfg.worker_api_key = self.cfg.worker_api_key
         self.app = make_app(bcfg)
         self.runner = AppRunner(self.app, handler_cancellation=True, access_log=None,
-                                keepalive_timeout=bcfg.keepalive_timeout)
+                                keepalive_timeout=bcfg.keepalive_timeout, send_timeout=bcfg.send_timeout)
         await self.runner.setup()
         await start_sites(self.runner, bcfg)
 

@@ -43,6 +43,9 @@ SMALL_BODY_BYTES = 1024 ** 2             # a body up to this size may use the bu
 # bounds a client that trickles its headers too. aiohttp's own idle default, without run_app, is an hour.
 BODY_TIMEOUT = 60.0
 KEEPALIVE_TIMEOUT = 75.0
+# --send-timeout (nginx's send_timeout): seconds an answer may wait, its buffers full, with the client taking no byte
+# of it; then the connection is dropped (the request counts as the client's disconnect: cancelled at its worker).
+SEND_TIMEOUT = 60.0
 
 
 class BodyBudget:
@@ -287,8 +290,35 @@ class _Connection(web.RequestHandler):
         except Exception:          # an aiohttp whose internals moved: its own behaviour stays
             log.debug("could not fail a broken request body", exc_info=True)
 
+    async def _drain_helper(self) -> None:
+        """aiohttp's wait for the client to take what is written (every answer's writes wait here once the
+        transport's buffer is full), given up once --send-timeout (the server's ``send_timeout``) passes with no
+        byte of the buffer taken: the connection is dropped and the write fails as on a client's disconnect."""
+        if not self._paused and self.transport is not None:         # the usual case (each answer's end)
+            return
+        timeout = getattr(self._manager, "send_timeout", None)
+        if self.transport is None or timeout is None:
+            return await super()._drain_helper()
+        drain = asyncio.ensure_future(super()._drain_helper())
+        try:
+            while True:
+                left = self.transport.get_write_buffer_size() if self.transport is not None else 0
+                done, _ = await asyncio.wait((drain,), timeout=timeout)
+                if done:
+                    return drain.result()
+                if self.transport is not None and self.transport.get_write_buffer_size() >= left:
+                    log.info("client %s took nothing of its answer for %g s (--send-timeout): connection dropped",
+                             self.transport.get_extra_info("peername"), timeout)
+                    self.transport.abort()
+                    raise ConnectionResetError(f"the client took nothing for {timeout:g} s (--send-timeout)")
+        finally:
+            drain.cancel()
+
     def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
+        if isinstance(exc, ConnectionResetError) and (self.transport is None or self.transport.is_closing()):
+            log.debug("%s %s: %s", request.method, request.path, exc)     # the client is gone: no one to answer
+            return web.Response(status=499)
         if status >= 500:
             super().handle_error(request, status, exc, message)      # aiohttp's log line and checks
             resp = json_response(error_body("the request timed out", "timeout") if status == 504
@@ -302,6 +332,8 @@ class _Connection(web.RequestHandler):
 
 
 class _Server(web.Server):
+    send_timeout: float | None = None          # --send-timeout (set by AppRunner): read by _Connection._drain_helper
+
     def __call__(self) -> web.RequestHandler:
         handler = super().__call__()
         handler.__class__ = _Connection            # the same object layout (no slots of its own)
@@ -335,14 +367,17 @@ class AppRunner(web.AppRunner):
     """aiohttp's AppRunner whose connections answer malformed HTTP in the OpenAI error shape (:class:`_Connection`);
     every server here (balancer, front processes, worker, supervisor) runs its app with it. Its cleanup waits at
     most :data:`SHUTDOWN_GRACE` for the handlers still running; an idle connection is closed after
-    ``keepalive_timeout`` (default :data:`KEEPALIVE_TIMEOUT`)."""
+    ``keepalive_timeout`` (default :data:`KEEPALIVE_TIMEOUT`), one whose client takes no byte of its answer for
+    ``send_timeout`` (default :data:`SEND_TIMEOUT`) is dropped."""
 
-    def __init__(self, app: web.Application, **kwargs):
+    def __init__(self, app: web.Application, *, send_timeout: float = SEND_TIMEOUT, **kwargs):
         kwargs.setdefault("shutdown_timeout", SHUTDOWN_GRACE)
         kwargs.setdefault("keepalive_timeout", KEEPALIVE_TIMEOUT)
         super().__init__(app, **kwargs)
+        self._send_timeout = send_timeout
 
     async def _make_server(self) -> web.Server:
         server = await super()._make_server()
         server.__class__ = _Server
+        server.send_timeout = self._send_timeout
         return server

@@ -399,6 +399,7 @@ SERVE_WORKER = ("default_algorithm", "default_max_tokens", "dtype", "score_mc_nu
                             "crash_loop", "crash_window",
                             "stop_timeout"))
 @options(BalancerConfig, only=("request_timeout", "max_body_bytes_in_flight", "body_timeout", "keepalive_timeout",
+                               "send_timeout",
                                "files_dir", "max_file_bytes",
                                "batch_concurrency", "weight_load_timeout", "weight_sync_retry",
                                "weight_sync_retry_max"))

@@ -554,3 +554,69 @@ async def test_slow_clients_are_let_go_by_front_processes_too():
             balancer_with_fronts(urls, processes=2, body_timeout=0.6, keepalive_timeout=1.0) as base:
         port = int(base.rsplit(":", 1)[1])
         await asyncio.gather(*(_slow_clients_are_let_go(port, 0.6, 1.0, multipart=True) for _ in range(4)))
+
+
+async def test_a_client_that_takes_nothing_of_its_answer_is_dropped_after_the_send_timeout():
+    """A client that sent its request and reads nothing held its handler (and at a balancer, its request) for ever:
+    an answer's writes wait for the client once the buffers are full, with no timeout. Now --send-timeout passes
+    with no byte taken and the connection is dropped, the write failing as on a client's disconnect; a client
+    that reads slowly but steadily gets its whole answer. Through the runner every server uses."""
+    from common.http import AppRunner
+    ends: list = []
+
+    async def big(request):
+        request.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16384)
+        total = int(request.query["mib"]) << 20
+        resp = web.StreamResponse()
+        resp.content_length = total
+        await resp.prepare(request)
+        last, sent = time.monotonic(), 0
+        try:
+            while sent < total:
+                await resp.write(b"x" * 65536)
+                sent += 65536
+                last = time.monotonic()
+            await resp.write_eof()
+            ends.append(("done", 0.0))
+        except BaseException as e:
+            ends.append((type(e).__name__, time.monotonic() - last))
+            raise
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/big", big)
+    runner = AppRunner(app, handler_cancellation=True, access_log=None, send_timeout=0.8)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    assert runner.server.send_timeout == 0.8
+
+    def client(mib: int, read_every: float | None) -> int:
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
+        s.connect(("127.0.0.1", port))
+        s.settimeout(10)
+        with s:
+            s.sendall(b"GET /big?mib=%d HTTP/1.1\r\nHost: x\r\n\r\n" % mib)
+            got = 0
+            if read_every is None:         # reads nothing while the server waits, then finds the connection gone
+                time.sleep(2.0)
+            else:
+                while got < mib << 20:
+                    time.sleep(read_every)
+                    chunk = s.recv(65536)
+                    if not chunk:
+                        break
+                    got += len(chunk)
+            return got
+
+    try:
+        await asyncio.to_thread(client, 64, None)
+        assert len(ends) == 1 and ends[0][0] in ("ConnectionResetError", "CancelledError"), ends
+        assert 0.7 < ends[0][1] < 2.5, ends            # dropped --send-timeout after its last write went through
+        ends.clear()
+        got = await asyncio.to_thread(client, 1, 0.01)       # slow, but never idle for the timeout
+        assert ends == [("done", 0.0)] and got >= 1 << 20, (ends, got)
+    finally:
+        await runner.cleanup()

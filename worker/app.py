@@ -619,7 +619,8 @@ def make_app(config: WorkerConfig) -> web.Application:
 async def serve(config: WorkerConfig) -> int:
     """Run until SIGTERM/SIGINT (drain: stop admitting, finish what is running, exit) or a failed model load."""
     app = make_app(config)
-    runner = AppRunner(app, handler_cancellation=True, access_log=None, keepalive_timeout=config.keepalive_timeout)
+    runner = AppRunner(app, handler_cancellation=True, access_log=None, keepalive_timeout=config.keepalive_timeout,
+                       send_timeout=config.send_timeout)
     await runner.setup()
     site = web.TCPSite(runner, config.host, config.port, reuse_address=True)
     try:
