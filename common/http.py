@@ -7,6 +7,8 @@ import asyncio
 import gc
 import hmac
 import logging
+import socket
+import sys
 from typing import Callable
 
 import orjson
@@ -293,7 +295,8 @@ class _Connection(web.RequestHandler):
     async def _drain_helper(self) -> None:
         """aiohttp's wait for the client to take what is written (every answer's writes wait here once the
         transport's buffer is full), given up once --send-timeout (the server's ``send_timeout``) passes with no
-        byte of the buffer taken: the connection is dropped and the write fails as on a client's disconnect."""
+        byte taken by the client (:func:`_taken`): the connection is dropped and the write fails as on a client's
+        disconnect."""
         if not self._paused and self.transport is not None:         # the usual case (each answer's end)
             return
         timeout = getattr(self._manager, "send_timeout", None)
@@ -302,17 +305,20 @@ class _Connection(web.RequestHandler):
         drain = asyncio.ensure_future(super()._drain_helper())
         try:
             while True:
-                left = self.transport.get_write_buffer_size() if self.transport is not None else 0
+                before = _taken(self.transport)
                 done, _ = await asyncio.wait((drain,), timeout=timeout)
                 if done:
                     return drain.result()
-                if self.transport is not None and self.transport.get_write_buffer_size() >= left:
+                if self.transport is not None and _taken(self.transport) <= before:
                     log.info("client %s took nothing of its answer for %g s (--send-timeout): connection dropped",
                              self.transport.get_extra_info("peername"), timeout)
                     self.transport.abort()
                     raise ConnectionResetError(f"the client took nothing for {timeout:g} s (--send-timeout)")
         finally:
-            drain.cancel()
+            drain.cancel()         # (its waiter too, at once: a cancelled waiter left in place would fail the
+            waiter = self._drain_waiter                             # connection's next drain straight away)
+            if waiter is not None and waiter.cancelled():
+                self._drain_waiter = None
 
     def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
                      message: str | None = None) -> web.StreamResponse:
@@ -329,6 +335,22 @@ class _Connection(web.RequestHandler):
         if request.writer.output_size > 0:
             raise ConnectionError("Response is sent already, cannot send another response with the error message")
         return malformed_http(message or (str(exc) if exc else None), status)
+
+
+def _taken(transport) -> int:
+    """A count that grows whenever the client takes bytes of what is sent to it: TCP's bytes acknowledged by the
+    peer (Linux's TCP_INFO ``tcpi_bytes_acked``), else (another system, a Unix socket) minus the bytes still
+    unsent in the transport. The first sees a slow reader's progress at once; with the second, the kernel's send
+    buffer (up to 4 MiB) must empty by a third before the transport's count moves."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 128)
+            if len(info) >= 128:
+                return int.from_bytes(info[120:128], sys.byteorder)
+        except (OSError, AttributeError):
+            pass
+    return -transport.get_write_buffer_size()
 
 
 class _Server(web.Server):

@@ -556,67 +556,77 @@ async def test_slow_clients_are_let_go_by_front_processes_too():
         await asyncio.gather(*(_slow_clients_are_let_go(port, 0.6, 1.0, multipart=True) for _ in range(4)))
 
 
-async def test_a_client_that_takes_nothing_of_its_answer_is_dropped_after_the_send_timeout():
-    """A client that sent its request and reads nothing held its handler (and at a balancer, its request) for ever:
-    an answer's writes wait for the client once the buffers are full, with no timeout. Now --send-timeout passes
-    with no byte taken and the connection is dropped, the write failing as on a client's disconnect; a client
-    that reads slowly but steadily gets its whole answer. Through the runner every server uses."""
+async def _send_timeout_cases(timeout: float) -> dict:
+    """Three clients at once against a server run by common.http.AppRunner with --send-timeout ``timeout``, each
+    answered up to 64 MiB: one reads nothing; one reads ~400 KB/s for 2.5 s (default socket buffers: the kernel's
+    on loopback hold MiBs, so the transport's own buffer moves only after a third of them empties, and TCP
+    acknowledges a reader's progress in steps of two segments, 128 KiB on loopback); one reads nothing
+    while its handler's write is cancelled by a timeout of its own, then writes again. What each handler saw."""
     from common.http import AppRunner
-    ends: list = []
+    ends: dict = {}
 
     async def big(request):
-        request.transport.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16384)
-        total = int(request.query["mib"]) << 20
+        case = request.query["case"]
         resp = web.StreamResponse()
-        resp.content_length = total
         await resp.prepare(request)
-        last, sent = time.monotonic(), 0
+        last = time.monotonic()
         try:
-            while sent < total:
-                await resp.write(b"x" * 65536)
-                sent += 65536
+            try:
+                async with asyncio.timeout(0.5 if case == "cancelled" else None):
+                    for _ in range(1024):
+                        await resp.write(b"x" * 65536)
+                        last = time.monotonic()
+            except TimeoutError:
                 last = time.monotonic()
-            await resp.write_eof()
-            ends.append(("done", 0.0))
+                await resp.write(b"x")        # writes after a cancelled wait (a 504 after --request-timeout)
+                await resp.write_eof()
+            ends[case] = ("done", time.monotonic() - last)
         except BaseException as e:
-            ends.append((type(e).__name__, time.monotonic() - last))
+            ends[case] = (type(e).__name__, time.monotonic() - last)
             raise
         return resp
 
     app = web.Application()
     app.router.add_get("/big", big)
-    runner = AppRunner(app, handler_cancellation=True, access_log=None, send_timeout=0.8)
+    runner = AppRunner(app, handler_cancellation=True, access_log=None, send_timeout=timeout)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]
-    assert runner.server.send_timeout == 0.8
 
-    def client(mib: int, read_every: float | None) -> int:
-        s = socket.socket()
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16384)
-        s.connect(("127.0.0.1", port))
-        s.settimeout(10)
-        with s:
-            s.sendall(b"GET /big?mib=%d HTTP/1.1\r\nHost: x\r\n\r\n" % mib)
-            got = 0
-            if read_every is None:         # reads nothing while the server waits, then finds the connection gone
-                time.sleep(2.0)
-            else:
-                while got < mib << 20:
-                    time.sleep(read_every)
-                    chunk = s.recv(65536)
-                    if not chunk:
-                        break
-                    got += len(chunk)
-            return got
+    def client(case: str) -> dict:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(b"GET /big?case=%s HTTP/1.1\r\nHost: x\r\n\r\n" % case.encode())
+            if case != "steady":
+                time.sleep(3.0)
+                return dict(ends)
+            t0, got = time.monotonic(), 0
+            while time.monotonic() - t0 < 2.5:
+                time.sleep(0.02)
+                got += len(s.recv(8192))
+            return {"got": got, "ended_while_reading": dict(ends).get("steady")}
 
     try:
-        await asyncio.to_thread(client, 64, None)
-        assert len(ends) == 1 and ends[0][0] in ("ConnectionResetError", "CancelledError"), ends
-        assert 0.7 < ends[0][1] < 2.5, ends            # dropped --send-timeout after its last write went through
-        ends.clear()
-        got = await asyncio.to_thread(client, 1, 0.01)       # slow, but never idle for the timeout
-        assert ends == [("done", 0.0)] and got >= 1 << 20, (ends, got)
+        assert runner.server.send_timeout == timeout
+        seen = await asyncio.gather(*(asyncio.to_thread(client, c) for c in ("nothing", "steady", "cancelled")))
+        return {**ends, "steady_client": seen[1]}
     finally:
         await runner.cleanup()
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+async def test_a_client_that_takes_nothing_of_its_answer_is_dropped_after_the_send_timeout(loop):
+    """A client that sent its request and reads nothing held its handler (and at a balancer, its request) for ever:
+    an answer's writes wait for the client once the buffers are full, with no timeout. Now, --send-timeout passed
+    with no byte taken by the client, the connection is dropped and the write fails as on a client's disconnect,
+    also for a write after a wait cancelled by another timeout; a client reading slowly but steadily is not
+    dropped. On the servers' loop (uvloop) and asyncio's."""
+    if loop == "uvloop":
+        import uvloop
+        seen = await asyncio.to_thread(uvloop.run, _send_timeout_cases(0.8))
+    else:
+        seen = await _send_timeout_cases(0.8)
+    assert seen["nothing"][0] in ("ConnectionResetError", "CancelledError") and seen["nothing"][1] < 2.8, seen
+    assert seen["cancelled"][0] in ("ConnectionResetError", "CancelledError"), seen
+    assert 0.7 < seen["cancelled"][1] < 2.8, seen                # failed after the send timeout, not at once
+    assert seen["steady_client"]["ended_while_reading"] is None and seen["steady_client"]["got"] > 400_000, seen
