@@ -35,8 +35,10 @@ from balancer.pool import HealthConfig, WorkerPool
 from balancer.stats import Window
 from balancer.weights import MODES, WeightUpdates
 from common.config import PORT, FiniteFloatRange, setting
-from common.http import (BODY_BUDGET, BODY_TIMEOUT, BODY_TIMEOUT_S, EXIT_PORT_IN_USE, KEEPALIVE_TIMEOUT, SEND_TIMEOUT, EXTRA_SERVED, MAX_BODY_BYTES, MAX_BODY_BYTES_IN_FLIGHT,
-                         AppRunner, BodyBudget, HTTP_GC_THRESHOLD, json_response, middlewares, read_body, settle_gc)
+from common.http import (BODY_BUDGET, BODY_TIMEOUT, BODY_TIMEOUT_S, EXIT_PORT_IN_USE, EXTRA_SERVED,
+                         HTTP_GC_THRESHOLD, KEEPALIVE_TIMEOUT, MAX_BODY_BYTES, MAX_BODY_BYTES_IN_FLIGHT,
+                         SEND_TIMEOUT, AppRunner, BodyBudget, json_response, middlewares, raise_open_files,
+                         read_body, settle_gc)
 from common.metrics import RequestMetrics
 from common.openai_http import add_routes, off_loop
 from common.protocol import APIError, error_body, guarded_by_api_key, loads
@@ -573,6 +575,7 @@ async def start_sites(runner: web.AppRunner, cfg: BalancerConfig) -> None:
 async def serve(cfg: BalancerConfig, stop: asyncio.Event | None = None) -> int:
     """Serve until SIGTERM/SIGINT (or, when given, until ``stop`` is set): then stop admitting (503), finish what is
     queued and in flight (up to ``drain_timeout``), stop the front processes, exit."""
+    raise_open_files()
     app = make_app(cfg)
     runner = AppRunner(app, handler_cancellation=True, access_log=None, keepalive_timeout=cfg.keepalive_timeout,
                        send_timeout=cfg.send_timeout)

@@ -44,9 +44,9 @@ import yarl
 from aiohttp import web
 
 from balancer.batcher import Pending
-from common.http import (BODY_BUDGET, BODY_TIMEOUT, BODY_TIMEOUT_S, KEEPALIVE_TIMEOUT, MAX_BODY_BYTES, SEND_TIMEOUT,
-                         MAX_BODY_BYTES_IN_FLIGHT, AppRunner, BodyBudget, close_once_answered, middlewares,
-                         read_bytes, HTTP_GC_THRESHOLD, SHUTDOWN_GRACE, settle_gc)
+from common.http import (BODY_BUDGET, BODY_TIMEOUT, BODY_TIMEOUT_S, HTTP_GC_THRESHOLD, KEEPALIVE_TIMEOUT,
+                         MAX_BODY_BYTES, MAX_BODY_BYTES_IN_FLIGHT, SEND_TIMEOUT, SHUTDOWN_GRACE, AppRunner,
+                         BodyBudget, close_once_answered, middlewares, raise_open_files, read_bytes, settle_gc)
 from common.openai_http import ENDPOINTS, Event, EventBox, add_routes, meaningful
 from common.protocol import APIError, error_body, guarded_by_api_key
 
@@ -443,6 +443,7 @@ async def proxy(request: web.Request) -> web.Response:
 
 
 async def serve_front(cfg: FrontConfig) -> int:
+    raise_open_files()
     front = FrontState(cfg)
     app = web.Application(middlewares=middlewares(cfg.api_key, guarded_by_api_key),
                           client_max_size=MAX_BODY_BYTES)

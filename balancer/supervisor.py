@@ -25,7 +25,7 @@ import click
 from balancer.app import BalancerConfig, drain, make_app, start_sites, worker_urls
 from balancer.batcher import BatchConfig
 from common.config import PORT, setting, to_args
-from common.http import EXIT_PORT_IN_USE, AppRunner
+from common.http import EXIT_PORT_IN_USE, AppRunner, raise_open_files
 from common.resolve import served_names
 from common.worker_config import WorkerConfig
 
@@ -421,6 +421,7 @@ class Supervisor:
 
 def run(cfg: ServeConfig) -> int:
     async def main():
+        raise_open_files()          # (the workers it starts inherit it)
         return await Supervisor(cfg).run()
     try:
         import uvloop

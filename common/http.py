@@ -380,6 +380,34 @@ def settle_gc(young_threshold: int | None = None) -> None:
         gc.set_threshold(young_threshold, *gc.get_threshold()[1:])
 
 
+# Open files a server process asks for: each client connection takes one, and so do its connections to workers and
+# its files. Linux's usual soft limit (1,024) is below a few hundred evaluation clients plus those; the hard limit
+# (usually 524,288 or more) is what an administrator allows. vLLM and SGLang raise theirs the same way.
+OPEN_FILES_WANTED = 65536
+
+
+def raise_open_files(wanted: int = OPEN_FILES_WANTED) -> tuple[int, int]:
+    """Raise this process's soft limit on open files towards ``wanted``, as far as the hard limit allows (never
+    lowering it); the limit before and after. Called once by every server process as it starts."""
+    try:
+        import resource
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    except (ImportError, OSError, ValueError):
+        return 0, 0
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            log.debug("open files limit raised from %d to %d", soft, target)
+            return soft, target
+        except (OSError, ValueError) as e:
+            log.warning("could not raise the open files limit from %d: %s", soft, e)
+    if soft != resource.RLIM_INFINITY and soft < 4096:
+        log.warning("open files limit %d (hard limit %d): each client connection takes one; raise it (ulimit -n) "
+                    "to serve more than a few hundred clients at once", soft, hard)
+    return soft, soft
+
+
 # Seconds a server's shutdown gives its handlers, once its drain is over (answered, or past --drain-timeout), to
 # finish writing before they are cancelled (aiohttp's own default is 60 s, which --drain-timeout would not bound).
 SHUTDOWN_GRACE = 5.0

@@ -7,7 +7,10 @@ import asyncio
 import contextlib
 import json
 import socket
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import aiohttp
 import orjson
@@ -21,7 +24,7 @@ from balancer.app import BalancerConfig, make_app
 from balancer.batcher import BatchConfig
 from balancer.pool import HealthConfig
 from common.protocol import MAX_DEPTH, APIError, loads, parse_request
-from tests.conftest import TINY_LLADA
+from tests.conftest import ROOT, TINY_LLADA
 from tests.fakes import fake_worker, workers
 from tests.helpers import free_port, raw_http, read_http_answer
 from tests.test_balancer_fronts import balancer as balancer_with_fronts
@@ -630,3 +633,38 @@ async def test_a_client_that_takes_nothing_of_its_answer_is_dropped_after_the_se
     assert seen["cancelled"][0] in ("ConnectionResetError", "CancelledError"), seen
     assert 0.7 < seen["cancelled"][1] < 2.8, seen                # failed after the send timeout, not at once
     assert seen["steady_client"]["ended_while_reading"] is None and seen["steady_client"]["got"] > 400_000, seen
+
+
+async def test_a_server_raises_its_open_files_limit_and_serves_past_the_usual_1024():
+    """Each client connection takes an open file. Linux's usual soft limit is 1,024: a balancer serving a few
+    hundred evaluation clients ran out, and every new connection was reset (uvloop) until some closed. Every
+    server now raises its soft limit towards 65,536 as far as the hard limit allows. Here the balancer starts with a
+    soft limit of 256, keeps 600 idle client connections open and still answers a new one."""
+    import resource
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard < 1024:
+        pytest.skip(f"hard limit on open files {hard}")
+    async with workers(fake_worker("ok", [])) as urls:
+        port = free_port()
+        code = ("import resource; resource.setrlimit(resource.RLIMIT_NOFILE, (256, resource.getrlimit("
+                "resource.RLIMIT_NOFILE)[1])); from balancer.app import BalancerConfig, run; "
+                f"run(BalancerConfig(worker_urls={urls!r}, port={port}))")
+        proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.STDOUT)
+        socks: list[socket.socket] = []
+        try:
+            await wait_ready(f"http://127.0.0.1:{port}", 1, 1)
+            limits = Path(f"/proc/{proc.pid}/limits").read_text().splitlines()
+            soft = int(next(line for line in limits if line.startswith("Max open files")).split()[3])
+            assert soft >= 1024, limits
+            for _ in range(600):
+                socks.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+            body = b'{"prompt": "a", "max_tokens": 1}'
+            status, _, body = await asyncio.to_thread(
+                raw_http, port, POST + b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body) + body)
+            assert status == 200, body
+        finally:
+            for s in socks:
+                s.close()
+            proc.terminate()
+            proc.wait(30)

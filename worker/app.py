@@ -19,8 +19,8 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from common.http import (BODY_BUDGET, BODY_TIMEOUT_S, EXIT_PORT_IN_USE, MAX_BATCH_BYTES, SHUTDOWN_GRACE, AppRunner, BodyBudget,
-                         json_response, middlewares, read_body, read_bytes, settle_gc)
+from common.http import (BODY_BUDGET, BODY_TIMEOUT_S, EXIT_PORT_IN_USE, MAX_BATCH_BYTES, SHUTDOWN_GRACE, AppRunner,
+                         BodyBudget, json_response, middlewares, raise_open_files, read_body, read_bytes, settle_gc)
 from common.metrics import RequestMetrics
 from common.openai_http import add_routes, off_loop
 from common.protocol import MAX_DEPTH, APIError, error_body, loads
@@ -618,6 +618,7 @@ def make_app(config: WorkerConfig) -> web.Application:
 
 async def serve(config: WorkerConfig) -> int:
     """Run until SIGTERM/SIGINT (drain: stop admitting, finish what is running, exit) or a failed model load."""
+    raise_open_files()
     app = make_app(config)
     runner = AppRunner(app, handler_cancellation=True, access_log=None, keepalive_timeout=config.keepalive_timeout,
                        send_timeout=config.send_timeout)
