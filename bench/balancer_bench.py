@@ -15,6 +15,8 @@ device (`--simulate-device BASE,PER_ROW`: no model, each batch sleeps BASE + PER
   python bench/balancer_bench.py latency --rates 200,1000,3000 --duration 10
   # (d) /stats answer times while the balancer is loaded (its one-minute window fills)
   python bench/balancer_bench.py stats --duration 30 --every 2 --compare-tree /tmp/before
+  # (e) memory over a long mixed run (plain, streamed, n=2, malformed, clients leaving mid-stream)
+  python bench/balancer_bench.py soak --duration 300 --every 15 --warmup 60
 
 Each proxy round also reads the CPU time (user + system, from psutil) that the front process (balancer or nginx,
 with its child processes) and the workers spent during the round, divided by the round's requests: on a shared
@@ -89,13 +91,14 @@ def cli_module(tree: Path) -> str:
     return "dllm_serve" if (tree / "dllm_serve").is_dir() else "common.cli"
 
 
-def start_workers(procs: Procs, n: int, cost: str, batch_size: int, max_wait: float, tree: Path = ROOT,
+def start_workers(procs: Procs, n: int, cost: str | None, batch_size: int, max_wait: float, tree: Path = ROOT,
                   tag: str = "") -> list[str]:
     urls = []
     for i in range(n):
         port = free_port()
+        device = ["--simulate-device", cost] if cost is not None else ["--device", "cpu"]    # None: the real model
         procs.start([sys.executable, "-m", cli_module(tree), "worker", "--model-path", str(MODEL), "--port", str(port),
-                     "--simulate-device", cost, "--batch-size", str(batch_size), "--max-wait-time", str(max_wait),
+                     *device, "--batch-size", str(batch_size), "--max-wait-time", str(max_wait),
                      "--max-queue", "100000", "--log-level", "warning"], f"worker{tag}{i}", tree)
         urls.append(f"http://127.0.0.1:{port}")
     for u in urls:
@@ -414,6 +417,74 @@ def stats_bench(args) -> None:
                 procs.stop()
 
 
+SOAK_MIX = [   # (share, what): the soak's requests, drawn in turn by weight
+    (50, "plain"), (20, "stream"), (10, "n2"), (10, "bad"), (10, "gone")]
+
+
+def soak_bench(args) -> None:
+    """Memory over a long run: a mix of requests (plain, streamed, n=2, malformed, clients that leave mid-stream)
+    from ``--connections`` clients for ``--duration`` s through a balancer with its defaults over 2 instant
+    workers; the balancer's and the workers' resident memory every ``--every`` s, and its growth per 10,000
+    requests after the first ``--warmup`` s (a leak grows with the requests; caches and pools level off).
+    ``--real-workers``: the workers run the tiny model on the CPU."""
+    import aiohttp
+    import psutil
+    bodies = {"plain": BODY, "stream": {**BODY, "stream": True}, "n2": {**BODY, "n": 2},
+              "bad": {"prompt": [5, 6], "max_tokens": -1}, "gone": {**BODY, "stream": True, "max_tokens": 64}}
+    order = [what for share, what in SOAK_MIX for _ in range(share)]
+    with tempfile.TemporaryDirectory() as tmpd:
+        procs = Procs(Path(tmpd))
+        try:
+            urls = start_workers(procs, 2, None if args.real_workers else "0", 32, 0.0)
+            bal = start_balancer(procs, urls)
+            watched = {"balancer": psutil.Process(procs.procs[-1].pid)}
+            watched.update({f"worker{i}": psutil.Process(p.pid) for i, p in enumerate(procs.procs[:2])})
+            counts = {"sent": 0, "status": {}}
+
+            async def run():
+                stop = time.monotonic() + args.duration
+                async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+                    async def client(k: int):
+                        i = k
+                        while time.monotonic() < stop:
+                            what = order[i % len(order)]
+                            i += 7
+                            try:
+                                async with s.post(bal + "/v1/completions", json=bodies[what]) as r:
+                                    if what == "gone":
+                                        await r.content.readany()       # then leave, the stream half read
+                                        r.close()
+                                    else:
+                                        await r.read()
+                                    counts["status"][r.status] = counts["status"].get(r.status, 0) + 1
+                            except aiohttp.ClientError as e:
+                                counts["status"][type(e).__name__] = counts["status"].get(type(e).__name__, 0) + 1
+                            counts["sent"] += 1
+
+                    async def sample():
+                        t0 = time.monotonic()
+                        while time.monotonic() < stop:
+                            rss = {n: q.memory_info().rss / 2**20 for n, q in watched.items()}
+                            rows.append((time.monotonic() - t0, counts["sent"], rss))
+                            print(f"{rows[-1][0]:7.0f} s {counts['sent']:9d} requests  "
+                                  + "  ".join(f"{n} {v:7.1f} MiB" for n, v in rss.items()), flush=True)
+                            await asyncio.sleep(args.every)
+                    await asyncio.gather(sample(), *(client(k) for k in range(args.connections)))
+            rows: list = []
+            print(f"soak: {args.connections} clients for {args.duration:g} s, "
+                  f"{'tiny-llada on the CPU' if args.real_workers else 'instant simulated'} workers, mix "
+                  + ", ".join(f"{w} {p}%" for p, w in SOAK_MIX) + "; resident memory:", flush=True)
+            asyncio.run(run())
+            after = [r for r in rows if r[0] >= args.warmup]
+            if len(after) >= 2:
+                (_, n0, m0), (_, n1, m1) = after[0], after[-1]
+                print(f"statuses: {counts['status']}")
+                print(f"growth after {args.warmup:g} s, per 10,000 requests ({n1 - n0} requests): "
+                      + ", ".join(f"{n} {(m1[n] - m0[n]) / max(1, n1 - n0) * 1e4:+.2f} MiB" for n in m0))
+        finally:
+            procs.stop()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="mode", required=True)
@@ -457,8 +528,16 @@ def main() -> None:
     st.add_argument("--duration", type=float, default=30)
     st.add_argument("--every", type=float, default=2.0)
     st.add_argument("--compare-tree", help="another checkout of this project, run after this one")
+    sk = sub.add_parser("soak")
+    sk.add_argument("--connections", type=int, default=64)
+    sk.add_argument("--duration", type=float, default=300)
+    sk.add_argument("--every", type=float, default=15.0)
+    sk.add_argument("--warmup", type=float, default=60.0, help="seconds before the growth is counted")
+    sk.add_argument("--real-workers", action="store_true", help="workers run the tiny model on the CPU (real "
+                    "forwards, the engine's caches) instead of an instant simulated device")
     args = ap.parse_args()
-    {"proxy": proxy_bench, "scaling": scaling_bench, "latency": latency_bench, "stats": stats_bench}[args.mode](args)
+    {"proxy": proxy_bench, "scaling": scaling_bench, "latency": latency_bench, "stats": stats_bench,
+     "soak": soak_bench}[args.mode](args)
 
 
 if __name__ == "__main__":
