@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -139,12 +140,13 @@ def run(input_path: str, output_path: str, url: str | None, model_path: str | No
          f"{output_path}; {len(todo)} to send")
     server = None
     tmp = None
+    tally = None
     try:
         if model_path is not None and todo:
             tmp = tempfile.mkdtemp(prefix="dllm-run-batch-")
             port = _free_ports(1)
             url = f"http://127.0.0.1:{port}"
-            echo(f"serving {model_path} on {url} for the run (logs in {tmp})")
+            echo(f"serving {model_path} on {url} for the run (logs in {tmp}, removed if the run ends well)")
             server = subprocess.Popen([sys.executable, "-m", "dllm_serve", "serve", "--local", "--model-path",
                                        model_path, "--port", str(port), "--worker-base-port", str(_free_ports(16)),
                                        "--log-dir", tmp, "--stagger", "0",
@@ -170,6 +172,12 @@ def run(input_path: str, output_path: str, url: str | None, model_path: str | No
                 server.wait(60)
             except subprocess.TimeoutExpired:
                 os.killpg(server.pid, signal.SIGKILL)
+        if tmp is not None:        # the run's server logs: gone after a run that ended well, kept to read otherwise
+            if server is not None and server.returncode == 0 and tally is not None and not (
+                    tally["unsent"] or tally["retry"] or tally["stopped"]):
+                shutil.rmtree(tmp, ignore_errors=True)
+            else:
+                echo(f"dllm-serve run-batch: the run's server logs are kept in {tmp}")
     if tally["stopped"]:
         echo(f"dllm-serve run-batch: stopped: the server refused the run, not a request (a key or URL problem: "
              f"--url is the server's base URL, without /v1), so no further line was sent: {tally['stopped']}")

@@ -204,9 +204,12 @@ def test_run_batch_stops_at_a_refusal_of_the_run_and_resends_those_lines_later(t
 @pytest.mark.slow
 def test_run_batch_serves_a_model_for_the_run(tmp_path):
     (tmp_path / "in.jsonl").write_text(_lines(6))
-    r = _run_batch(tmp_path, "--model-path", str(TINY_LLADA), env={**os.environ, "DLLM_CACHE": str(tmp_path / "c")})
+    (tmp_path / "t").mkdir()
+    r = _run_batch(tmp_path, "--model-path", str(TINY_LLADA), env={**os.environ, "DLLM_CACHE": str(tmp_path / "c"),
+                                                                   "TMPDIR": str(tmp_path / "t")})
     assert r.returncode == 0, r.stderr
     assert not (tmp_path / "c" / "batches").exists()       # the run's server kept no /v1/files folder there
+    assert list((tmp_path / "t").iterdir()) == [], r.stderr      # nor its logs, once the run ended well
     res = _results(tmp_path / "out.jsonl")
     assert [res[f"r{i}"]["response"]["status_code"] for i in range(6)] == [200] * 6
     assert "serving" in r.stderr and "6 answered 2xx" in r.stderr
