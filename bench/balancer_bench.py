@@ -418,13 +418,13 @@ def stats_bench(args) -> None:
 
 
 SOAK_MIX = [   # (share, what): the soak's requests, drawn in turn by weight
-    (50, "plain"), (20, "stream"), (10, "n2"), (10, "bad"), (10, "gone")]
+    (50, "plain"), (20, "stream"), (10, "n2"), (10, "bad"), (10, "gone")]     # gone: the client leaves 2 ms in
 
 
 def soak_bench(args) -> None:
-    """Memory over a long run: a mix of requests (plain, streamed, n=2, malformed, clients that leave mid-stream)
-    from ``--connections`` clients for ``--duration`` s through a balancer with its defaults over 2 instant
-    workers; the balancer's and the workers' resident memory every ``--every`` s, and its growth per 10,000
+    """Memory over a long run: a mix of requests (plain, streamed, n=2, malformed, clients that leave 2 ms in)
+    from ``--connections`` clients for ``--duration`` s through a balancer with its defaults over 2 simulated
+    workers (5 ms a batch); the balancer's and the workers' resident memory every ``--every`` s, and its growth per 10,000
     requests after the first ``--warmup`` s (a leak grows with the requests; caches and pools level off).
     ``--real-workers``: the workers run the tiny model on the CPU."""
     import aiohttp
@@ -435,7 +435,8 @@ def soak_bench(args) -> None:
     with tempfile.TemporaryDirectory() as tmpd:
         procs = Procs(Path(tmpd))
         try:
-            urls = start_workers(procs, 2, None if args.real_workers else "0", 32, 0.0)
+            # simulated workers: 5 ms a batch, so a client can leave while its request is in flight
+            urls = start_workers(procs, 2, None if args.real_workers else "0.005", 32, 0.0)
             bal = start_balancer(procs, urls)
             watched = {"balancer": psutil.Process(procs.procs[-1].pid)}
             watched.update({f"worker{i}": psutil.Process(p.pid) for i, p in enumerate(procs.procs[:2])})
@@ -450,13 +451,12 @@ def soak_bench(args) -> None:
                             what = order[i % len(order)]
                             i += 7
                             try:
-                                async with s.post(bal + "/v1/completions", json=bodies[what]) as r:
-                                    if what == "gone":
-                                        await r.content.readany()       # then leave, the stream half read
-                                        r.close()
-                                    else:
+                                async with asyncio.timeout(0.002 if what == "gone" else None):   # "gone": leave
+                                    async with s.post(bal + "/v1/completions", json=bodies[what]) as r:  # midway
                                         await r.read()
-                                    counts["status"][r.status] = counts["status"].get(r.status, 0) + 1
+                                        counts["status"][r.status] = counts["status"].get(r.status, 0) + 1
+                            except TimeoutError:
+                                counts["status"]["left"] = counts["status"].get("left", 0) + 1
                             except aiohttp.ClientError as e:
                                 counts["status"][type(e).__name__] = counts["status"].get(type(e).__name__, 0) + 1
                             counts["sent"] += 1
@@ -470,15 +470,23 @@ def soak_bench(args) -> None:
                                   + "  ".join(f"{n} {v:7.1f} MiB" for n, v in rss.items()), flush=True)
                             await asyncio.sleep(args.every)
                     await asyncio.gather(sample(), *(client(k) for k in range(args.connections)))
+                rss = {n: q.memory_info().rss / 2**20 for n, q in watched.items()}
+                rows.append((args.duration, counts["sent"], rss))
+                print(f"{args.duration:7.0f} s {counts['sent']:9d} requests  "
+                      + "  ".join(f"{n} {v:7.1f} MiB" for n, v in rss.items()) + "  (the end)", flush=True)
             rows: list = []
             print(f"soak: {args.connections} clients for {args.duration:g} s, "
-                  f"{'tiny-llada on the CPU' if args.real_workers else 'instant simulated'} workers, mix "
+                  f"{'tiny-llada on the CPU' if args.real_workers else 'simulated (5 ms a batch)'} workers, mix "
                   + ", ".join(f"{w} {p}%" for p, w in SOAK_MIX) + "; resident memory:", flush=True)
             asyncio.run(run())
             after = [r for r in rows if r[0] >= args.warmup]
+            with urllib.request.urlopen(bal + "/metrics") as r:
+                left = sum(float(line.rsplit(" ", 1)[1]) for line in r.read().decode().splitlines()
+                           if line.startswith("dllm_balancer_requests_total{") and 'status="499"' in line)
+            print(f"statuses seen by the clients: {counts['status']}; the balancer's 499s (clients that left): "
+                  f"{left:.0f}")
             if len(after) >= 2:
                 (_, n0, m0), (_, n1, m1) = after[0], after[-1]
-                print(f"statuses: {counts['status']}")
                 print(f"growth after {args.warmup:g} s, per 10,000 requests ({n1 - n0} requests): "
                       + ", ".join(f"{n} {(m1[n] - m0[n]) / max(1, n1 - n0) * 1e4:+.2f} MiB" for n in m0))
         finally:

@@ -395,17 +395,18 @@ def raise_open_files(wanted: int = OPEN_FILES_WANTED) -> tuple[int, int]:
     except (ImportError, OSError, ValueError):
         return 0, 0
     target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    now = soft
     if soft != resource.RLIM_INFINITY and soft < target:
         try:
             resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
             log.debug("open files limit raised from %d to %d", soft, target)
-            return soft, target
+            now = target
         except (OSError, ValueError) as e:
             log.warning("could not raise the open files limit from %d: %s", soft, e)
-    if soft != resource.RLIM_INFINITY and soft < 4096:
-        log.warning("open files limit %d (hard limit %d): each client connection takes one; raise it (ulimit -n) "
-                    "to serve more than a few hundred clients at once", soft, hard)
-    return soft, soft
+    if now != resource.RLIM_INFINITY and now < 4096:
+        log.warning("open files limit %d (hard limit %d): each client connection takes one; raise the hard limit "
+                    "(ulimit -Hn) to serve more than a few hundred clients at once", now, hard)
+    return soft, now
 
 
 # Seconds a server's shutdown gives its handlers, once its drain is over (answered, or past --drain-timeout), to

@@ -147,13 +147,14 @@ def run(input_path: str, output_path: str, url: str | None, model_path: str | No
             port = _free_ports(1)
             url = f"http://127.0.0.1:{port}"
             echo(f"serving {model_path} on {url} for the run (logs in {tmp}, removed if the run ends well)")
-            server = subprocess.Popen([sys.executable, "-m", "dllm_serve", "serve", "--local", "--model-path",
-                                       model_path, "--port", str(port), "--worker-base-port", str(_free_ports(16)),
-                                       "--log-dir", tmp, "--stagger", "0",
-                                       # its /v1/files folder in the run's (a folder per port under $DLLM_CACHE else)
-                                       "--files-dir", str(Path(tmp) / "files"), *serve_args],
-                                      stdout=open(Path(tmp) / "serve.log", "wb"), stderr=subprocess.STDOUT,
-                                      start_new_session=True, cwd=ROOT, env={**os.environ, "DLLM_API_KEY": ""})
+            with open(Path(tmp) / "serve.log", "wb") as log_file:
+                server = subprocess.Popen([sys.executable, "-m", "dllm_serve", "serve", "--local", "--model-path",
+                                           model_path, "--port", str(port), "--worker-base-port", str(_free_ports(16)),
+                                           "--log-dir", tmp, "--stagger", "0",
+                                           # its /v1/files folder in the run's (else a folder per port in $DLLM_CACHE)
+                                           "--files-dir", str(Path(tmp) / "files"), *serve_args],
+                                          stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT,
+                                          env={**os.environ, "DLLM_API_KEY": ""})
             try:
                 _wait_ready(url, server, startup_timeout)
             except RuntimeError as e:
