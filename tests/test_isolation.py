@@ -617,7 +617,7 @@ async def _send_timeout_cases(timeout: float) -> dict:
         await runner.cleanup()
 
 
-@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+@pytest.mark.parametrize("loop", [pytest.param("asyncio", marks=pytest.mark.slow), "uvloop"])
 async def test_a_client_that_takes_nothing_of_its_answer_is_dropped_after_the_send_timeout(loop):
     """A client that sent its request and reads nothing held its handler (and at a balancer, its request) for ever:
     an answer's writes wait for the client once the buffers are full, with no timeout. Now, --send-timeout passed
@@ -635,6 +635,7 @@ async def test_a_client_that_takes_nothing_of_its_answer_is_dropped_after_the_se
     assert seen["steady_client"]["ended_while_reading"] is None and seen["steady_client"]["got"] > 400_000, seen
 
 
+@pytest.mark.slow
 async def test_a_server_raises_its_open_files_limit_and_serves_past_the_usual_1024():
     """Each client connection takes an open file. Linux's usual soft limit is 1,024: a balancer serving a few
     hundred evaluation clients ran out, and every new connection was reset (uvloop) until some closed. Every
