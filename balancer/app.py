@@ -35,10 +35,10 @@ from balancer.pool import HealthConfig, WorkerPool
 from balancer.stats import Window
 from balancer.weights import MODES, WeightUpdates
 from common.config import PORT, FiniteFloatRange, setting
-from common.http import (BODY_BUDGET, BODY_TIMEOUT, BODY_TIMEOUT_S, EXIT_PORT_IN_USE, EXTRA_SERVED,
+from common.http import (BODY_BUDGET, BODY_TIMEOUT_S, EXIT_PORT_IN_USE, EXTRA_SERVED,
                          HTTP_GC_THRESHOLD, KEEPALIVE_TIMEOUT, MAX_BODY_BYTES, MAX_BODY_BYTES_IN_FLIGHT,
-                         SEND_TIMEOUT, AppRunner, BodyBudget, json_response, middlewares, raise_open_files,
-                         read_body, settle_gc)
+                         AppRunner, BodyBudget, body_timeout_setting, json_response, middlewares, raise_open_files,
+                         read_body, send_timeout_setting, settle_gc)
 from common.metrics import RequestMetrics
 from common.openai_http import add_routes, off_loop
 from common.protocol import APIError, error_body, guarded_by_api_key, loads
@@ -99,13 +99,8 @@ class BalancerConfig:
                                   "bodies over 1 MiB may fill three quarters); past it a request gets 503 + "
                                   "Retry-After (one body is at most 64 MiB: 413).",
         type=click.IntRange(1))
-    body_timeout: float = setting(BODY_TIMEOUT, "Seconds a request body may go without a byte arriving; then the "
-                                                "request gets 408 and its connection is closed.",
-                                  type=click.FloatRange(0, min_open=True))
-    send_timeout: float = setting(SEND_TIMEOUT, "Seconds an answer may wait, its buffers full, while the client "
-                                                "takes no byte of it; then the connection is dropped (its request "
-                                                "counts as the client's disconnect).",
-                                  type=click.FloatRange(0, min_open=True))
+    body_timeout: float = body_timeout_setting()
+    send_timeout: float = send_timeout_setting()
     keepalive_timeout: float = setting(KEEPALIVE_TIMEOUT, "Seconds a client connection may stay idle between "
                                                           "requests (one whose next request's headers have not all "
                                                           "arrived counts as idle) before it is closed.",

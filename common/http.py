@@ -11,12 +11,14 @@ import socket
 import sys
 from typing import Callable
 
+import click
 import orjson
 from aiohttp import web
 from aiohttp.http_exceptions import BadHttpMessage, HttpProcessingError
 from aiohttp.http_parser import RawRequestMessage
 from aiohttp.web_protocol import RequestPayloadError
 
+from common.config import setting
 from common.protocol import APIError, error_body
 
 log = logging.getLogger("dllm.http")
@@ -48,6 +50,19 @@ KEEPALIVE_TIMEOUT = 75.0
 # --send-timeout (nginx's send_timeout): seconds an answer may wait, its buffers full, with the client taking no byte
 # of it; then the connection is dropped (the request counts as the client's disconnect: cancelled at its worker).
 SEND_TIMEOUT = 60.0
+
+
+def body_timeout_setting():
+    """The --body-timeout setting of the balancer's and the worker's configs."""
+    return setting(BODY_TIMEOUT, "Seconds a request body may go without a byte arriving; then the request gets 408 "
+                                 "and its connection is closed.", type=click.FloatRange(0, min_open=True))
+
+
+def send_timeout_setting():
+    """The --send-timeout setting of the balancer's and the worker's configs."""
+    return setting(SEND_TIMEOUT, "Seconds an answer may wait, its buffers full, while the client takes no byte of it; "
+                                 "then the connection is dropped (its request counts as the client's disconnect).",
+                   type=click.FloatRange(0, min_open=True))
 
 
 class BodyBudget:

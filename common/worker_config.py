@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import click
 
 from common.config import PORT, setting
-from common.http import BODY_TIMEOUT, KEEPALIVE_TIMEOUT, SEND_TIMEOUT, WORKER_BODY_BYTES_IN_FLIGHT
+from common.http import (KEEPALIVE_TIMEOUT, WORKER_BODY_BYTES_IN_FLIGHT, body_timeout_setting,
+                         send_timeout_setting)
 
 DTYPES = ["auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16"]   # checked before anything starts
 
@@ -135,13 +136,8 @@ class WorkerConfig:
                                      "included (bodies over 1 MiB may fill three quarters: keep that above the "
                                      "balancer's --max-inflight-per-worker x 128 MiB); past it a request gets 503 "
                                      "+ Retry-After.", type=click.IntRange(1))
-    body_timeout: float = setting(BODY_TIMEOUT, "Seconds a request body may go without a byte arriving; then the "
-                                                "request gets 408 and its connection is closed.",
-                                  type=click.FloatRange(0, min_open=True))
-    send_timeout: float = setting(SEND_TIMEOUT, "Seconds an answer may wait, its buffers full, while the client "
-                                                "takes no byte of it; then the connection is dropped (its request "
-                                                "counts as the client's disconnect).",
-                                  type=click.FloatRange(0, min_open=True))
+    body_timeout: float = body_timeout_setting()
+    send_timeout: float = send_timeout_setting()
     keepalive_timeout: float = setting(KEEPALIVE_TIMEOUT, "Seconds a client connection may stay idle between "
                                                           "requests (one whose next request's headers have not all "
                                                           "arrived counts as idle) before it is closed; over 30 "
