@@ -404,8 +404,9 @@ class ContextCache:
 
     def with_new(self, i: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor, n: int):
         """Layer ``i``'s keys and values for rows ``slots``: their last ``n`` cached columns (sliding layers) or first
-        ``n`` (full layers), then the new ``k``/``v``, concatenated as the reference does."""
-        ck, cv = self.k[i][slots], self.v[i][slots]
+        ``n`` (full layers), then the new ``k``/``v``, concatenated as the reference does. ``slots`` None: every slot,
+        in order (no gather: the one copy is the concatenation's)."""
+        ck, cv = (self.k[i], self.v[i]) if slots is None else (self.k[i][slots], self.v[i][slots])
         if self.cfg.sliding[i]:
             ck, cv = ck[:, :, self.window - n:], cv[:, :, self.window - n:]
         else:
@@ -599,7 +600,7 @@ class DiffusionGemmaModel(nn.Module):
         cfg = self.cfg
         start = [cache.length[s] for s in slots]
         st = upload(start, dev)
-        slot_idx = upload(slots, dev)
+        slot_idx = None if slots == list(range(cache.slots)) else upload(slots, dev)    # None: every slot, in order
         n_full = max(start)
         m = [min(s, cache.window) for s in start]
         n_slide = max(m)
@@ -630,7 +631,7 @@ class DiffusionGemmaModel(nn.Module):
         return logits
 
 
-    def decoder_hidden(self, canvas: torch.Tensor, soft: torch.Tensor, st: torch.Tensor, slot_idx: torch.Tensor,
+    def decoder_hidden(self, canvas: torch.Tensor, soft: torch.Tensor, st: torch.Tensor, slot_idx: torch.Tensor | None,
                        full_mask: torch.Tensor | None, slide_mask: torch.Tensor | None, n_full: int, n_slide: int,
                        cache: ContextCache) -> torch.Tensor:
         """:meth:`denoise`'s decoder pass: hidden states [B, L, H] after the final norm, of canvases [B, L] with
