@@ -57,6 +57,8 @@ class Pending:
     done: bool = False
     excluded: set = field(default_factory=set)
     solo: bool = False             # goes alone in its batch (its batch was rejected as a whole)
+    wire: str = ""                 # its id in the current dispatch: ``id``, with ".ATTEMPT" after the first (a
+                                   # worker that still holds an abandoned attempt's row refuses a repeated id)
     version: str | None = None     # the weights it requires (its model_version): only workers holding them
     worker: Worker | None = None
     enqueued_at: float = field(default_factory=time.monotonic)
@@ -214,7 +216,7 @@ class CentralBatcher:
         p.cancelled = True
         p.done = True
         if p.worker is not None:
-            self._send_cancel(p.worker, [p.id])
+            self._send_cancel(p.worker, [p.wire])
             self._end_answered_dispatch(p)
         self._wake.set()
 
@@ -409,8 +411,9 @@ class CentralBatcher:
             p.attempt += 1
             p.tries += 1
             p.worker = w
-            attempts[p.id] = p.attempt
-        open_ = {p.id: p for p in batch}
+            p.wire = p.id if p.attempt == 1 else f"{p.id}.{p.attempt}"
+            attempts[p.wire] = p.attempt
+        open_ = {p.wire: p for p in batch}
         failure = None
         try:
             if batch:
@@ -446,7 +449,7 @@ class CentralBatcher:
         parts = [b'{"model_versions":' + orjson.dumps(allowed) + b',"requests":[' if allowed else b'{"requests":[']
         # one join: no intermediate copy of any body (they may be 64 MiB each)
         for i, p in enumerate(batch):
-            parts += (b',{"id":"' if i else b'{"id":"', p.id.encode(), b'","kind":"', p.kind.encode(), b'","body":',
+            parts += (b',{"id":"' if i else b'{"id":"', p.wire.encode(), b'","kind":"', p.kind.encode(), b'","body":',
                       p.body, b"}")
         parts.append(b"]}")
         payload = b"".join(parts)
@@ -456,7 +459,7 @@ class CentralBatcher:
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=self.cfg.connect_timeout)) as r:
             # the worker answers once it holds every row: a cancel sent while the batch was on its way may have
             # found none of them, so the requests cancelled by now are cancelled again
-            late = [p.id for p in batch if p.cancelled]
+            late = [p.wire for p in batch if p.cancelled]
             if late:
                 self._send_cancel(w, late)
             if r.status in REJECTED:
@@ -486,22 +489,34 @@ class CentralBatcher:
 
     def _lines(self, d: Dispatch, lines: list[bytes], open_: dict, attempts: dict) -> None:
         w = d.worker
+        refused = []
         for line in lines:
             if not line or line.isspace():
                 continue
             ev = orjson.loads(line)
-            p = open_.get(ev.get("id"))
+            wire = ev.get("id")
+            p = open_.get(wire)
             if p is None:
                 continue
             kind = ev.get("event")
             end = ev.get("end", False) or kind == "end"
+            if end and kind == "error" and ev.get("status") == 429:
+                # the worker's queue had no room for this request's rows (a batch is counted in requests, a
+                # worker's queue in rows: prompts x n): not an answer, the request waits for a worker again
+                del open_[wire]
+                self.pool.row_refused(w)
+                d.answered += 1
+                refused.append(p)
+                continue
             if end:
-                del open_[p.id]
+                del open_[wire]
                 self.pool.row_served(w)         # (no longer in flight there: the worker answers rows as they end)
                 d.answered += 1
                 p.done = True
                 p.worker = None
-            p.deliver(attempts[p.id], kind, ev.get("status", 200), ev.get("data"), end)
+            p.deliver(attempts[wire], kind, ev.get("status", 200), ev.get("data"), end)
+        if refused:
+            self._busy(w, refused, 429, None, b"rows refused: the worker queue is full")
 
     def _wrong_weights(self, w: Worker, batch: list[Pending], body: bytes) -> bool:
         """A 409 for the batch: the worker holds other weights than the batch allows (changed since its last /health:
@@ -576,6 +591,7 @@ class CentralBatcher:
         if not unfinished:
             return
         log.warning("batch on worker %d failed (%s): %d requests unfinished", w.index, why, len(unfinished))
+        self._send_cancel(w, [p.wire for p in unfinished])     # a worker still alive drops the abandoned rows
         requeue = []
         for p in unfinished:
             p.worker = None

@@ -298,6 +298,10 @@ class WorkerPool:
         w.requests_served += 1
         w.inflight_rows -= 1
 
+    def row_refused(self, w: Worker) -> None:
+        """One row of a batch in flight on ``w`` was refused (its queue full): no longer in flight there."""
+        w.inflight_rows -= 1
+
     def batch_failed(self, w: Worker, why: str, consecutive: bool = False, refused: bool = False) -> None:
         """A batch failed by ``w``'s fault (an error status, a broken connection, a malformed stream).
         ``consecutive``: it counts, with failed probes in a row, toward ``unhealthy_threshold`` (a good probe resets

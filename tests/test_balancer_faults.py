@@ -606,3 +606,99 @@ async def test_the_workers_models_answer_is_reused_for_models_cache_ttl_seconds(
             got = [(await (await client.get("/v1/models")).json())["data"][0]["id"] for _ in range(2)]
             assert got == want
             await client.close()
+
+
+def _holding_worker(capacity: int, held: set, seen: list, cancelled: list, break_first: bool = False,
+                    run_for: float = 0.1):
+    """A fake worker (test double) that holds rows as the real one does: a row id it holds already makes the whole
+    batch a 400 ("duplicate request id"); rows past ``capacity`` held at once get their own 429 line (its queue is
+    full), the others are answered after ``run_for`` s. ``break_first``: the first batch's connection is cut before
+    any answer while its rows stay held (the balancer's side of the connection reset, the worker unaware)."""
+    state = {"batches": 0}
+
+    async def health(request):
+        return web.json_response({"status": "ready", "busy": False, "seconds_since_last_step": 0.0})
+
+    async def batch(request):
+        ids = [item["id"] for item in (await request.json())["requests"]]
+        seen.append(ids)
+        if any(rid in held for rid in ids):
+            return web.json_response({"error": {"message": f"duplicate request id {ids[0]!r}",
+                                                "type": "invalid_request_error", "param": "requests.id",
+                                                "code": None}}, status=400)
+        state["batches"] += 1
+        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await resp.prepare(request)
+        taken = []
+        for rid in ids:
+            if len(held) >= capacity:
+                body = {"error": {"message": "the worker queue is full", "type": "rate_limit_error", "param": None,
+                                  "code": None}}
+                await resp.write(orjson.dumps({"id": rid, "event": "error", "status": 429, "data": body,
+                                               "end": True}) + b"\n")
+            else:
+                held.add(rid)
+                taken.append(rid)
+        if break_first and state["batches"] == 1:
+            request.transport.abort()          # the rows stay held: this worker never learns the batch is gone
+            return resp
+        await asyncio.sleep(run_for)
+        for rid in taken:
+            held.discard(rid)
+            data = {"object": "text_completion", "choices": [{"index": 0, "text": rid, "finish_reason": "length"}]}
+            await resp.write(orjson.dumps({"id": rid, "event": "response", "data": data, "end": True}) + b"\n")
+        await resp.write_eof()
+        return resp
+
+    async def cancel(request):
+        for rid in (await request.json())["ids"]:
+            cancelled.append(rid)
+            held.discard(rid)
+        return web.json_response({"cancelled": 1})
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_post("/worker/batch", batch)
+    app.router.add_post("/worker/cancel", cancel)
+    return app
+
+
+async def test_rows_a_full_worker_queue_refuses_wait_for_a_worker_again(aiohttp_client):
+    """A worker queues rows (prompts x n), the balancer counts requests: a worker whose queue fills answers the rows
+    that do not fit a 429 each. Those requests go back to the front of the queue (no retry used) and the worker backs
+    off; no client sees the 429 (a reviewer found 16 of 40 requests with n=64 answered 429, the balancer's queue
+    empty)."""
+    held, seen, cancelled = set(), [], []
+    async with workers(_holding_worker(4, held, seen, cancelled)) as urls:
+        client = await _balancer(aiohttp_client, urls, max_retries=0, batch_size=8, busy_backoff_max=0.2,
+                                 max_inflight_per_worker=2)
+        rs = await asyncio.gather(*(client.post("/v1/completions", json={"prompt": f"p{i}"}) for i in range(12)))
+        assert [r.status for r in rs] == [200] * 12, [await r.text() for r in rs]
+        texts = [(await r.json())["choices"][0]["text"] for r in rs]
+        assert len(set(t.split(".")[0] for t in texts)) == 12       # every request answered once, as itself
+        assert any("." in t for t in texts)                          # some were sent again, under a new id
+        stats = await (await client.get("/stats")).json()
+        assert stats["redispatched_requests"] == 0 and stats["queue_depth"] == 0
+        assert stats["in_flight"] == 0
+
+
+async def test_a_request_sent_again_to_a_worker_that_still_holds_it_is_not_refused_as_a_duplicate(aiohttp_client):
+    """A batch's connection breaks while the worker goes on holding its rows; with no other worker the requests go
+    back to the same one. Each dispatch of a request has its own id on the wire, so the worker takes them (a reviewer
+    found the second dispatch refused whole as "duplicate request id", and the request answered that 400), and the
+    abandoned rows are cancelled on the worker."""
+    held, seen, cancelled = set(), [], []
+    async with workers(_holding_worker(100, held, seen, cancelled, break_first=True)) as urls:
+        client = await _balancer(aiohttp_client, urls, max_retries=2)
+        rs = await asyncio.gather(*(client.post("/v1/completions", json={"prompt": f"p{i}"}) for i in range(3)))
+        assert [r.status for r in rs] == [200] * 3, [await r.text() for r in rs]
+        first = seen[0]
+        later = [rid for ids in seen[1:] for rid in ids]
+        assert not set(first) & set(later)                  # new ids on the wire
+        for _ in range(100):
+            if set(first) <= set(cancelled):
+                break
+            await asyncio.sleep(0.02)
+        assert set(first) <= set(cancelled)                 # the abandoned rows dropped on the worker
+        stats = await (await client.get("/stats")).json()
+        assert stats["split_batches"] == 0

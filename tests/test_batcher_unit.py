@@ -112,7 +112,7 @@ async def test_a_broken_batch_is_reported_to_the_pool_and_fails_over(monkeypatch
         p = request("a")
         b.submit(p)
         assert await answer(p) == ("response", 200, "ok-completion")
-        assert seen == [("die", "a"), ("ok", "a")]
+        assert seen == [("die", "a"), ("ok", "a.3")]       # a dispatch after the first: "ID.ATTEMPT" on the wire
         assert reports == [(0, {"consecutive": True, "refused": False})]
         w0 = pool.workers[0]
         assert (w0.errors, w0.consecutive_errors, w0.status) == (1, 1, "idle")   # one broken stream: not down
@@ -137,7 +137,7 @@ async def test_a_refused_dispatch_marks_the_worker_down_through_the_pool(monkeyp
         b.submit(p)
         assert await answer(p) == ("response", 200, "ok-completion")
         assert reports == [(0, {"consecutive": True, "refused": True})]
-        assert pool.workers[0].status == "unhealthy" and seen == [("ok", "a")]
+        assert pool.workers[0].status == "unhealthy" and seen == [("ok", "a.3")]
         assert [w.inflight_batches for w in pool.workers] == [0, 0]
 
 
@@ -148,7 +148,7 @@ async def test_the_pools_abort_fails_an_in_flight_batch_over(caplog):
         assert seen == [("hang", "a")] and pool.workers[0].inflight_rows == 1
         pool.abort(pool.workers[0], "stalled")
         assert await answer(p) == ("response", 200, "ok-completion")
-        assert seen == [("hang", "a"), ("ok", "a")] and p.excluded == {0} and b.retries == 1
+        assert seen == [("hang", "a"), ("ok", "a.3")] and p.excluded == {0} and b.retries == 1
         assert "batch on worker 0 failed (worker stalled)" in caplog.text
         assert pool.workers[0].errors == 0                  # the pool judged the worker already; no double count
 

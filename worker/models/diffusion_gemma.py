@@ -526,6 +526,7 @@ class DiffusionGemmaModel(nn.Module):
         pos = torch.minimum(st[:, None] + ar[None, :], (st + ln - 1)[:, None])
         rope = self._cos_sin(pos)
         slot_idx = upload(slots, dev)
+        every = None if slots == list(range(cache.slots)) else slot_idx     # with_new's rows (None: all, in order)
         n_full = max(start)
         m = [min(s, cache.window) for s in start]
         n_slide = max(m)
@@ -565,7 +566,7 @@ class DiffusionGemmaModel(nn.Module):
             if capture is not None:
                 capture.append((k, v))
             ck, cv = cache.k[i], cache.v[i]
-            kk, vv = cache.with_new(i, slot_idx, k, v, n_slide if sl else n_full)
+            kk, vv = cache.with_new(i, every, k, v, n_slide if sl else n_full)
             a = attn.attend(q, kk, vv, slide_mask if sl else full_mask)
             if sl:
                 # keep the last window-1 positions of [cached ; new valid]
