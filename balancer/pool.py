@@ -226,6 +226,9 @@ class WorkerPool:
                             w.instance_id)
                 w.tokens_before = w.tokens_generated      # the old process's count, which the new one restarts
             w.instance_id = inst
+        v = data.get("model_version")
+        if v is not None and not (isinstance(v, dict) and isinstance(v.get("hash"), str)):
+            data = {**data, "model_version": None}      # malformed: as if it named none (routing reads its hash)
         w.last_health = data
         status = data.get("status")
         w.draining = status == "draining"

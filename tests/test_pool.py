@@ -335,3 +335,19 @@ async def test_tokens_generated_survive_a_worker_restart():
         answer["body"] = {**READY, "instance_id": "b", "tokens_generated": 9}
         await pool.probe_once()
         assert w.tokens_generated == 109
+
+
+async def test_a_malformed_model_version_reads_as_none():
+    """Routing reads ``model_version["hash"]`` of every worker's last /health (a request pinned to weights): a
+    worker naming its weights with a string or a dict without a hash would raise there and stop the batching loop
+    (a reviewer's finding); such an answer counts as naming none."""
+    answer = {"body": {**READY, "model_version": "v1"}}
+    async with pool_with(answer) as (pool, _):
+        w = pool.workers[0]
+        for bad in ("v1", {"path": "/x"}, {"hash": 3}, ["h"]):
+            answer["body"] = {**READY, "model_version": bad}
+            await pool.probe_once()
+            assert w.last_health["model_version"] is None and w.last_health["status"] == "ready"
+        answer["body"] = {**READY, "model_version": {"hash": "abc", "path": "/m"}}
+        await pool.probe_once()
+        assert w.last_health["model_version"] == {"hash": "abc", "path": "/m"}
