@@ -215,3 +215,13 @@ def test_new_weights_empty_the_cache_and_its_counts_go_on(tmp_path):
     new = on.generate([req])[0].canvas
     assert new == fresh.generate([req])[0].canvas and new != old
     assert on.prefix_cache.stats()["prompt_tokens_looked_up"] == 48
+
+
+def test_a_budget_that_rounds_to_no_byte_is_off():
+    """--prefix-cache-gb 1e-10 is 0 bytes: no cache (a reviewer found a cache that stored nothing, reported itself on
+    and held rows sharing a prefix back a round for blocks that could never arrive)."""
+    from tests.conftest import TINY_LLADA2
+    e = Engine.from_pretrained(TINY_LLADA2, device="cpu", dtype="float32", prefix_cache_gb=1e-10)
+    assert e.prefix_cache is None
+    e.use_prefix_cache(2000 / 2**30)
+    assert e.prefix_cache is not None and e.prefix_cache.budget == 2000

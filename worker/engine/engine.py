@@ -134,7 +134,8 @@ class Engine:
         that exact (Family.prefix_cache: block-causal prompts, or a causal prompt encoder); 0 turns it off."""
         from .prefix_cache import PrefixCache
         ok = FAMILIES[self.family].prefix_cache if self.family in FAMILIES else False
-        self.prefix_cache = PrefixCache(int(gb * 2**30)) if gb > 0 and ok else None
+        budget = int(gb * 2**30)        # (a budget that rounds to no byte is off, not a cache that stores nothing)
+        self.prefix_cache = PrefixCache(budget) if budget > 0 and ok else None
 
     # configuration fields that say nothing about the weights' arithmetic (written by whichever tool saved them)
     RELOAD_IGNORED = frozenset({"_name_or_path", "transformers_version", "torch_dtype", "dtype", "_commit_hash",
@@ -167,7 +168,7 @@ class Engine:
     def reload_weights(self, path: str | os.PathLike) -> dict:
         """Replace the weights with those of ``path`` in place (no second copy of the model; see
         checkpoint.reload_native) once :meth:`check_weights` passes; the prefix cache (keys and values of the old
-        weights) is emptied. Returns the new model_version. Call it with no batch running (the worker's scheduler
+        weights) is emptied first, whether the reload succeeds or not. Returns the new model_version. Call it with no batch running (the worker's scheduler
         is idle). A check that fails changes nothing; a read that fails half-way (an I/O error) puts the old
         weights back, and raises RuntimeError (the engine must not serve) if even that fails. With tensor
         parallelism every follower rank reloads its shard at the same time and this returns once each has
@@ -176,6 +177,11 @@ class Engine:
         path = Path(path).resolve()
         self.check_weights(path)
         version = model_version(path)
+        # emptied before any rank reads, on every rank, however the reload ends: ranks decide what to reuse from
+        # their own caches, and one that kept its blocks after a failed reload the others emptied would run
+        # forwards of other shapes than theirs (a collective mismatch)
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
         if self.ranks is not None:
             self.ranks.send(("reload", str(path)))
         title = FAMILIES[self.family].title
@@ -203,8 +209,6 @@ class Engine:
                                           f"({failed[0][1]}); every rank keeps the weights of {str(self.path)!r}")
         if mine is not None:
             raise mine
-        if self.prefix_cache is not None:
-            self.prefix_cache.clear()
         if self.graphs is not None:
             self.graphs.clear()
         self.path, self.version = path, version
