@@ -5,6 +5,7 @@ first): identical answers, prompt tokens computed, wall time and requests/s.
 
   python bench/prefix_cache_bench.py                       # the LLaDA2, SDAR and DiffusionGemma fixtures, CPU
   python bench/prefix_cache_bench.py --families sdar --rounds 3 --device cuda --dtype bfloat16
+  python bench/prefix_cache_bench.py --evictions 20000,100000   # host time of eviction in a full cache only
 
 The fixtures hold 512 positions; the bench serves a copy whose config.json allows 1024 (the same weights: RoPE tables
 are computed, not stored). Prompt tokens computed = whole prompt blocks forwarded by the rows themselves (the cache's
@@ -92,6 +93,29 @@ def run(engine, reqs, batch: int):
     return [results[i].token_ids for i in range(len(reqs))], secs
 
 
+def evictions(sizes: list[int], requests: int = 20, blocks: int = 100) -> None:
+    """Host time of the cache's bookkeeping when it is full: a cache of ``n`` blocks (512 bytes each, 4 tokens),
+    filled by prompts of ``blocks`` distinct blocks, then ``requests`` more such prompts looked up and stored, each
+    evicting ``blocks`` entries."""
+    import torch
+    from worker.engine.prefix_cache import PrefixCache
+    t = torch.zeros(64)
+    for n in sizes:
+        pc = PrefixCache(512 * n, block=4)
+        rng = random.Random(0)
+        while pc.bytes < pc.budget:
+            pc.insert([rng.randrange(50000) for _ in range(4 * blocks)], 4, 0, blocks, lambda j: (t, t))
+        before, start = pc.blocks_evicted, time.perf_counter()
+        for _ in range(requests):
+            p = [rng.randrange(50000) for _ in range(4 * blocks)]
+            pc.lookup(p, 4, blocks)
+            pc.insert(p, 4, 0, blocks, lambda j: (t, t))
+        secs = time.perf_counter() - start
+        print(f"full cache of {len(pc.entries)} blocks: {requests} prompts of {blocks} new blocks each, "
+              f"{pc.blocks_evicted - before} evictions: {1e3 * secs / requests:.2f} ms a prompt "
+              f"({1e6 * secs / (pc.blocks_evicted - before):.1f} us an eviction, lookup and copy included)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--families", default="llada2,sdar,diffusion_gemma")
@@ -104,7 +128,12 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--evictions", default=None, metavar="N,N",
+                    help="only time the bookkeeping of a full cache of N blocks (no model)")
     a = ap.parse_args()
+    if a.evictions:
+        evictions([int(x) for x in a.evictions.split(",")])
+        return
     import torch
     torch.set_num_threads(a.threads)
     from worker.engine import Engine

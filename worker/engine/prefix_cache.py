@@ -16,6 +16,7 @@ heads) make the same decisions."""
 from __future__ import annotations
 
 import hashlib
+import heapq
 from array import array
 from dataclasses import dataclass
 
@@ -44,6 +45,11 @@ class PrefixCache:
         self.entries: dict[bytes, Entry] = {}
         self.bytes = 0
         self.clock = 0
+        # eviction candidates, a heap of (used, key): pushed whenever an entry is a leaf with a new ``used`` (stored,
+        # touched, or its last child evicted); an item whose entry is gone, has children or was touched since is
+        # stale and skipped. The least recently used leaf without a scan of every entry (a full cache of 100,000
+        # blocks took milliseconds an eviction)
+        self._leaves: list[tuple[int, bytes]] = []
         # statistics: prompt tokens asked about, tokens served from the cache, blocks stored and evicted
         self.lookups = 0
         self.tokens_looked_up = 0
@@ -72,12 +78,17 @@ class PrefixCache:
             e = self.entries.get(key)
             if e is None:
                 break
-            found.append(e)
-        for e in reversed(found):          # deepest first: ancestors stay more recent than their descendants
-            self.clock += 1
-            e.used = self.clock
+            found.append((key, e))
+        for key, e in reversed(found):     # deepest first: ancestors stay more recent than their descendants
+            self._touch(key, e)
         self.tokens_hit += len(found) * block
-        return found
+        return [e for _, e in found]
+
+    def _touch(self, key: bytes, e: Entry) -> None:
+        self.clock += 1
+        e.used = self.clock
+        if e.children == 0:
+            heapq.heappush(self._leaves, (e.used, key))
 
     def insert(self, tokens: list[int], block: int, first: int, blocks: int, kv) -> None:
         """Store blocks ``first`` .. ``blocks - 1`` of the prompt (``kv(j)`` gives block j's tensors, copied), whose
@@ -88,8 +99,7 @@ class PrefixCache:
         for j in range(blocks - 1, -1, -1):       # touched deepest first, as in lookup
             e = self.entries.get(keys[j])
             if e is not None:
-                self.clock += 1
-                e.used = self.clock
+                self._touch(keys[j], e)
         for j in range(first, blocks):
             if keys[j] in self.entries:
                 continue
@@ -102,9 +112,8 @@ class PrefixCache:
             self._make_room(e.nbytes, keep=parent)
             if self.bytes + e.nbytes > self.budget or (parent is not None and parent not in self.entries):
                 return                                    # no room without evicting its own ancestors
-            self.clock += 1
-            e.used = self.clock
             self.entries[keys[j]] = e
+            self._touch(keys[j], e)
             self.bytes += e.nbytes
             self.blocks_stored += 1
             if parent is not None:
@@ -113,21 +122,41 @@ class PrefixCache:
     def _make_room(self, need: int, keep: bytes | None) -> None:
         """Evict least recently used leaves (never ``keep``, the parent of what is being stored) until ``need``
         more bytes fit."""
+        heap = self._leaves
+        if len(heap) > 2 * len(self.entries) + 64:          # mostly stale items: rebuilt from the leaves
+            heap[:] = [(e.used, k) for k, e in self.entries.items() if e.children == 0]
+            heapq.heapify(heap)
         while self.bytes + need > self.budget and self.entries:
-            leaves = [(e.used, key) for key, e in self.entries.items() if e.children == 0 and key != keep]
-            if not leaves:
-                return
-            _, key = min(leaves)
-            e = self.entries.pop(key)
+            kept = None
+            while heap:
+                used, key = heapq.heappop(heap)
+                e = self.entries.get(key)
+                if e is None or e.children or e.used != used:
+                    continue                                  # stale
+                if key == keep:
+                    kept = (used, key)
+                    continue
+                break
+            else:
+                if kept is not None:
+                    heapq.heappush(heap, kept)
+                return                                        # no leaf but ``keep``
+            if kept is not None:
+                heapq.heappush(heap, kept)
+            del self.entries[key]
             self.bytes -= e.nbytes
             self.blocks_evicted += 1
-            if e.parent is not None and e.parent in self.entries:
-                self.entries[e.parent].children -= 1
+            parent = self.entries.get(e.parent) if e.parent is not None else None
+            if parent is not None:
+                parent.children -= 1
+                if parent.children == 0:
+                    heapq.heappush(heap, (parent.used, e.parent))
 
     def clear(self) -> None:
         """Drop every block (new weights: their keys/values are the old weights'); the statistics, counts since the
         start like the worker's other counters, go on."""
         self.entries.clear()
+        self._leaves.clear()
         self.bytes = 0
 
     def has(self, key: bytes) -> bool:
