@@ -79,7 +79,8 @@ class WorkerConfig:
     prefix_cache_gb: float = setting(1.0, "GiB of prompt blocks' keys/values kept across requests for the "
                                           "block-causal families (LLaDA2.x, SDAR) and DiffusionGemma's causal "
                                           "prompt encoder, where reusing them is exact; "
-                                          "least recently used blocks go first; 0: off (docs/engine.md, \"Prefix "
+                                          "least recently used blocks go first; 0: off; more than 90% of the "
+                                          "device's memory: refused at load (docs/engine.md, \"Prefix "
                                           "cache\").", type=click.FloatRange(0))
     rank_timeout: float = setting(300.0, "Tensor parallelism: seconds a rank may wait for the others in a "
                                          "collective before the worker ends itself (a hung rank) to be restarted.",

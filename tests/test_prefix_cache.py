@@ -270,3 +270,11 @@ def test_eviction_takes_the_least_recently_used_leaf_as_a_scan_of_every_entry_wo
             assert heap.bytes == scan.bytes <= budget
         evicted += heap.blocks_evicted
     assert evicted > 1000
+
+
+def test_a_budget_over_the_devices_memory_is_refused_at_load():
+    """A budget the device could never hold is a clear error when the worker starts, not an out-of-memory error in
+    the middle of serving once the cache has grown."""
+    from tests.conftest import TINY_LLADA2
+    with pytest.raises(ValueError, match="prefix-cache-gb 1e\\+06 is more than 90% of the cpu memory"):
+        Engine.from_pretrained(TINY_LLADA2, device="cpu", dtype="float32", prefix_cache_gb=1e6)

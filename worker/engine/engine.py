@@ -135,6 +135,14 @@ class Engine:
         from .prefix_cache import PrefixCache
         ok = FAMILIES[self.family].prefix_cache if self.family in FAMILIES else False
         budget = int(gb * 2**30)        # (a budget that rounds to no byte is off, not a cache that stores nothing)
+        if budget > 0 and ok:
+            dev = self.model.device
+            import psutil
+            total = (torch.cuda.get_device_properties(dev).total_memory if dev.type == "cuda"
+                     else psutil.virtual_memory().total)
+            if budget > 0.9 * total:      # it could never be filled: refused now, not an out-of-memory error later
+                raise ValueError(f"--prefix-cache-gb {gb:g} is more than 90% of the {dev.type} memory "
+                                 f"({total / 2**30:.1f} GiB) that must also hold the model and its batches")
         self.prefix_cache = PrefixCache(budget) if budget > 0 and ok else None
 
     # configuration fields that say nothing about the weights' arithmetic (written by whichever tool saved them)
