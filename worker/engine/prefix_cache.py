@@ -15,11 +15,23 @@ their ancestors. Recency is a counter, not a clock, so tensor-parallel ranks (ea
 heads) make the same decisions."""
 from __future__ import annotations
 
+import functools
 import hashlib
 import heapq
 from array import array
 from dataclasses import dataclass
 
+
+
+@functools.lru_cache(maxsize=256)
+def _chain(data: bytes, block: int) -> tuple[bytes, ...]:
+    """The chain keys of every whole block of ``data`` (token ids, 8 bytes each): PrefixCache.keys."""
+    step = 8 * block
+    out, h = [], hashlib.blake2b(block.to_bytes(8, "little"), digest_size=16)
+    for j in range(len(data) // step):
+        h.update(data[j * step:(j + 1) * step])
+        out.append(h.copy().digest())
+    return tuple(out)
 
 
 @dataclass
@@ -58,16 +70,12 @@ class PrefixCache:
         self.blocks_evicted = 0
 
     @staticmethod
-    def keys(tokens: list[int], block: int, blocks: int) -> list[bytes]:
+    def keys(tokens: list[int], block: int, blocks: int) -> tuple[bytes, ...]:
         """The chain keys of the first ``blocks`` blocks of ``tokens``: a running hash of the token ids (8 bytes
-        each) and the block length, taken at every block's end."""
-        data = array("q", tokens[:blocks * block]).tobytes()
-        step = 8 * block
-        out, h = [], hashlib.blake2b(block.to_bytes(8, "little"), digest_size=16)
-        for j in range(blocks):
-            h.update(data[j * step:(j + 1) * step])
-            out.append(h.copy().digest())
-        return out
+        each) and the block length, taken at every block's end. A request's prompt is asked about three times (the
+        scheduler's admission, the lookup, the store): its whole chain is kept for the next asks
+        (:func:`_chain`)."""
+        return _chain(array("q", tokens).tobytes(), block)[:blocks]
 
     def lookup(self, tokens: list[int], block: int, limit: int) -> list[Entry]:
         """The cached entries of the longest run of the prompt's first (at most ``limit``) blocks, in order."""
@@ -195,7 +203,7 @@ class Admission:
         if pc is None or alg is None or alg.prefix_blocks is None:
             return None
         unit, blocks = alg.prefix_blocks(plan, pc)
-        return tuple(PrefixCache.keys(prompt_ids, unit, blocks)) if blocks >= 1 else None
+        return PrefixCache.keys(prompt_ids, unit, blocks) if blocks >= 1 else None
 
     def missing(self, chain: tuple[bytes, ...] | None) -> bytes | None:
         """The key of the first block of ``chain`` (:meth:`key`) not in the cache now; None where all are."""
