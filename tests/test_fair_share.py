@@ -126,3 +126,66 @@ def test_many_forwards_over_a_tiny_canvas_are_not_nearly_free():
     assert row_cost(pl) == (1 << 20) * MIN_FORWARD_TOKENS > 1 << 25        # over the default --max-request-cost
     pl = engine.plan([5] * 100, GenerationParams(gen_length=28, algorithm="dream"))
     assert row_cost(pl) == 28 * 128                                          # a real forward counts its tokens
+
+
+def test_a_cancelled_row_leaves_at_once_even_when_its_group_waits_for_its_turn(llada_engine, monkeypatch):
+    """Cancellation used to be checked only at the top of a row's own group's step. A long row's group steps only
+    when its charged device time is the lowest, so a cancelled long row held its place in the batch, its tokens in
+    the admission count and its answer for 50 of the short rows' steps (a reviewer's finding). It is now answered
+    "cancelled" after the step during which its client left, whichever group took it."""
+    from worker.engine import StepHooks
+    monkeypatch.setattr(llada_engine, "long_row_cost", 10_000)
+    cancelled, log = set(), []
+
+    class Feed:
+        asks, nxt, cancel_ask, done_at = 0, 1, None, None
+
+        def admit(self, rows, tokens):
+            self.asks += 1
+            log.append((self.asks, tokens))
+            if self.asks == 3:
+                cancelled.add(0)                # the long row's client goes away
+                self.cancel_ask = self.asks
+            if self.asks < 40:                  # a steady stream of short rows
+                self.nxt += 1
+                return [(self.nxt - 1, Request([7, 8, 9], GenerationParams(gen_length=4, block_length=4, steps=4)))]
+            return []
+
+        def done(self, i, r):
+            if i == 0:
+                assert r.finish_reason == "cancelled"
+                self.done_at = self.asks
+
+    f = Feed()
+    llada_engine.generate([Request([5, 6] * 50, GenerationParams(gen_length=256, block_length=32, steps=256))],
+                          hooks=StepHooks(is_cancelled=lambda i: i in cancelled), feed=f)
+    assert f.done_at == f.cancel_ask          # answered before the next admission
+    assert all(t < 100 for a, t in log if a > f.cancel_ask)      # its 358 tokens no longer counted
+
+
+def test_a_row_cancelled_after_the_feed_gave_it_never_runs(llada_engine):
+    """A row the feed handed over waits in its group's inbox until the group's next step; a client that left in
+    between got a forward, step and progress events, and could be answered "length" with tokens (a reviewer's
+    finding). It is answered "cancelled" with no forward and no event."""
+    from worker.engine import StepHooks
+    cancelled, events = set(), []
+
+    class Feed:
+        asks = 0
+
+        def admit(self, rows, tokens):
+            self.asks += 1
+            if self.asks == 1:
+                cancelled.add(1)       # gone right after the scheduler took its row
+                return [(1, Request([7, 8, 9], GenerationParams(gen_length=8, block_length=8, steps=1,
+                                                                threshold=0.01)))]
+            return []
+
+        def done(self, i, r):
+            events.append((i, "done", r.finish_reason, r.nfe, r.token_ids))
+
+    hooks = StepHooks(on_progress=lambda i, ids: events.append((i, "progress")), is_cancelled=lambda i: i in cancelled,
+                      on_step=lambda i, w, s: events.append((i, "step")), steps_for=lambda i: True)
+    llada_engine.generate([Request([5, 6], GenerationParams(gen_length=16, block_length=8, steps=16))], hooks=hooks,
+                          feed=Feed())
+    assert [e for e in events if e[0] == 1] == [(1, "done", "cancelled", 0, [])]

@@ -308,9 +308,10 @@ class RowScheduler:
     def _emit(self, job: Job, kind: str, payload) -> None:
         self._loop.call_soon_threadsafe(job.sink, job.index, kind, payload)
 
-    def _run(self, jobs: list[Job]) -> list[tuple[Job, str, object]]:
+    def _run(self, jobs: list[Job], join: bool = True) -> list[tuple[Job, str, object]]:
         """Device thread: run one batch; progress goes to the loop as it happens, the terminal events are
-        returned ((job, "done", Result) or (job, "error", (status, message)))."""
+        returned ((job, "done", Result) or (job, "error", (status, message))). ``join`` False: no row joins it
+        (the halves of a batch retried after running out of memory: each must end, not take the queue's rows)."""
         import torch
 
         scoring = [j for j in jobs if j.score is not None]
@@ -323,7 +324,7 @@ class RowScheduler:
             self._loop.call_soon_threadsafe(self._answer, out)
             return self._run(jobs)
 
-        feed = _Feed(self, jobs) if self.continuous else None
+        feed = _Feed(self, jobs) if self.continuous and join else None
         rows = feed.jobs if feed is not None else jobs        # grows as rows join
 
         def progress(i, ids):
@@ -351,7 +352,9 @@ class RowScheduler:
                                                  "try a shorter prompt or fewer max_tokens"))]
             half = len(left) // 2
             log.warning("CUDA out of memory on a batch of %d: retrying as %d + %d", len(left), half, len(left) - half)
-            return self._run(left[:half]) + self._run(left[half:]) if left else []
+            # (static halves: a first half that took rows from the queue would run on under steady load while the
+            # second, taken from the queue already, waited)
+            return self._run(left[:half], join=False) + self._run(left[half:], join=False) if left else []
         except Exception as e:  # a bug: report to every row of this batch not yet answered, keep serving
             log.exception("engine failure on a batch of %d", len(rows))
             left = feed.unfinished() if feed is not None else jobs

@@ -436,7 +436,19 @@ class _Batch:
                 if rest:
                     self.start(name, rest)
             if self.feed is not None:
+                self.sweep()
                 self.admit()
+
+    def sweep(self) -> None:
+        """End the rows whose client has gone, in every group, after each step of any group: a group steps only when
+        its turn comes (fair share: a long row's group may wait many steps of the short ones), and its cancelled rows
+        held their places, their tokens and their answers until then. Its algorithm drops them from its canvas at
+        its next step (``between_steps``); rows still waiting to join leave their group's inbox now."""
+        for g in self.groups.values():
+            for r in g.running:
+                g.fin.cancelled(r)
+            if g.inbox:
+                g.inbox = [r for r in g.inbox if not g.fin.cancelled(r)]
 
     def admit(self) -> None:
         live = [r for g in self.groups.values() for r in g.running + g.inbox if not r.done]
@@ -481,6 +493,6 @@ class _GroupFinisher(Finisher):
 
     def admit(self, running: list[Row]) -> list[Row]:
         g = self.group
-        new, g.inbox = g.inbox, []
+        new, g.inbox = [r for r in g.inbox if not self.cancelled(r)], []     # (gone since the feed gave them)
         g.running = list(running) + new
         return new

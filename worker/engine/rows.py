@@ -201,6 +201,10 @@ class Finisher:
             self.retired(row)
 
     def cancelled(self, row: Row) -> bool:
+        """Whether ``row``'s client has gone; the first time it is found so, the row ends as "cancelled" (answered at
+        once). A row already ended is not ended again: cancelled or not, as it ended."""
+        if row.done:
+            return row.finish_reason == "cancelled"
         if self.hooks.is_cancelled is not None and self.hooks.is_cancelled(row.index):
             row.done, row.finish_reason = True, "cancelled"
             self.retired(row)
