@@ -334,7 +334,7 @@ def model_id(name: str) -> str:
     if ("\\" in name or re.search(r"%[0-9A-Fa-f]{2}|[\x00-\x1f\x7f]", name)
             or any(seg in (".", "..") for seg in name.split("/"))):
         raise APIError(404, f"The model {name[:200]!r} does not exist: not a model id", param="model",
-                       code="model_not_found")
+                       code="model_not_found", type="invalid_request_error")
     return name
 
 

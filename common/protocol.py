@@ -101,6 +101,11 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool = False
 
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls(cls, data):
+        return defaults_and_neutral(data, {})      # {"include_usage": null} is the default here too (vLLM's too)
+
 
 class DiffusionFields(BaseModel):
     """Our extension fields, at the top level of the body (the openai client's ``extra_body`` puts them there)."""

@@ -57,6 +57,10 @@ def test_chat_errors(body, param):
 
 def test_an_empty_stream_options_passes_without_stream():
     assert parse_request("completion", {"prompt": "x", "stream_options": {}}).include_usage is False
+    # null is the default inside stream_options too (a review found a 400 where vLLM takes it)
+    req = parse_request("chat", {"messages": [{"role": "user", "content": "x"}], "stream": True,
+                                 "stream_options": {"include_usage": None}})
+    assert req.include_usage is False
 
 
 def test_accepted_forms():

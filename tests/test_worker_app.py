@@ -354,6 +354,10 @@ async def test_several_served_names_and_models_retrieve(aiohttp_client):
     assert r.status == 200 and (await r.json())["model"] == "tiny-llada"
     r = await client.get("/v1/models/gpt-4")
     assert r.status == 404 and (await r.json())["error"]["code"] == "model_not_found"
+    r = await client.post("/v1/completions", json={"model": "gpt-4", "prompt": [1, 2], "max_tokens": 2})
+    err = (await r.json())["error"]          # OpenAI's shape for it: 404, invalid_request_error, model_not_found
+    assert r.status == 404 and (err["type"], err["code"], err["param"]) == ("invalid_request_error",
+                                                                           "model_not_found", "model")
 
 
 def test_the_demo_model_ships_no_custom_code_reference():

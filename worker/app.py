@@ -454,7 +454,7 @@ async def model(request: web.Request) -> web.Response:
     name = request.match_info["model"]
     if name not in state.serving.names:
         raise APIError(404, f"The model {name!r} does not exist; this server serves {state.model_name!r}",
-                       param="model", code="model_not_found")
+                       param="model", code="model_not_found", type="invalid_request_error")
     return json_response(_model_card(state, name))
 
 

@@ -99,7 +99,7 @@ class Serving:
         self.check_version(req.model_version)
         if req.model is not None and req.model not in self.names:
             raise APIError(404, f"The model {req.model!r} does not exist; this server serves {self.model_name!r}",
-                           param="model", code="model_not_found")
+                           param="model", code="model_not_found", type="invalid_request_error")
         # chat: the messages make one prompt; completions: each prompt is its own row
         chars = (sum(len(m.text()) for m in req.messages) if kind == "chat"
                  else max((len(p) for p in req.prompts() if isinstance(p, str)), default=0))
@@ -283,7 +283,7 @@ class Serving:
     def _check_model(self, name: str | None) -> None:
         if name is not None and name not in self.names:
             raise APIError(404, f"The model {name!r} does not exist; this server serves {self.model_name!r}",
-                           param="model", code="model_not_found")
+                           param="model", code="model_not_found", type="invalid_request_error")
 
     def _check_message_count(self, n: int, param: str, limit: int | None = None) -> None:
         """Every chat template renders each message with at least one token (its role's markers), so more messages
