@@ -568,6 +568,7 @@ class _Choice:
 
     def __init__(self, decode, stops: list[str]):
         self._decode = decode       # ids -> text (special tokens skipped)
+        self.cleans_up = getattr(decode, "cleans_up", False)     # worker.tokenizer.text_decoder says
         self.stops = stops
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.sent = 0               # characters already streamed
@@ -620,6 +621,13 @@ class _Choice:
         safe = len(self.text) - self.hold          # might be the start of a stop string
         while safe > self.sent and self.text[safe - 1] == "\ufffd":   # an incomplete multi-byte character
             safe -= 1
+        if self.cleans_up:
+            # transformers' clean_up_tokenization_spaces rewrites the whole text: " ' " becomes "'" once a word
+            # follows the quote, a space before ".", ",", "n't", "'s"... goes: a trailing space or " '" may change
+            if self.text.endswith(" '", 0, safe):
+                safe -= 2
+            elif self.text.endswith(" ", 0, safe):
+                safe -= 1
         return self._delta(safe)
 
     def finish(self, result) -> str:

@@ -89,7 +89,8 @@ def text_decoder(tokenizer):
 
     For a plain fast tokenizer (no decode override, no clean-up of tokenization spaces) it calls the Rust tokenizer
     directly: transformers' wrapper costs more than the decoding itself for short texts, and the worker decodes
-    every row at least once. Anything else keeps the transformers call."""
+    every row at least once. Anything else keeps the transformers call, marked ``cleans_up`` where the tokenizer
+    cleans up tokenization spaces over the whole text."""
     from transformers.tokenization_utils_base import PreTrainedTokenizerBase
     try:
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
@@ -102,7 +103,12 @@ def text_decoder(tokenizer):
             and not tokenizer.clean_up_tokenization_spaces):
         fast = backend.decode
         return lambda ids: fast(ids, skip_special_tokens=True)
-    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+    def decode(ids):
+        return tokenizer.decode(ids, skip_special_tokens=True)
+    # the text of a longer prefix may rewrite the end of a shorter one's (streaming holds that end back)
+    decode.cleans_up = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
+    return decode
 
 
 def token_pieces(decode, ids: list[int], alternatives: list[list[int]] | None = None
