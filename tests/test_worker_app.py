@@ -490,3 +490,31 @@ async def test_after_running_out_of_memory_both_halves_end_under_steady_load():
         assert b.rates()["rows_running"] == 0 and b.queue_depth == 0
     finally:
         await b.close()
+
+
+@pytest.mark.parametrize("continuous", [True, False])
+async def test_a_failing_event_handler_costs_only_its_own_row(continuous):
+    """The scheduler hands a batch's events to the rows' handlers one after the other; a handler that raised (a
+    bug) dropped the events after it in the same hand-over, other rows' answers among them, or ended the
+    scheduler's loop (a reviewer's suspicion). It is logged and the other rows are answered."""
+    engine = FakeEngine(limit=100)
+    b = RowScheduler(engine, batch_size=4, max_wait_time=0.05, continuous=continuous)
+    b.start()
+    got = {}
+
+    def sink(i, kind, payload):
+        if i == 0:
+            raise RuntimeError("a broken handler (test double)")
+        got[i] = kind
+    try:
+        for i in range(4):
+            b.submit(Job([i], GenerationParams(), sink=sink, index=i))
+        await b.idle()
+        await asyncio.sleep(0.05)
+        assert got == {1: "done", 2: "done", 3: "done"}
+        b.submit(Job([9], GenerationParams(), sink=sink, index=9))      # the scheduler goes on
+        await b.idle()
+        await asyncio.sleep(0.05)
+        assert got[9] == "done"
+    finally:
+        await b.close()

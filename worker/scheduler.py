@@ -248,7 +248,7 @@ class RowScheduler:
     def _answer(self, outcome: list[tuple[Job, str, object]]) -> None:       # on the event loop
         for job, kind, payload in outcome:
             self._retired(job)
-            job.sink(job.index, kind, payload)
+            _call(job.sink, job.index, kind, payload)
 
     def is_long(self, job: Job) -> bool:
         return bool(self.long_row_cost) and job.score is None and job.cost > self.long_row_cost
@@ -398,6 +398,15 @@ class RowScheduler:
                 for j, r in zip(jobs, results)]
 
 
+def _call(fn, *args) -> None:
+    """One row's event on the event loop: a handler that fails (a bug) is logged and costs only its own row, not
+    the other rows' events of the same flush, nor the scheduler's loop."""
+    try:
+        fn(*args)
+    except Exception:       # noqa: BLE001
+        log.exception("an event handler failed (%s)", getattr(fn, "__qualname__", fn))
+
+
 class _Feed:
     """The engine's Feed for one batch (device thread): rows join from the head of the queue, finished rows are
     answered at once. Index i names ``jobs[i]``: the batch's rows first (0, 1, ...), then the joined ones, numbered
@@ -427,7 +436,7 @@ class _Feed:
         with self._lock:
             events, self._events, self._posted = self._events, [], False
         for fn, args in events:
-            fn(*args)
+            _call(fn, *args)
 
     def admit(self, rows: int, tokens: int) -> list[tuple[int, Request]]:
         """Queued rows, in order, that fit ``batch_size`` rows and ``max_batch_tokens`` with the ``rows`` /
