@@ -40,6 +40,13 @@ log = logging.getLogger("dllm.balancer.batcher")
 REJECTED = frozenset({400, 413, 415, 422})
 
 
+def _code(ev: dict) -> str | None:
+    """The OpenAI error code of a worker's error event for a row."""
+    data = ev.get("data")
+    err = data.get("error") if isinstance(data, dict) else None
+    return err.get("code") if isinstance(err, dict) else None
+
+
 @dataclass(slots=True, eq=False)
 class Pending:
     """One client request while the balancer holds it. Its handler iterates it: events (common.openai_http.Event)
@@ -489,7 +496,7 @@ class CentralBatcher:
 
     def _lines(self, d: Dispatch, lines: list[bytes], open_: dict, attempts: dict) -> None:
         w = d.worker
-        refused = []
+        refused, stale = [], []
         for line in lines:
             if not line or line.isspace():
                 continue
@@ -500,13 +507,15 @@ class CentralBatcher:
                 continue
             kind = ev.get("event")
             end = ev.get("end", False) or kind == "end"
-            if end and kind == "error" and ev.get("status") == 429:
+            if end and kind == "error" and (ev.get("status") == 429 or (
+                    ev.get("status") == 409 and p.version is not None and _code(ev) == "model_version_unavailable")):
                 # the worker's queue had no room for this request's rows (a batch is counted in requests, a
-                # worker's queue in rows: prompts x n): not an answer, the request waits for a worker again
+                # worker's queue in rows: prompts x n), or the request requires weights the worker no longer holds
+                # (changed since its last /health): not an answer, the request waits for a worker again
                 del open_[wire]
                 self.pool.row_refused(w)
                 d.answered += 1
-                refused.append(p)
+                (refused if ev["status"] == 429 else stale).append(p)
                 continue
             if end:
                 del open_[wire]
@@ -517,6 +526,16 @@ class CentralBatcher:
             p.deliver(attempts[wire], kind, ev.get("status", 200), ev.get("data"), end)
         if refused:
             self._busy(w, refused, 429, None, b"rows refused: the worker queue is full")
+        if stale:
+            log.warning("worker %d refused %d requests pinned to weights it no longer holds: its weights are unknown "
+                        "until its next /health; re-queued", w.index, len(stale))
+            w.last_health = {**w.last_health, "model_version": None}
+            for p in stale:
+                p.worker = None
+                p.tries -= 1            # not a failure of the request
+                p.attempt += 1
+            self.queue.extendleft(reversed([p for p in stale if not p.done]))
+            self.versions_changed()     # (a 409 now if no worker is known to hold them)
 
     def _wrong_weights(self, w: Worker, batch: list[Pending], body: bytes) -> bool:
         """A 409 for the batch: the worker holds other weights than the batch allows (changed since its last /health:

@@ -702,3 +702,58 @@ async def test_a_request_sent_again_to_a_worker_that_still_holds_it_is_not_refus
         assert set(first) <= set(cancelled)                 # the abandoned rows dropped on the worker
         stats = await (await client.get("/stats")).json()
         assert stats["split_batches"] == 0
+
+
+def _versioned_worker(health_hash: str, holds: str, seen: list):
+    """A fake worker (test double) whose /health names weights ``health_hash`` while it holds ``holds`` (its weights
+    changed behind the balancer's back since its last probe); rows pinned to other weights get their own 409, as a
+    real worker's."""
+    async def health(request):
+        return web.json_response({"status": "ready", "busy": False, "seconds_since_last_step": 0.0,
+                                  "model_version": {"hash": health_hash, "path": "/m"}})
+
+    async def batch(request):
+        items = (await request.json())["requests"]
+        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await resp.prepare(request)
+        for item in items:
+            seen.append((holds, item["id"]))
+            wanted = orjson.loads(orjson.dumps(item["body"])).get("model_version")
+            if wanted is not None and wanted != holds:
+                err = {"error": {"message": f"model_version {wanted!r} is not what this worker serves",
+                                 "type": "conflict_error", "param": "model_version",
+                                 "code": "model_version_unavailable"}}
+                line = {"id": item["id"], "event": "error", "status": 409, "data": err, "end": True}
+            else:
+                data = {"object": "text_completion", "model_version": {"hash": holds},
+                        "choices": [{"index": 0, "text": holds, "finish_reason": "length"}]}
+                line = {"id": item["id"], "event": "response", "data": data, "end": True}
+            await resp.write(orjson.dumps(line) + b"\n")
+        await resp.write_eof()
+        return resp
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_post("/worker/batch", batch)
+    async def cancel(request):
+        return web.json_response({})
+
+    app.router.add_post("/worker/cancel", cancel)
+    return app
+
+
+async def test_a_pinned_request_a_worker_refuses_for_its_changed_weights_goes_to_one_that_holds_them(aiohttp_client):
+    """Requests pinned to weights A are routed by the workers' last /health; a worker whose weights changed since
+    then refuses each such row with a 409. That 409 reached the client although another worker held A (a
+    reviewer's finding: 12 of 16 pinned requests answered 409). The request now waits for a worker again, the
+    refusing worker's weights counted unknown until its next probe."""
+    seen = []
+    async with workers(_versioned_worker("A", "B", seen), _versioned_worker("A", "A", seen)) as urls:
+        client = await _balancer(aiohttp_client, urls, max_retries=0, idle_dispatch=True)
+        rs = await asyncio.gather(*(client.post("/v1/completions", json={"prompt": f"p{i}", "model_version": "A"})
+                                    for i in range(8)))
+        assert [r.status for r in rs] == [200] * 8, [await r.text() for r in rs]
+        assert {(await r.json())["choices"][0]["text"] for r in rs} == {"A"}
+        assert "B" in {h for h, _ in seen}                   # the changed worker was tried, and refused
+        stats = await (await client.get("/stats")).json()
+        assert stats["redispatched_requests"] == 0 and stats["queue_depth"] == 0 and stats["in_flight"] == 0
