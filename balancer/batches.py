@@ -26,7 +26,7 @@ from aiohttp import BodyPartReader, web
 from common.batchfile import BATCH_URLS, is_final, parse_line, result_key, result_line
 from common.http import body_read, json_response
 from common.openai_http import parse
-from common.protocol import APIError, loads
+from common.protocol import APIError, error_body, loads
 
 log = logging.getLogger("dllm.balancer.batches")
 
@@ -294,16 +294,22 @@ class BatchJobs:
             b["status"], b["failed_at"] = "failed", _now()
             b["errors"] = {"object": "list", "data": [{"code": "server_error", "message": f"{type(e).__name__}: {e}",
                                                        "param": None, "line": None}]}
+            for key, kind in (("_output_file_id", "output"), ("_error_file_id", "error")):   # what it answered
+                fid = b.get(key)
+                path = self._data(fid) if fid else None
+                if path is not None and path.exists() and path.stat().st_size:
+                    self._new_file(fid, f"{bid}_{kind}.jsonl", "batch_output", path.stat().st_size)
+                    b[key[1:]] = fid
+                elif path is not None:
+                    path.unlink(missing_ok=True)
             self._save_batch(b)
 
-    async def _run_lines(self, bid: str) -> None:
-        b = self._batch(bid)
-        # the result files' ids are kept for a restart; the API shows them once the batch has ended (as OpenAI's)
-        out_id = b.get("_output_file_id") or b["output_file_id"] or "file-" + secrets.token_hex(12)
-        err_id = b.get("_error_file_id") or b["error_file_id"] or "file-" + secrets.token_hex(12)
-        out_path, err_path = self._data(out_id), self._data(err_id)
+    def _read_lines(self, input_path: Path, endpoint: str, out_path: Path, err_path: Path) -> tuple[list, set]:
+        """(On a thread: a file of hundreds of MiB takes seconds.) The batch's parsed lines, and the keys of those
+        already answered finally by an earlier run (resuming: what is final stays in the result files, the rest is
+        sent again)."""
         done = set()
-        for path in (out_path, err_path):          # resuming: what is final stays, the rest is sent again
+        for path in (out_path, err_path):
             if path.exists():
                 kept = []
                 for raw in path.read_bytes().splitlines():
@@ -314,17 +320,30 @@ class BatchJobs:
                     if isinstance(obj, dict) and is_final(obj) and result_key(obj) is not None:
                         done.add(result_key(obj))
                         kept.append(raw + b"\n")
-                path.write_bytes(b"".join(kept))
+                tmp = path.with_name(path.name + ".tmp")        # (a crash here keeps the old file whole)
+                tmp.write_bytes(b"".join(kept))
+                os.replace(tmp, path)
         seen: set[str] = set()
         lines = []
-        with open(self._data(b["input_file_id"]), "rb") as f:
+        with open(input_path, "rb") as f:
             for n, raw in enumerate(f, 1):
                 if raw.strip():
                     lines.append(parse_line(n, raw, seen))
         for line in lines:               # every line of this batch names its endpoint
-            if line.error is None and line.url != b["endpoint"]:
+            if line.error is None and line.url != endpoint:
                 line.kind, line.error = None, {"code": "invalid_url", "message": f"line {line.number}: url "
-                                               f"{line.url!r} is not the batch's endpoint {b['endpoint']!r}"}
+                                               f"{line.url!r} is not the batch's endpoint {endpoint!r}"}
+        return lines, done
+
+    async def _run_lines(self, bid: str) -> None:
+        b = self._batch(bid)
+        # the result files' ids are kept for a restart; the API shows them once the batch has ended (as OpenAI's)
+        out_id = b.get("_output_file_id") or b["output_file_id"] or "file-" + secrets.token_hex(12)
+        err_id = b.get("_error_file_id") or b["error_file_id"] or "file-" + secrets.token_hex(12)
+        out_path, err_path = self._data(out_id), self._data(err_id)
+        lines, done = await asyncio.to_thread(self._read_lines, self._data(b["input_file_id"]), b["endpoint"],
+                                              out_path, err_path)
+        b = self._batch(bid)
         b.update(status="in_progress" if b["status"] != "cancelling" else "cancelling",
                  in_progress_at=b["in_progress_at"] or _now(), _output_file_id=out_id, _error_file_id=err_id)
         b["request_counts"]["total"] = len(lines)
@@ -350,7 +369,13 @@ class BatchJobs:
                         continue
                     if self._cancelling(bid) or self.state.draining:
                         return
-                    status, data = await self._answer(line, lambda: self._cancelling(bid))
+                    try:
+                        status, data = await self._answer(line, lambda: self._cancelling(bid))
+                    except asyncio.CancelledError:
+                        raise
+                    except Exception as e:    # (a bug) this line's error, not the batch's end
+                        log.exception("batch %s line %d failed", bid, line.number)
+                        status, data = 500, error_body(f"internal error: {type(e).__name__}: {e}", "server_error")
                     if status is None:        # stopping or cancelled: the line is left (for a restart)
                         return
                     record(result_line(line.custom_id, status, data), 200 <= status < 300)
@@ -375,7 +400,7 @@ class BatchJobs:
                 path.unlink(missing_ok=True)
         b["output_file_id"] = out_id if out_path.exists() else None
         b["error_file_id"] = err_id if err_path.exists() else None
-        b["model"], b["usage"] = _model_and_usage(out_path)
+        b["model"], b["usage"] = await asyncio.to_thread(_model_and_usage, out_path)
         self._save_batch(b)
         log.info("batch %s %s: %s", bid, b["status"], b["request_counts"])
 

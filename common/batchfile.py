@@ -22,6 +22,8 @@ from typing import Iterator
 
 import orjson
 
+from common.protocol import MAX_DEPTH, _deeper_than
+
 # the URLs a batch line may name, and the request kind each is (common/openai_http.py ENDPOINTS)
 BATCH_URLS = {"/v1/chat/completions": "chat", "/v1/completions": "completion", "/v1/responses": "responses"}
 
@@ -68,6 +70,8 @@ def parse_line(n: int, raw: bytes, seen: set[str]) -> Line:
         obj = orjson.loads(raw)
     except orjson.JSONDecodeError as e:
         return bad("invalid_json", f"not JSON: {e}")
+    if raw.count(b"[") + raw.count(b"{") > MAX_DEPTH + 1 and _deeper_than(obj, MAX_DEPTH + 1):
+        return bad("invalid_json", f"the line nests deeper than a request body may ({MAX_DEPTH} levels)")
     if not isinstance(obj, dict):
         return bad("invalid_request", "a line must be a JSON object")
     cid = obj.get("custom_id")

@@ -8,6 +8,7 @@ import subprocess
 import time
 
 import openai
+import orjson
 import pytest
 
 from common.batchfile import result_key
@@ -400,3 +401,55 @@ async def test_files_pages_and_a_finished_batchs_files_model_and_usage(aiohttp_c
         r = await client.get("/v1/batches/x/y")
         assert r.status == 404 and "/v1/files, /v1/batches" in (await r.json())["error"]["message"]
         assert "does not serve" not in (await r.json())["error"]["message"]
+
+
+async def test_a_deeply_nested_line_is_its_own_error_and_the_input_is_read_off_the_event_loop(aiohttp_client, tmp_path,
+                                                                                            monkeypatch):
+    """A line nested 300 levels deep was read (orjson reads 1,024) but could not be written again for its request
+    (orjson writes 254): the error ended the whole batch "failed", its other lines' answers thrown away and its
+    result files left unlisted (a reviewer's finding). Lines now take a request body's nesting limit (its own
+    `invalid_json` error), a line that fails for any other reason is its own 500, and the input file is read and
+    parsed on a thread (a 59 MB file held the balancer's event loop 1.2 s). A fake worker (tests/fakes.py)."""
+    import asyncio
+    import threading
+
+    import aiohttp as _aiohttp
+    from balancer import batches
+    from balancer.app import BalancerConfig, make_app
+    from balancer.pool import HealthConfig
+    from tests.fakes import fake_worker, workers
+    threads = []
+    real = batches.BatchJobs._read_lines
+
+    def spy(self, *a):
+        threads.append(threading.current_thread() is threading.main_thread())
+        return real(self, *a)
+    monkeypatch.setattr(batches.BatchJobs, "_read_lines", spy)
+    async with workers(fake_worker("ok", [])) as urls:
+        cfg = BalancerConfig(worker_urls=urls, files_dir=str(tmp_path / "files"), health=HealthConfig(interval=0.05))
+        client = await aiohttp_client(make_app(cfg))
+        for _ in range(200):
+            if (await (await client.get("/health")).json())["healthy_workers"] == 1:
+                break
+            await asyncio.sleep(0.02)
+        deep = '{"a":' * 300 + '1' + '}' * 300
+        text = _lines(4, ['{"custom_id": "deep", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", '
+                          f'"x": {deep}}}}}'])
+        form = _aiohttp.FormData()
+        form.add_field("purpose", "batch")
+        form.add_field("file", text.encode(), filename="in.jsonl")
+        fid = (await (await client.post("/v1/files", data=form)).json())["id"]
+        b = await (await client.post("/v1/batches", json={"input_file_id": fid, "endpoint": "/v1/completions",
+                                                            "completion_window": "24h"})).json()
+        for _ in range(200):
+            cur = await (await client.get(f"/v1/batches/{b['id']}")).json()
+            if cur["status"] in ("completed", "failed"):
+                break
+            await asyncio.sleep(0.05)
+        assert cur["status"] == "completed", cur
+        assert cur["request_counts"] == {"total": 5, "completed": 4, "failed": 1}
+        raw = await (await client.get(f"/v1/files/{cur['error_file_id']}/content")).read()
+        err = [orjson.loads(x) for x in raw.splitlines()]
+        assert [(e["custom_id"], e["error"]["code"]) for e in err] == [(None, "invalid_json")]
+        assert "nests deeper than" in err[0]["error"]["message"]
+        assert threads == [False]
