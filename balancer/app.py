@@ -13,6 +13,7 @@ import os
 import re
 import secrets
 import signal
+import socket
 import sys
 import time
 import urllib.parse
@@ -552,6 +553,18 @@ async def start_sites(runner: web.AppRunner, cfg: BalancerConfig) -> None:
     """Listen on cfg.host:cfg.port; with --http-processes N > 1 also start the N-1 front processes (balancer/front.py),
     which listen on the same port (SO_REUSEPORT) and hand their requests to this process's queue."""
     many = cfg.http_processes > 1
+    if many and cfg.port:
+        # SO_REUSEPORT lets any process of this user bind the port beside another: a second balancer would share
+        # it silently (the kernel splitting connections between the two). A plain bind first fails if any socket
+        # listens there (EADDRINUSE), as a single-process balancer's bind does.
+        for family, kind, proto, _, addr in socket.getaddrinfo(cfg.host or None, cfg.port, type=socket.SOCK_STREAM,
+                                                               flags=socket.AI_PASSIVE):
+            probe = socket.socket(family, kind, proto)
+            try:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind(addr)
+            finally:
+                probe.close()
     site = web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True, reuse_port=many or None)
     await site.start()
     if not many:
@@ -568,7 +581,7 @@ async def start_sites(runner: web.AppRunner, cfg: BalancerConfig) -> None:
 
 
 async def serve(cfg: BalancerConfig, stop: asyncio.Event | None = None) -> int:
-    """Serve until SIGTERM/SIGINT (or, when given, until ``stop`` is set): then stop admitting (503), finish what is
+    """Serve until SIGTERM/SIGINT/SIGHUP (or, when given, until ``stop`` is set): then stop admitting (503), finish what is
     queued and in flight (up to ``drain_timeout``), stop the front processes, exit."""
     raise_open_files()
     app = make_app(cfg)
@@ -587,7 +600,7 @@ async def serve(cfg: BalancerConfig, stop: asyncio.Event | None = None) -> int:
     if stop is None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):     # SIGHUP: its terminal or SSH session closed
             loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     await drain(app)

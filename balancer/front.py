@@ -454,7 +454,7 @@ async def serve_front(cfg: FrontConfig) -> int:
     add_routes(app, app[DOOR])
     app.router.add_route("*", "/{tail:.*}", proxy)
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):   # (SIGHUP: a terminal closing signals the group)
         loop.add_signal_handler(sig, lambda: None)          # the central decides when fronts stop
     # no total: a proxied call takes as long as the central takes, and the central bounds its own work (its calls
     # to workers, a weight update); an upload goes at its client's pace. Idle connections to the central are let go

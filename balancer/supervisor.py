@@ -105,7 +105,7 @@ def cpu_share(workers: int) -> int:
     return max(1, len(os.sched_getaffinity(0)) // max(1, workers))
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     """Child side (Linux): receive SIGTERM when the supervisor dies, however it dies: no orphan workers."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)   # PR_SET_PDEATHSIG
@@ -214,7 +214,7 @@ class Supervisor:
                    f"{'GPU ' + w.gpu if w.gpu is not None else 'CPU'}: {' '.join(args)}\n".encode())
         logf.flush()
         w.proc = subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                  preexec_fn=_die_with_parent, cwd=Path(__file__).resolve().parent.parent)
+                                  preexec_fn=die_with_parent, cwd=Path(__file__).resolve().parent.parent)
         logf.close()
         w.ready = w.killed = False
         w.started_at = time.monotonic()

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import orjson
 
+from balancer.supervisor import die_with_parent
 from common.batchfile import BUSY_STATUSES, read_lines, result_line, resume, server_refused
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -141,6 +142,10 @@ def run(input_path: str, output_path: str, url: str | None, model_path: str | No
     server = None
     tmp = None
     tally = None
+
+    def stop(signum, frame):        # SIGTERM / SIGHUP: end as Ctrl-C does, through the finally that stops the server
+        raise SystemExit(128 + signum)
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
         if model_path is not None and todo:
             tmp = tempfile.mkdtemp(prefix="dllm-run-batch-")
@@ -154,7 +159,8 @@ def run(input_path: str, output_path: str, url: str | None, model_path: str | No
                                            # its /v1/files folder in the run's (else a folder per port in $DLLM_CACHE)
                                            "--files-dir", str(Path(tmp) / "files"), *serve_args],
                                           stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True, cwd=ROOT,
-                                          env={**os.environ, "DLLM_API_KEY": ""})
+                                          env={**os.environ, "DLLM_API_KEY": ""},
+                                          preexec_fn=die_with_parent)      # (SIGKILL of run-batch: SIGTERM to it)
             try:
                 _wait_ready(url, server, startup_timeout)
             except RuntimeError as e:
@@ -167,6 +173,8 @@ def run(input_path: str, output_path: str, url: str | None, model_path: str | No
             tally = asyncio.run(send(todo, out, url, api_key, concurrency, timeout,
                                      lambda n: bar.advance(task, n), retry_wait_max))
     finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
         if server is not None and server.poll() is None:
             os.killpg(server.pid, signal.SIGTERM)
             try:

@@ -462,6 +462,10 @@ def serve(local, model_path, dcp_path, base_model, gpus, gpu_ids, workers, slurm
                  batch=build(BatchConfig, values), health=build(HealthConfig, values))
     cfg = build(ServeConfig, values, model_path=str(resolved), gpu_ids=ids, cpu_workers=workers or 1, worker=worker,
                 balancer=bcfg, log_level=log_level)
+    last = cfg.worker_base_port + (len(ids) if ids else cfg.cpu_workers) - 1
+    if last > 65535:
+        raise click.BadParameter(f"{cfg.worker_base_port}: the last worker's port would be {last}, past 65535",
+                                 param_hint="--worker-base-port")
     _writable_dir(cfg.log_dir, "--log-dir")
     if cfg.server_info_file is not None:
         _writable_dir(cfg.server_info_file.parent, "--server-info-file")

@@ -240,9 +240,12 @@ def test_stale_socket_directories_are_removed(monkeypatch):
         shutil.rmtree(base)
 
 
-async def test_sigterm_drains_through_fronts_then_stops_them():
+@pytest.mark.parametrize("how", ["sigterm", "sighup to the group"])
+async def test_sigterm_drains_through_fronts_then_stops_them(how):
     """The real command: SIGTERM while requests wait on a slow worker; every one is answered, then the
-    balancer and its fronts exit."""
+    balancer and its fronts exit. The same for SIGHUP to the whole process group (a terminal or SSH session
+    closing): the fronts ignored only SIGTERM and SIGINT, died at once and dropped their clients' requests (a
+    reviewer's finding), and the balancer alone died without a drain."""
     seen = []
     async with workers(fake_worker("ok", seen, delay=1.5)) as urls:
         port = free_port()
@@ -250,14 +253,17 @@ async def test_sigterm_drains_through_fronts_then_stops_them():
             sys.executable, "-m", "dllm_serve", "balancer", "--worker-urls", urls[0], "--port", str(port),
             "--http-processes", "3", "--batch-size", "4", "--batch-wait-time", "0.01",
             "--health-check-interval", "0.1", cwd=ROOT, stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.PIPE)
+            stderr=asyncio.subprocess.PIPE, start_new_session=True)
         base = f"http://127.0.0.1:{port}"
         try:
             stats = await wait_ready(base, 3, 1)
             pids = [p["pid"] for p in stats["http_processes"]]
             calls = asyncio.gather(*(post(base, "/v1/completions", {"prompt": f"p{i}"}) for i in range(12)))
             await asyncio.sleep(0.5)
-            proc.send_signal(signal.SIGTERM)
+            if how == "sigterm":
+                proc.send_signal(signal.SIGTERM)
+            else:
+                os.killpg(proc.pid, signal.SIGHUP)
             await asyncio.sleep(0.2)
             late = await asyncio.gather(*(post(base, "/v1/completions", {"prompt": "late"}) for _ in range(6)))
             assert all(s == 503 for s, _ in late), late
@@ -304,3 +310,25 @@ async def test_the_balancer_process_collects_its_young_generation_less_often():
             assert gc.get_threshold() == (HTTP_GC_THRESHOLD,) + before[1:]
     finally:
         gc.set_threshold(*before)
+
+
+def test_a_second_balancer_with_fronts_cannot_share_a_port_already_listened_on():
+    """With --http-processes > 1 the balancer listens with SO_REUSEPORT (its fronts share the port), which the kernel
+    grants to any process of the same user beside another listener: a second balancer on the same port shared it
+    silently, each answering a part of the connections (a reviewer's finding). It now refuses to start (exit 98),
+    as a single-process balancer does. The other listener here is a plain socket with SO_REUSEPORT."""
+    import socket
+    import subprocess
+    from common.http import EXIT_PORT_IN_USE
+    other = socket.socket()
+    other.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    other.bind(("127.0.0.1", 0))
+    other.listen()
+    port = other.getsockname()[1]
+    try:
+        r = subprocess.run([sys.executable, "-m", "dllm_serve", "balancer", "--worker-urls", "http://127.0.0.1:9",
+                            "--port", str(port), "--http-processes", "2"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=60)
+        assert r.returncode == EXIT_PORT_IN_USE and "cannot listen on" in r.stderr, r.stderr[-2000:]
+    finally:
+        other.close()

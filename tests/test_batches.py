@@ -453,3 +453,43 @@ async def test_a_deeply_nested_line_is_its_own_error_and_the_input_is_read_off_t
         assert [(e["custom_id"], e["error"]["code"]) for e in err] == [(None, "invalid_json")]
         assert "nests deeper than" in err[0]["error"]["message"]
         assert threads == [False]
+
+
+@pytest.mark.slow
+def test_run_batch_stopped_by_sigterm_stops_the_server_it_started(tmp_path):
+    """run-batch --model-path starts `serve` in a session of its own; SIGTERM or a closing terminal's SIGHUP ended
+    run-batch without its clean-up, and the server and its workers stayed up for good, listening (a reviewer's
+    finding). Both now end run-batch as Ctrl-C does, stopping the server (and its death alone sends it SIGTERM)."""
+    import re
+    import urllib.request
+    (tmp_path / "in.jsonl").write_text("\n".join(json.dumps({"custom_id": f"r{i}", "method": "POST",
+                                                             "url": "/v1/completions",
+                                                             "body": {"prompt": [5, 6, 7], "max_tokens": 512}})
+                                                 for i in range(40)) + "\n")
+    p = subprocess.Popen([*DLLM, "run-batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"),
+                          "--model-path", str(TINY_LLADA), "--concurrency", "2"], cwd=ROOT, stderr=subprocess.PIPE,
+                         text=True, env={**os.environ, "DLLM_CACHE": str(tmp_path / "c")})
+    try:
+        url = None
+        for line in p.stderr:
+            m = re.search(r"serving .* on (http://127\.0\.0\.1:\d+)", line)
+            if m:
+                url = m.group(1)
+                break
+        assert url, "run-batch never said where it serves"
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline and not (tmp_path / "out.jsonl").exists():
+            time.sleep(0.2)                      # the server is up and answering
+        p.send_signal(signal.SIGTERM)
+        assert p.wait(90) == 128 + signal.SIGTERM
+        for _ in range(300):
+            try:
+                urllib.request.urlopen(url + "/health", timeout=1)
+            except OSError:
+                break                            # nothing listens there any more
+            time.sleep(0.2)
+        else:
+            raise AssertionError(f"the server run-batch started still answers on {url}")
+    finally:
+        if p.poll() is None:
+            p.kill()

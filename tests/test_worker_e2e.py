@@ -224,7 +224,8 @@ def test_fuzzed_bodies_never_get_a_5xx(worker, body, chat):
 
 def test_queue_limit_disconnect_and_drain(tmp_path):
     """--max-queue gives 429 with Retry-After; a client gone before its row is scheduled costs nothing;
-    SIGTERM lets the running request finish, then the worker exits 0."""
+    SIGHUP (a closing terminal; it killed a worker at once before) lets the running request finish, as SIGTERM
+    does (tested below), then the worker exits 0."""
     w = start_worker(tmp_path, TINY_LLADA, "--batch-size", "1", "--max-queue", "2", "--max-wait-time", "0")
     try:
         w.wait_ready()
@@ -253,7 +254,7 @@ def test_queue_limit_disconnect_and_drain(tmp_path):
         assert e.value.code == 429 and e.value.headers["Retry-After"]
         stats = get_json(w.url + "/batch/stats")[1]
         assert stats["pending_requests"] == 2 and stats["batches_processed"] == 0   # the gone client's row is not counted
-        w.signal(signal.SIGTERM)
+        w.signal(signal.SIGHUP)
         for th in threads:
             th.join(120)
         assert results[0][0] == 200, results

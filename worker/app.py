@@ -633,7 +633,7 @@ async def serve(config: WorkerConfig) -> int:
     log.info("worker listening on http://%s:%d (model %s)", config.host, config.port, config.model_path)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):     # SIGHUP: its terminal or SSH session closed
         loop.add_signal_handler(sig, stop.set)
     failed = app[LOAD_FAILED]
     await asyncio.wait([asyncio.create_task(stop.wait()), asyncio.create_task(failed.wait())],
