@@ -76,6 +76,7 @@ class Worker:
     updating: bool = False           # out of the routing while it loads new weights (balancer/weights.py)
     busy_until: float = 0.0          # no batches before this (monotonic): it answered one 429/503 (the batcher's)
     tokens_before: int = 0           # tokens_generated of the earlier processes in this place (restarts)
+    process: Callable[[], dict] | None = None    # its process as its supervisor sees it (serve --local), or None
 
     @property
     def tokens_generated(self) -> int:
@@ -114,6 +115,7 @@ class Worker:
             "backoff_seconds": round(max(0.0, self.busy_until - now), 3),
             "model_version": self.last_health.get("model_version"),
             "worker_health": self.last_health,
+            "process": self.process() if self.process is not None else None,
         }
 
 

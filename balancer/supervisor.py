@@ -22,7 +22,7 @@ from aiohttp import web
 
 import click
 
-from balancer.app import BalancerConfig, drain, make_app, start_sites, worker_urls
+from balancer.app import STATE, BalancerConfig, drain, make_app, start_sites, worker_urls
 from balancer.batcher import BatchConfig
 from common.config import PORT, setting, to_args
 from common.http import EXIT_PORT_IN_USE, AppRunner, raise_open_files
@@ -128,6 +128,8 @@ class WorkerProc:
     killed: bool = False                # killed for --worker-start-timeout (its exit not yet seen)
     started_at: float = 0.0
     launch_id: str = field(default_factory=lambda: secrets.token_hex(8))   # this slot's workers show it on /health
+    exits: int = 0                      # its processes' exits since the launch
+    last_exit: int | None = None        # the last one's code
 
 
 def log_tail(path: Path, n: int = 40) -> str:
@@ -272,6 +274,8 @@ class Supervisor:
                           f"use (another server?); choose other ports with --worker-base-port")
             return
         now = time.monotonic()
+        w.exits += 1
+        w.last_exit = code
         w.crashes = [t for t in w.crashes if now - t < self.cfg.crash_window] + [now]
         w.ready = False
         w.in_a_row += 1
@@ -378,6 +382,18 @@ class Supervisor:
             await self._shutdown()
         return 1 if self.fatal else 0
 
+    def process_info(self, w: WorkerProc) -> dict:
+        """Worker ``w``'s process as /worker-status shows it: its pid, exits since the launch and the last one's code,
+        whether it is in a crash loop (--crash-loop exits within --crash-window), the seconds to its restart (None
+        while it runs) and its log."""
+        now = time.monotonic()
+        recent = [t for t in w.crashes if now - t < self.cfg.crash_window]
+        running = w.proc is not None and w.proc.poll() is None
+        wait = None if running or w.restart_at is None else round(max(0.0, w.restart_at - now), 1)
+        return {"pid": w.proc.pid if running else None, "exits": w.exits, "last_exit_code": w.last_exit,
+                "crash_loop": len(recent) >= self.cfg.crash_loop and not w.ready, "restart_in_seconds": wait,
+                "log": str(w.log_path)}
+
     async def _start_balancer(self) -> None:
         if self.cfg.no_balancer:
             return
@@ -388,6 +404,8 @@ class Supervisor:
         if self.cfg.worker_api_key:
             bcfg.worker_api_key = self.cfg.worker_api_key
         self.app = make_app(bcfg)
+        for w, pw in zip(self.workers, self.app[STATE].pool.workers):     # /worker-status shows its process too
+            pw.process = lambda w=w: self.process_info(w)
         self.runner = AppRunner(self.app, handler_cancellation=True, access_log=None,
                                 keepalive_timeout=bcfg.keepalive_timeout, send_timeout=bcfg.send_timeout)
         await self.runner.setup()

@@ -348,6 +348,11 @@ def test_serve_local_restarts_a_killed_worker_and_stops_cleanly(tmp_path):
             time.sleep(0.2)
         assert time.monotonic() - t0 < 30          # back within seconds (a fresh worker loads the model again)
         assert "exited with code -9; restarting" in (tmp_path / "serve.log").read_text()
+        # its process as the supervisor sees it (crash loops showed nowhere but the supervisor's log before)
+        procs = [w["process"] for w in get_json(url + "/worker-status")[1]["workers"]]
+        assert (procs[0]["exits"], procs[0]["last_exit_code"], procs[0]["crash_loop"]) == (1, -9, False)
+        assert procs[0]["pid"] not in (None, victim.pid) and procs[0]["restart_in_seconds"] is None
+        assert (procs[1]["exits"], procs[1]["log"]) == (0, str(tmp_path / "logs" / "worker-1.log"))
         assert post_json(url + "/v1/completions", {"prompt": [1, 2], "max_tokens": 4})[0] == 200
         procs = psutil.Process(p.pid).children(recursive=True)
         p.send_signal(signal.SIGTERM)

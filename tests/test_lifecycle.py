@@ -47,6 +47,22 @@ def test_the_restart_back_off_doubles_per_crash_in_a_row(tmp_path):
     assert round(w.restart_at - time.monotonic()) == 1
 
 
+def test_worker_status_shows_a_crash_loop(tmp_path):
+    """A crash-looping worker showed only "unhealthy" in /worker-status; its exits, last code, crash loop and the
+    seconds to its restart were in the supervisor's log alone (a reviewer's finding). Its process as the supervisor
+    sees it (the `process` field of each worker there)."""
+    sup = _supervisor(tmp_path, restart_backoff=5.0, crash_loop=2, crash_window=60.0)
+    w = sup.workers[0]
+    w.proc = SimpleNamespace(returncode=3, pid=7, poll=lambda: 3)
+    sup._on_exit(w)
+    info = sup.process_info(w)
+    assert (info["exits"], info["last_exit_code"], info["crash_loop"], info["pid"]) == (1, 3, False, None)
+    sup._on_exit(w)
+    info = sup.process_info(w)
+    assert (info["exits"], info["crash_loop"]) == (2, True) and 5 < info["restart_in_seconds"] <= 10
+    assert info["log"] == str(tmp_path / "logs" / "worker-0.log")
+
+
 def test_a_log_directory_removed_while_running_is_made_again_at_a_restart(tmp_path, monkeypatch):
     """It raised FileNotFoundError out of the supervisor's loop: every worker and the balancer went down."""
     import shutil
