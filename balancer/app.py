@@ -395,18 +395,20 @@ def _system_status(state: BalancerState) -> str:
 
 
 def _rows_summary(workers) -> dict:
-    """Rows running, joining and retiring per second over the workers, from each one's last /health (workers
-    report these over their last minute; a worker not yet heard from counts zero)."""
+    """Rows running, joining and retiring per second over the healthy workers, from each one's last /health
+    (workers report these over their last minute; a worker not yet heard from counts zero, and one that is down,
+    stalled or draining is left out: a dead worker's last figures counted for ever)."""
     def total(key):
-        return round(sum(float((w.last_health or {}).get(key) or 0) for w in workers), 3)
+        return round(sum(float((w.last_health or {}).get(key) or 0) for w in workers if w.healthy), 3)
     # a worker's /health names its running rows running_batch_size
     return {"rows_running": int(total("running_batch_size")), "rows_joined_per_s": total("rows_joined_per_s"),
             "rows_retired_per_s": total("rows_retired_per_s")}
 
 
 def _prefix_cache(workers) -> dict | None:
-    """The workers' prefix caches summed (from their last /health): cached and looked-up prompt tokens, hit rate."""
-    caches = [(w.last_health or {}).get("prefix_cache") for w in workers]
+    """The healthy workers' prefix caches summed (from their last /health): cached and looked-up prompt tokens, hit
+    rate."""
+    caches = [(w.last_health or {}).get("prefix_cache") for w in workers if w.healthy]
     caches = [c for c in caches if c]
     if not caches:
         return None
@@ -549,22 +551,32 @@ def make_app(cfg: BalancerConfig) -> web.Application:
     return app
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Raise OSError (EADDRINUSE) if a socket listens on ``host``:``port``. SO_REUSEPORT, which a balancer with
+    front processes listens with, lets any process of this user bind the port beside another: a second balancer
+    would share it silently (the kernel splitting connections between the two). A plain bind of every address the
+    server would bind (as asyncio binds them: IPv6 sockets IPv6 only) fails where anything listens."""
+    for family, kind, proto, _, addr in socket.getaddrinfo(host or None, port, type=socket.SOCK_STREAM,
+                                                           flags=socket.AI_PASSIVE):
+        try:
+            probe = socket.socket(family, kind, proto)
+        except OSError:               # a family this host lacks (asyncio's server skips it too)
+            continue
+        try:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            probe.bind(addr)
+        finally:
+            probe.close()
+
+
 async def start_sites(runner: web.AppRunner, cfg: BalancerConfig) -> None:
     """Listen on cfg.host:cfg.port; with --http-processes N > 1 also start the N-1 front processes (balancer/front.py),
     which listen on the same port (SO_REUSEPORT) and hand their requests to this process's queue."""
     many = cfg.http_processes > 1
     if many and cfg.port:
-        # SO_REUSEPORT lets any process of this user bind the port beside another: a second balancer would share
-        # it silently (the kernel splitting connections between the two). A plain bind first fails if any socket
-        # listens there (EADDRINUSE), as a single-process balancer's bind does.
-        for family, kind, proto, _, addr in socket.getaddrinfo(cfg.host or None, cfg.port, type=socket.SOCK_STREAM,
-                                                               flags=socket.AI_PASSIVE):
-            probe = socket.socket(family, kind, proto)
-            try:
-                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                probe.bind(addr)
-            finally:
-                probe.close()
+        check_port_free(cfg.host, cfg.port)
     site = web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True, reuse_port=many or None)
     await site.start()
     if not many:

@@ -251,7 +251,6 @@ class CentralBatcher:
                     d.aborted = "closed: every request of the batch is answered or cancelled"
                     d.ended_early = True
                     d.task.cancel()
-                return
 
     # ------------------------------------------------------------ forming and dispatching batches
     def _free_workers(self) -> list[Worker]:
@@ -514,7 +513,7 @@ class CentralBatcher:
                 # (changed since its last /health): not an answer, the request waits for a worker again
                 del open_[wire]
                 self.pool.row_refused(w)
-                d.answered += 1
+                d.batch.remove(p)         # no longer this dispatch's (a cancel looks for it in its next one)
                 (refused if ev["status"] == 429 else stale).append(p)
                 continue
             if end:

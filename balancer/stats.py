@@ -66,12 +66,12 @@ class Window:
             self.ok -= ok
 
     def percentiles(self, qs: tuple[float, ...]) -> list[float | None]:
-        """The latency at each quantile of ``qs`` (ascending): the ``int(q * n)``-th smallest, as its bucket's
-        middle; None when the window is empty."""
+        """The latency at each quantile of ``qs`` (ascending): the nearest-rank percentile, the ``ceil(q * n)``-th
+        smallest (0-based ``ceil(q * n) - 1``), as its bucket's middle; None when the window is empty."""
         n = self.requests
         if not n:
             return [None] * len(qs)
-        ranks = [min(n - 1, int(q * n)) for q in qs]
+        ranks = [min(n - 1, max(0, math.ceil(q * n) - 1)) for q in qs]
         out, seen, k = [], 0, 0
         for i, c in enumerate(self.hist):
             seen += c

@@ -757,3 +757,74 @@ async def test_a_pinned_request_a_worker_refuses_for_its_changed_weights_goes_to
         assert "B" in {h for h, _ in seen}                   # the changed worker was tried, and refused
         stats = await (await client.get("/stats")).json()
         assert stats["redispatched_requests"] == 0 and stats["queue_depth"] == 0 and stats["in_flight"] == 0
+
+
+def _refusing_worker(refuse: set, hold: float):
+    """A fake worker (test double): rows of requests in ``refuse`` get a 429 line at once (its queue full), the
+    others are answered after ``hold`` seconds."""
+    async def health(request):
+        return web.json_response({"status": "ready", "busy": False, "seconds_since_last_step": 0.0})
+
+    async def batch(request):
+        ids = [it["id"] for it in (await request.json())["requests"]]
+        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await resp.prepare(request)
+        for rid in ids:
+            if rid.split(".")[0] in refuse:
+                err = {"error": {"message": "full", "type": "rate_limit_error", "param": None, "code": None}}
+                await resp.write(orjson.dumps({"id": rid, "event": "error", "status": 429, "end": True,
+                                               "data": err}) + b"\n")
+        await asyncio.sleep(hold)
+        for rid in ids:
+            if rid.split(".")[0] not in refuse:
+                data = {"choices": [{"index": 0, "text": rid, "finish_reason": "length"}]}
+                await resp.write(orjson.dumps({"id": rid, "event": "response", "end": True, "data": data}) + b"\n")
+        await resp.write_eof()
+        return resp
+
+    async def cancel(request):
+        return web.json_response({"cancelled": 0})
+
+    app = web.Application()
+    app.router.add_get("/health", health)
+    app.router.add_post("/worker/batch", batch)
+    app.router.add_post("/worker/cancel", cancel)
+    return app
+
+
+async def test_a_cancel_closes_the_dispatch_a_refused_request_was_sent_again_in():
+    """A request refused by a row 429 stayed in its first dispatch (which went on with its other rows) while it was
+    sent again; a cancel then checked whichever of the two dispatches came first, so the second one, holding only
+    the cancelled request, kept its place on the worker until the worker answered (a reviewer's finding: half the
+    trials). The refused request leaves its first dispatch."""
+    import aiohttp
+    from balancer.batcher import CentralBatcher, Pending
+    from balancer.pool import WorkerPool
+    for _ in range(3):
+        async with workers(_refusing_worker({"a"}, 1.0), _refusing_worker(set(), 1.0)) as urls:
+            async with aiohttp.ClientSession() as session:
+                pool = WorkerPool(urls, lambda: session, HealthConfig())
+                for w in pool.workers:
+                    await pool.probe(w, session)
+                b = CentralBatcher(pool, lambda: session, BatchConfig(batch_size=8, wait_time=0.01,
+                                                                      idle_dispatch=False, busy_backoff_max=5))
+                pool.workers[1].busy_until = time.monotonic() + 0.3          # the first batch goes to worker 0
+                b.start()
+                try:
+                    a = Pending(id="a", kind="completion", body=b'{"prompt":"x"}', stream=False)
+                    c = Pending(id="c", kind="completion", body=b'{"prompt":"x"}', stream=False)
+                    b.submit(a)
+                    b.submit(c)
+                    for _ in range(100):
+                        await asyncio.sleep(0.02)
+                        if a.worker is pool.workers[1]:
+                            break
+                    assert a.worker is pool.workers[1]       # refused by worker 0, sent again to worker 1
+                    await asyncio.sleep(0.1)
+                    t = time.monotonic()
+                    b.cancel(a)
+                    while pool.workers[1].inflight_batches:
+                        await asyncio.sleep(0.01)
+                    assert time.monotonic() - t < 0.5        # closed at once, not when the worker answered
+                finally:
+                    await b.close()

@@ -332,3 +332,28 @@ def test_a_second_balancer_with_fronts_cannot_share_a_port_already_listened_on()
         assert r.returncode == EXIT_PORT_IN_USE and "cannot listen on" in r.stderr, r.stderr[-2000:]
     finally:
         other.close()
+
+
+def test_the_port_check_binds_as_the_server_does():
+    """The check before SO_REUSEPORT fails where something listens on an address the server would bind, and only
+    there: an IPv6 host is bound IPv6 only, as asyncio binds it, so an IPv4 server on the port does not refuse it
+    (a review found `--host ::` refused beside an unrelated IPv4 server)."""
+    import errno
+    import socket
+    from balancer.app import check_port_free
+    other = socket.socket()
+    other.bind(("127.0.0.1", 0))
+    other.listen()
+    port = other.getsockname()[1]
+    try:
+        with pytest.raises(OSError) as e:
+            check_port_free("127.0.0.1", port)
+        assert e.value.errno == errno.EADDRINUSE
+        if socket.has_ipv6:
+            try:
+                socket.socket(socket.AF_INET6).close()
+            except OSError:
+                return                                    # no IPv6 on this host
+            check_port_free("::1", port)                  # nothing listens on IPv6 there
+    finally:
+        other.close()

@@ -278,3 +278,18 @@ def test_a_budget_over_the_devices_memory_is_refused_at_load():
     from tests.conftest import TINY_LLADA2
     with pytest.raises(ValueError, match="prefix-cache-gb 1e\\+06 is more than 90% of the cpu memory"):
         Engine.from_pretrained(TINY_LLADA2, device="cpu", dtype="float32", prefix_cache_gb=1e6)
+
+
+def test_the_eviction_heap_stays_bounded_when_nothing_new_is_stored():
+    """Every touch of a leaf adds a heap item and leaves its old one stale; stale items were dropped only when an
+    eviction ran. Requests whose whole blocks are all cached (one few-shot prefix, n choices, rollouts) store
+    nothing and evict nothing, so the heap grew by two items a request for ever (a reviewer's finding: 400,000
+    items for 10 entries after 200,000 requests)."""
+    pc = PrefixCache(1 << 30, block=4)
+    t = torch.zeros(8)
+    head = list(range(100, 140))                 # ten shared blocks
+    for i in range(3000):
+        prompt = head + [i, 7]                   # a tail shorter than a block
+        found = pc.lookup(prompt, 4, 10)
+        pc.insert(prompt, 4, len(found), 10, lambda j: (t, t))
+    assert len(pc.entries) == 10 and len(pc._leaves) <= 2 * 10 + 64 + 1

@@ -258,12 +258,14 @@ def test_streamed_text_equals_the_answer_with_a_decoder_that_cleans_up_spaces():
     from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
     from worker.tokenizer import text_decoder
-    words = ["[UNK]", "i", "don", "'", "t", "know", ",", "it", "s", "fine", ".", "n't", "do", "not", "you", "are"]
+    words = ["[UNK]", "i", "don", "'", "t", "know", ",", "it", "s", "fine", ".", "n't", "do", "not", "you", "are",
+             "n"]
     tok = Tokenizer(models.WordPiece({w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
     tok.decoder = decoders.WordPiece(cleanup=False)
     decode = text_decoder(PreTrainedTokenizerFast(tokenizer_object=tok, clean_up_tokenization_spaces=True,
                                                   unk_token="[UNK]"))
-    for sentence in ("i don ' t know , it ' s fine .", "you are n't fine , i do not know . it ' s"):
+    for sentence in ("i don ' t know , it ' s fine .", "you are n't fine , i do not know . it ' s",
+                     "i do n ' t know , you are n ' t ."):      # one rewrite making another (a review's case)
         ids = [words.index(w) for w in sentence.split()]
         answer = decode(ids)
         assert answer != sentence and "'" in answer         # the clean-up happened
@@ -275,3 +277,12 @@ def test_streamed_text_equals_the_answer_with_a_decoder_that_cleans_up_spaces():
                 out += c.progress(ids[:upto])
             out += c.finish(Result(ids, "length", 1, ids, 1))
             assert out == answer == c.text
+    rng = random.Random(1)
+    for _ in range(300):                     # any words, any steps
+        ids = [rng.randrange(1, len(words)) for _ in range(rng.randint(1, 12))]
+        c, out, upto = _Choice(decode, []), "", 0
+        while upto < len(ids):
+            upto = min(len(ids), upto + rng.randint(1, 3))
+            out += c.progress(ids[:upto])
+        out += c.finish(Result(ids, "length", 1, ids, 1))
+        assert out == decode(ids), [words[i] for i in ids]

@@ -148,7 +148,7 @@ async def test_worker_cancel_drops_a_running_row(aiohttp_client):
     from types import SimpleNamespace
     from balancer.app import _rows_summary
     health = await (await client.get("/health")).json()
-    assert _rows_summary([SimpleNamespace(last_health=health)] * 2)["rows_running"] == 2
+    assert _rows_summary([SimpleNamespace(last_health=health, healthy=True)] * 2)["rows_running"] == 2
     r = await client.post("/worker/cancel", json={"ids": [{}]})           # (was a 500: an unhashable id)
     assert r.status == 400 and (await r.json())["error"]["param"] == "ids"
     r = await client.post("/worker/cancel", json={"ids": ["long", "unknown"]})

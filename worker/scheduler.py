@@ -311,7 +311,8 @@ class RowScheduler:
     def _run(self, jobs: list[Job], join: bool = True) -> list[tuple[Job, str, object]]:
         """Device thread: run one batch; progress goes to the loop as it happens, the terminal events are
         returned ((job, "done", Result) or (job, "error", (status, message))). ``join`` False: no row joins it
-        (the halves of a batch retried after running out of memory: each must end, not take the queue's rows)."""
+        (the halves of a batch retried after running out of memory: each must end, not take the queue's rows; its
+        rows are still answered as they finish)."""
         import torch
 
         scoring = [j for j in jobs if j.score is not None]
@@ -324,7 +325,7 @@ class RowScheduler:
             self._loop.call_soon_threadsafe(self._answer, out)
             return self._run(jobs)
 
-        feed = _Feed(self, jobs) if self.continuous and join else None
+        feed = _Feed(self, jobs, joins=join) if self.continuous else None
         rows = feed.jobs if feed is not None else jobs        # grows as rows join
 
         def progress(i, ids):
@@ -352,8 +353,8 @@ class RowScheduler:
                                                  "try a shorter prompt or fewer max_tokens"))]
             half = len(left) // 2
             log.warning("CUDA out of memory on a batch of %d: retrying as %d + %d", len(left), half, len(left) - half)
-            # (static halves: a first half that took rows from the queue would run on under steady load while the
-            # second, taken from the queue already, waited)
+            # (halves that take no rows: a first half that took rows from the queue would run on under steady load
+            # while the second, taken from the queue already, waited)
             return self._run(left[:half], join=False) + self._run(left[half:], join=False) if left else []
         except Exception as e:  # a bug: report to every row of this batch not yet answered, keep serving
             log.exception("engine failure on a batch of %d", len(rows))
@@ -413,8 +414,9 @@ class _Feed:
     on. Only unanswered rows are kept: under steady load a batch never ends, and a row it kept after answering would
     keep its request's objects alive for as long as the batch runs."""
 
-    def __init__(self, batcher: RowScheduler, jobs: list[Job]):
+    def __init__(self, batcher: RowScheduler, jobs: list[Job], joins: bool = True):
         self.b = batcher
+        self.joins = joins                 # False: rows finish and leave, none joins (an out-of-memory retry)
         self.jobs: dict[int, Job] = dict(enumerate(jobs))
         self.next_index = len(jobs)
         self.long = sum(1 for j in jobs if batcher.is_long(j))     # long rows running (fair share)
@@ -444,6 +446,8 @@ class _Feed:
         join ahead of them for ``switch_wait`` seconds, then the batch takes no more and drains."""
         b = self.b
         out = []
+        if not self.joins:
+            return out
         with b._lock:
             taken = b._take(rows, tokens, self.long)
             for j in taken:

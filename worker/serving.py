@@ -623,11 +623,13 @@ class _Choice:
             safe -= 1
         if self.cleans_up:
             # transformers' clean_up_tokenization_spaces rewrites the whole text: " ' " becomes "'" once a word
-            # follows the quote, a space before ".", ",", "n't", "'s"... goes: a trailing space or " '" may change
-            if self.text.endswith(" '", 0, safe):
-                safe -= 2
-            elif self.text.endswith(" ", 0, safe):
-                safe -= 1
+            # follows the quote, a space before ".", ",", "n't", "'s"... goes, and one rewrite may make another
+            # ("do n ' t" -> "do n't" -> "don't"): each removes the space before a token, so the last word and
+            # the space before it may still change, and after a lone quote the word before it too
+            cut = self.text.rfind(" ", 0, safe)
+            if cut > 0 and self.text.endswith(" '", 0, safe):
+                cut = self.text.rfind(" ", 0, cut)
+            safe = max(self.sent, min(safe, cut))
         return self._delta(safe)
 
     def finish(self, result) -> str:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 
 
-@functools.lru_cache(maxsize=256)
+@functools.lru_cache(maxsize=64)
 def _chain(data: bytes, block: int) -> tuple[bytes, ...]:
     """The chain keys of every whole block of ``data`` (token ids, 8 bytes each): PrefixCache.keys."""
     step = 8 * block
@@ -97,6 +97,14 @@ class PrefixCache:
         e.used = self.clock
         if e.children == 0:
             heapq.heappush(self._leaves, (e.used, key))
+            if len(self._leaves) > 2 * len(self.entries) + 64:     # (a cache that stores nothing new evicts nothing:
+                self._compact()                                    # its touches alone must not grow the heap)
+
+    def _compact(self) -> None:
+        """The heap rebuilt from the leaves alone (its stale items dropped)."""
+        heap = self._leaves
+        heap[:] = [(e.used, k) for k, e in self.entries.items() if e.children == 0]
+        heapq.heapify(heap)
 
     def insert(self, tokens: list[int], block: int, first: int, blocks: int, kv) -> None:
         """Store blocks ``first`` .. ``blocks - 1`` of the prompt (``kv(j)`` gives block j's tensors, copied), whose
@@ -131,9 +139,6 @@ class PrefixCache:
         """Evict least recently used leaves (never ``keep``, the parent of what is being stored) until ``need``
         more bytes fit."""
         heap = self._leaves
-        if len(heap) > 2 * len(self.entries) + 64:          # mostly stale items: rebuilt from the leaves
-            heap[:] = [(e.used, k) for k, e in self.entries.items() if e.children == 0]
-            heapq.heapify(heap)
         while self.bytes + need > self.budget and self.entries:
             kept = None
             while heap:
