@@ -123,6 +123,21 @@ async def test_worker_batch_mixed_requests(aiohttp_client):
     assert by["bad"] == [{"id": "bad", "event": "error", "status": 400, "data": by["bad"][0]["data"], "end": True}]
     assert by["bad"][0]["data"]["error"]["param"] == "steps"
     assert by["bad2"][0]["status"] == 400
+    # /metrics: each request under its endpoint with its own status and latency, the call under /worker/batch (it
+    # counted one 200 per call, whatever its requests got, with no latency; a review's finding)
+    r = await client.post("/worker/batch", json={"requests": []})
+    assert r.status == 400
+    from prometheus_client.parser import text_string_to_metric_families
+    fams = {f.name: f for f in text_string_to_metric_families(await (await client.get("/metrics")).text())}
+    counts = {(s.labels["endpoint"], s.labels["status"]): s.value for s in fams["dllm_worker_requests"].samples
+              if s.name == "dllm_worker_requests_total"}
+    assert counts[("/v1/completions", "200")] == 1 and counts[("/v1/completions", "400")] == 1
+    assert counts[("unknown", "400")] == 1                # a row of no known kind
+    assert counts[("/v1/chat/completions", "200")] == 1
+    assert counts[("/worker/batch", "200")] == 1 and counts[("/worker/batch", "400")] == 1
+    lat = {s.labels["endpoint"]: s.value for s in fams["dllm_worker_request_latency_seconds"].samples
+           if s.name.endswith("_count")}
+    assert lat["/v1/completions"] == 2 and lat["/worker/batch"] == 2
     assert [e["event"] for e in by["c"]] == ["response"]
     assert by["c"][0]["data"]["object"] == "chat.completion"
     chunks = [e["data"] for e in by["s"]]

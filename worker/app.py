@@ -22,7 +22,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from common.http import (BODY_BUDGET, BODY_TIMEOUT_S, EXIT_PORT_IN_USE, MAX_BATCH_BYTES, SHUTDOWN_GRACE, AppRunner,
                          BodyBudget, json_response, middlewares, raise_open_files, read_body, read_bytes, settle_gc)
 from common.metrics import RequestMetrics
-from common.openai_http import add_routes, off_loop
+from common.openai_http import ENDPOINTS, add_routes, off_loop
 from common.protocol import MAX_DEPTH, APIError, error_body, loads
 from common.worker_config import WorkerConfig
 
@@ -147,7 +147,25 @@ class WorkerDoor:
 # ---------------------------------------------------------------- the balancer's door
 async def worker_batch(request: web.Request) -> web.StreamResponse:
     """One call carries a whole batch; per-request events come back as NDJSON lines (docs/api.md), written as they
-    happen. Each request's last line carries ``"end": true``."""
+    happen. Each request's last line carries ``"end": true``. Metrics: the call under ``/worker/batch`` with its
+    own status, and each request under its endpoint with its own status and latency (499: its line never went)."""
+    t0 = time.monotonic()
+    status = 499                      # the balancer went away first (the handler is cancelled), unless set below
+    try:
+        resp = await _worker_batch(request, t0)
+        status = resp.status
+        return resp
+    except APIError as e:
+        status = e.status
+        raise
+    except Exception:
+        status = 500
+        raise
+    finally:
+        request.app[STATE].metrics.requests.observe("/worker/batch", status, time.monotonic() - t0)
+
+
+async def _worker_batch(request: web.Request, t0: float) -> web.StreamResponse:
     state = request.app[STATE]
     require_ready(state)
     # each row's body nests as the balancer allowed, 3 levels down
@@ -176,6 +194,8 @@ async def worker_batch(request: web.Request) -> web.StreamResponse:
     unanswered = set(ids)             # requests without their last line yet
     metrics = state.metrics
 
+    paths = {rid: ENDPOINTS.get(item.get("kind"), "unknown") for rid, item in zip(ids, items)}   # (metrics)
+
     def emitter(rid: str):
         def emit(kind: str, data, last: bool) -> None:
             if rid not in unanswered:     # (after the timeout's error line: nothing more for it)
@@ -187,6 +207,7 @@ async def worker_batch(request: web.Request) -> web.StreamResponse:
             if last:
                 line["end"] = True
                 unanswered.discard(rid)
+                metrics.requests.observe(paths[rid], data[0] if kind == "error" else 200, time.monotonic() - t0)
             lines.append(orjson.dumps(line))
             wake.set()
         return emit
@@ -239,6 +260,8 @@ async def worker_batch(request: web.Request) -> web.StreamResponse:
             body = error_body(f"no answer within --request-timeout ({state.config.request_timeout:g} s)", "timeout")
             lines += [orjson.dumps({"id": rid, "event": "error", "status": 504, "data": body, "end": True})
                       for rid in ids if rid in unanswered]
+            for rid in unanswered:
+                metrics.requests.observe(paths[rid], 504, time.monotonic() - t0)
             unanswered.clear()
             await resp.write(b"\n".join(lines) + b"\n")
         await resp.write_eof()
@@ -248,8 +271,9 @@ async def worker_batch(request: web.Request) -> web.StreamResponse:
         for rid, run in runs.items():
             run.cancel()
             state.runs.pop(rid, None)
+        for rid in unanswered:            # the balancer went away (its client did, or it failed over)
+            metrics.requests.observe(paths[rid], 499, time.monotonic() - t0)
         state.active -= 1
-        metrics.requests.observe("/worker/batch", 200)
 
 
 async def tokenize(request: web.Request) -> web.Response:
