@@ -58,6 +58,15 @@ def _device(h: dict) -> str:
     return str(h.get("device") or "-")
 
 
+def _status(w: dict) -> str:
+    """A worker's status, with its process's crash loop where its supervisor reports one (serve --local)."""
+    proc = w.get("process") or {}
+    if not proc.get("crash_loop"):
+        return w["status"]
+    wait = proc.get("restart_in_seconds")
+    return f"{w['status']} crash loop" + (f", restart in {wait:g}s" if wait is not None else "")
+
+
 def render(data: dict, url: str):
     if "error" in data:
         return Text(data["error"], style="bold red")
@@ -74,7 +83,7 @@ def render(data: dict, url: str):
     for w in ws["workers"]:
         h = w.get("worker_health") or {}
         v = w.get("model_version") or h.get("model_version") or {}
-        t.add_row(str(w["worker_id"]), w["url"], Text(w["status"], style=COLOURS.get(w["status"], "")), _device(h),
+        t.add_row(str(w["worker_id"]), w["url"], Text(_status(w), style=COLOURS.get(w["status"], "")), _device(h),
                   (v.get("hash") or "-")[:8], str(w["in_flight"]), str(w.get("in_flight_batches", 0)), str(w["requests_served"]),
                   str(w["errors"]), _ago(w.get("last_activity_seconds_ago")),
                   # the balancer's own clock of the worker's progress (a /health answer is not aged: a dead or
@@ -98,8 +107,8 @@ def plain_line(data: dict, url: str) -> str:
         return f"{now} dllm-serve {data['error']}"
     ws, st = data["worker_status"], data["stats"]
     lm = st["last_minute"]
-    workers = " ".join(f"w{w['worker_id']}={w['status']}/rows:{w['in_flight']}/served:{w['requests_served']}"
-                       f"/errors:{w['errors']}" for w in ws["workers"])
+    workers = " ".join(f"w{w['worker_id']}={_status(w).replace(' ', '_')}/rows:{w['in_flight']}"
+                       f"/served:{w['requests_served']}/errors:{w['errors']}" for w in ws["workers"])
     return (f"{now} dllm-serve {url} system={ws['system_status']} healthy={ws['healthy_workers']}/{ws['total_workers']} "
             f"queue={st['queue_depth']} in_flight={st['in_flight']} req/s={lm['requests_per_second']} "
             f"p50={_secs(lm['latency_p50'])} p99={_secs(lm['latency_p99'])} {workers}")

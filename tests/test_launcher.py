@@ -422,6 +422,13 @@ def test_status_table_before_traffic_and_between_batches():
     assert "p50 -," in text and "None" not in text
     row = next(line for line in text.splitlines() if "http://w0" in line)
     assert "busy" in row and "idle" not in row          # the step column never says idle for a busy worker
+    # a crash loop its supervisor reports (serve --local): in the table and in the monitor's plain lines
+    from dllm_serve.status import plain_line
+    ws["workers"][0].update(status="unhealthy", process={"crash_loop": True, "restart_in_seconds": 8.0})
+    console = Console(width=200, record=True)
+    console.print(render({"worker_status": ws, "stats": stats}, "http://x"))
+    assert "unhealthy crash loop, restart in 8s" in console.export_text()
+    assert "w0=unhealthy_crash_loop,_restart_in_8s/" in plain_line({"worker_status": ws, "stats": stats}, "http://x")
 
 
 def test_last_minute_rate_in_the_first_minute(monkeypatch):
