@@ -298,11 +298,20 @@ class ChatMessage(BaseModel):
     _media = field_validator("content", mode="before")(classmethod(lambda cls, v: text_parts_only(v)))
 
     def text(self) -> str:
+        """The content as one string: text parts joined by newlines (as vLLM and SGLang give a template that takes
+        a string)."""
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(p.text for p in self.content)
+        return "\n".join(p.text for p in self.content)
+
+    def template_content(self, parts: bool) -> str | list[dict]:
+        """The content as a chat template gets it: a list of text parts for a template that reads parts (``parts``,
+        worker.tokenizer.takes_content_parts), else :meth:`text`."""
+        if parts and isinstance(self.content, list):
+            return [{"type": "text", "text": p.text} for p in self.content]
+        return self.text()
 
 
 class ChatCompletionRequest(CommonFields):
@@ -388,7 +397,13 @@ class ResponsesInputItem(BaseModel):
         return data
 
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return self.content if isinstance(self.content, str) else "\n".join(p.text for p in self.content)
+
+    def chat_content(self) -> str | list[dict]:
+        """The content of the chat message it becomes: text, or its parts as chat text parts."""
+        if isinstance(self.content, str):
+            return self.content
+        return [{"type": "text", "text": p.text} for p in self.content]
 
 
 # Responses fields accepted only at their neutral value (text in, text out, nothing stored or chained)
@@ -444,7 +459,7 @@ class ResponsesRequest(DiffusionFields):
         if isinstance(self.input, str):
             msgs.append({"role": "user", "content": self.input})
         else:
-            msgs += [{"role": m.role, "content": m.text()} for m in self.input]
+            msgs += [{"role": m.role, "content": m.chat_content()} for m in self.input]
         body = self.model_dump(include=set(DiffusionFields.model_fields), exclude_none=True)
         body.update(messages=msgs, stream=self.stream, stream_options={"include_usage": True} if self.stream else None)
         for ours, theirs in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("seed", "seed"),

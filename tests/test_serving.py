@@ -286,3 +286,23 @@ def test_streamed_text_equals_the_answer_with_a_decoder_that_cleans_up_spaces():
             out += c.progress(ids[:upto])
         out += c.finish(Result(ids, "length", 1, ids, 1))
         assert out == decode(ids), [words[i] for i in ids]
+
+
+def test_text_parts_reach_the_template_as_vllm_gives_them():
+    """A message of several text parts had them glued together ("Translate to French:Good morning"), words running
+    into one another (a reviewer's finding). A template that takes a string gets them joined by newlines, as vLLM
+    and SGLang give them; a template that reads parts (DiffusionGemma's) gets the parts. The same through
+    /v1/responses. (Simulated devices: the prompt is what is checked.)"""
+    from tests.conftest import fixture_path
+    from worker.simulated import SimulatedEngine
+    from worker.tokenizer import apply_chat_template
+    parts = [{"type": "text", "text": "Translate to French:"}, {"type": "text", "text": "Good morning"}]
+    for fixture, want in (("tiny-llada", "Translate to French:\nGood morning"), ("tiny-diffusion-gemma", parts)):
+        sim = SimulatedEngine(str(fixture_path(fixture)), 0.0, 0.0)
+        s = Serving(sim, RowScheduler(sim, loop=asyncio.new_event_loop()), fixture, Defaults(max_tokens=8))
+        expected = apply_chat_template(sim.tokenizer, [{"role": "user", "content": want}])
+        chat = s.prepare("chat", {"messages": [{"role": "user", "content": parts}]})
+        assert chat.prompts == [expected], fixture
+        resp = s.prepare("responses", {"input": [{"role": "user", "content": [
+            {"type": "input_text", "text": "Translate to French:"}, {"type": "input_text", "text": "Good morning"}]}]})
+        assert resp.prompts == [expected], fixture

@@ -17,7 +17,7 @@ from worker.engine.likelihood import cost as score_cost
 from worker.engine.params import Plan, row_cost, with_seed
 from worker.responses import ResponsesEvents
 from worker.scheduler import Job, RowScheduler
-from worker.tokenizer import apply_chat_template, max_token_chars, text_decoder, token_pieces
+from worker.tokenizer import apply_chat_template, max_token_chars, takes_content_parts, text_decoder, token_pieces
 
 log = logging.getLogger("dllm.worker.serving")
 
@@ -62,6 +62,13 @@ class Serving:
         # A text longer than this cannot fit the context whatever it holds: refused before the tokenizer spends
         # seconds on it (4x margin for normalisation that merges characters).
         self.max_prompt_chars = 4 * max_token_chars(self.tok) * engine.max_sequence_length
+
+    def _messages(self, messages) -> list[dict]:
+        """Chat messages as the template gets them: developer as system; text parts as a list for a template that
+        reads parts, else joined by newlines (vLLM's and SGLang's rule)."""
+        parts = takes_content_parts(self.tok)
+        return [{"role": "system" if m.role == "developer" else m.role, "content": m.template_content(parts)}
+                for m in messages]
 
     def check_version(self, wanted: str | None) -> None:
         """A request that requires weights (``model_version``: a hash) this worker does not hold: 409."""
@@ -109,7 +116,7 @@ class Serving:
                            param="messages" if kind == "chat" else "prompt")
         if kind == "chat":
             self._check_message_count(len(req.messages), "messages")
-            msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
+            msgs = self._messages(req.messages)
             try:
                 prompts = [apply_chat_template(self.tok, msgs)]
             except Exception as e:   # jinja errors from the template (e.g. role order)
@@ -299,7 +306,7 @@ class Serving:
     def tokenize(self, body) -> dict:
         req = parse_body(TokenizeRequest, body)
         self._check_model(req.model)
-        text = req.prompt if req.prompt is not None else "".join(m.text() for m in req.messages)
+        text = req.prompt if req.prompt is not None else "".join(m.text() for m in req.messages)   # (its length)
         if len(text) > self.max_prompt_chars:
             raise APIError(400, f"the text ({len(text)} characters) is far longer than the model's maximum sequence "
                                 f"length ({self.engine.max_sequence_length} tokens)", param="prompt")
@@ -307,7 +314,7 @@ class Serving:
             ids = self.tok(req.prompt, add_special_tokens=req.add_special_tokens)["input_ids"]
         else:
             self._check_message_count(len(req.messages), "messages", 4 * self.engine.max_sequence_length)
-            msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
+            msgs = self._messages(req.messages)
             try:
                 ids = apply_chat_template(self.tok, msgs, req.add_generation_prompt)
             except Exception as e:

@@ -77,6 +77,26 @@ def mask_token_id(tokenizer, config: dict) -> int:
     raise ValueError("the checkpoint names no mask token (config.json mask_token_id or the tokenizer's mask_token)")
 
 
+def takes_content_parts(tokenizer) -> bool:
+    """Whether the tokenizer's chat template reads a message's content as a list of parts (it renders a text part's
+    text, not the list's Python form), as vLLM tells templates apart: such a template gets the parts; one that
+    takes a string gets them joined by newlines. Found once per tokenizer, by rendering a probe."""
+    known = getattr(tokenizer, "_dllm_takes_parts", None)
+    if known is None:
+        probe = "zqxv-part-probe"
+        try:
+            out = tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "text", "text": probe}]}],
+                                                tokenize=False, add_generation_prompt=False)
+            known = probe in out and "'type'" not in out and '"type"' not in out
+        except Exception:            # noqa: BLE001  (a template that refuses a list takes a string)
+            known = False
+        try:
+            tokenizer._dllm_takes_parts = known
+        except AttributeError:
+            pass
+    return known
+
+
 def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
     out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
     if isinstance(out, dict) or hasattr(out, "input_ids"):
