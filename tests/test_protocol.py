@@ -72,7 +72,7 @@ def test_accepted_forms():
     c = parse_request("chat", {"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
                                                                          {"type": "text", "text": "b"}]}],
                                "max_completion_tokens": 7})
-    assert c.messages[0].text() == "ab" and c.max_new_tokens == 7
+    assert c.messages[0].text() == "a\nb" and c.max_new_tokens == 7
     assert parse_request("completion", {"prompt": "x"}).stop == []
 
 
@@ -121,7 +121,8 @@ def test_responses_become_chat_requests():
         {"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]}], "instructions": "sys",
         "max_output_tokens": 7, "temperature": 0.5, "steps": 4, "stream": True, "store": True, "metadata": {"k": "1"}})
     body = r.chat_body()
-    assert body["messages"] == [{"role": "system", "content": "sys"}, {"role": "user", "content": "ab"}]
+    assert body["messages"] == [{"role": "system", "content": "sys"},
+                                {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
     assert body["max_tokens"] == 7 and body["temperature"] == 0.5 and body["steps"] == 4
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
     assert parse_request("chat", body).max_new_tokens == 7
