@@ -120,6 +120,7 @@ class DiffusionFields(BaseModel):
     cfg_scale: float | None = Field(None, ge=0, le=100)
     return_token_ids: bool = False
     ignore_eos: bool = False
+    stop_token_ids: list[int] | None = Field(None, max_length=1024)    # vLLM's: these tokens end a choice too
     algorithm_params: dict[str, Any] | None = None   # algorithm-specific parameters (see /generation/algorithms)
     # require these weights: a model_version hash (every answer's model_version.hash); 409 where none will serve it
     model_version: str | None = Field(None, min_length=1, max_length=128)
@@ -318,6 +319,9 @@ class ChatCompletionRequest(CommonFields):
     messages: list[ChatMessage] = Field(min_length=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # vLLM's: the template's generation prompt, or the last (assistant) message continued instead of closed
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -330,6 +334,11 @@ class ChatCompletionRequest(CommonFields):
             raise ValueError("max_tokens: must be at least 1")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs: needs logprobs true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message: needs add_generation_prompt false (the last message is "
+                             "continued, not followed by a new turn)")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message: the last message must be the assistant's")
         return self
 
     @property

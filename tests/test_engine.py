@@ -181,7 +181,8 @@ def test_the_final_prefix_ends_at_the_first_mask_or_stop_token():
     from types import SimpleNamespace
 
     from worker.engine.rows import Finisher
-    row = SimpleNamespace(plan=SimpleNamespace(gen_length=12), params=SimpleNamespace(ignore_eos=False))
+    row = SimpleNamespace(plan=SimpleNamespace(gen_length=12), params=SimpleNamespace(ignore_eos=False,
+                                                                                      stop_token_ids=frozenset()))
     fin = Finisher(mask_id=9, stop_ids=[], early_exit=True, hooks=None)
 
     def by_position(gen, stops):

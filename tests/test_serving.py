@@ -306,3 +306,26 @@ def test_text_parts_reach_the_template_as_vllm_gives_them():
         resp = s.prepare("responses", {"input": [{"role": "user", "content": [
             {"type": "input_text", "text": "Translate to French:"}, {"type": "input_text", "text": "Good morning"}]}]})
         assert resp.prompts == [expected], fixture
+
+
+def test_an_assistant_prefill_is_continued_when_asked(engine, serving):
+    """vLLM's add_generation_prompt and continue_final_message: a chat ending with the assistant's own start
+    ("Sure, the answer is") was closed and followed by a new turn, silently (a reviewer's finding); now, when asked,
+    the last message is continued as the template renders it. Both together, or a last message not the
+    assistant's, are a 400."""
+    from worker.tokenizer import apply_chat_template
+    s = serving
+    msgs = [{"role": "user", "content": "di vo"}, {"role": "assistant", "content": "vo di"}]
+    prep = s.prepare("chat", {"messages": msgs, "add_generation_prompt": False, "continue_final_message": True})
+    want = apply_chat_template(engine.tokenizer, msgs, add_generation_prompt=False, continue_final_message=True)
+    text = engine.tokenizer.decode(want)
+    assert text.rstrip().endswith("vo di") and text != engine.tokenizer.decode(
+        apply_chat_template(engine.tokenizer, msgs, add_generation_prompt=False))     # the turn left open
+    assert prep.prompts == [want] and prep.prompts != [apply_chat_template(engine.tokenizer, msgs)]
+    prep = s.prepare("chat", {"messages": msgs, "add_generation_prompt": False})
+    assert prep.prompts == [apply_chat_template(engine.tokenizer, msgs, add_generation_prompt=False)]
+    for body in ({"continue_final_message": True}, {"continue_final_message": True, "add_generation_prompt": False,
+                                                    "messages": msgs[:1]}):
+        with pytest.raises(APIError) as e:
+            s.prepare("chat", {"messages": msgs, **body})
+        assert e.value.status == 400 and "continue_final_message" in e.value.message

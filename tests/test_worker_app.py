@@ -533,3 +533,19 @@ async def test_a_failing_event_handler_costs_only_its_own_row(continuous):
         assert got[9] == "done"
     finally:
         await b.close()
+
+
+async def test_a_requests_own_stop_token_ids_end_its_choice(aiohttp_client):
+    """vLLM's stop_token_ids were ignored without a word (a reviewer's finding): they end a choice as the model's
+    stop tokens do, also with ignore_eos (which silences only the model's); an id outside the vocabulary is a 400."""
+    client, _ = await ready_client(aiohttp_client)
+    body = {"prompt": [5, 6, 7, 8], "max_tokens": 16, "ignore_eos": True, "return_token_ids": True, "seed": 1}
+    full = (await (await client.post("/v1/completions", json=body)).json())["choices"][0]
+    ids = full["token_ids"]
+    k = len(ids) // 2
+    stop = ids[k]
+    r = await client.post("/v1/completions", json={**body, "stop_token_ids": [stop]})
+    got = (await r.json())["choices"][0]
+    assert r.status == 200 and got["finish_reason"] == "stop" and got["token_ids"] == ids[:ids.index(stop)]
+    r = await client.post("/v1/completions", json={**body, "stop_token_ids": [10 ** 6]})
+    assert r.status == 400 and (await r.json())["error"]["param"] == "stop_token_ids"

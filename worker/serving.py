@@ -118,7 +118,7 @@ class Serving:
             self._check_message_count(len(req.messages), "messages")
             msgs = self._messages(req.messages)
             try:
-                prompts = [apply_chat_template(self.tok, msgs)]
+                prompts = [apply_chat_template(self.tok, msgs, req.add_generation_prompt, req.continue_final_message)]
             except Exception as e:   # jinja errors from the template (e.g. role order)
                 raise APIError(400, f"messages: the chat template rejected them: {e}", param="messages")
         else:
@@ -203,6 +203,13 @@ class Serving:
         # the request's, else the block size the checkpoint was trained with (SDAR), else the server's default
         block = req.block_length or self.engine.default_block_length or d.block_length
         prompt_param = "messages" if isinstance(req, ChatCompletionRequest) else "prompt"
+        stops = frozenset(req.stop_token_ids or ())
+        if stops:
+            vocab = len(self.tok)
+            bad = next((t for t in stops if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise APIError(400, f"stop_token_ids: {bad} is not a token id of this model (0 to {vocab - 1})",
+                               param="stop_token_ids")
         if max_new is None:
             if limit < 1:
                 raise APIError(400, f"the prompt ({len(ids)} tokens) fills the model's context "
@@ -219,7 +226,8 @@ class Serving:
             temperature=req.temperature or 0.0, remasking=req.remasking or "low_confidence",
             cfg_scale=req.cfg_scale or 0.0, threshold=req.threshold, factor=req.factor,
             seed=None if req.seed is None else req.seed % (1 << 63),
-            ignore_eos=req.ignore_eos, extra=dict(req.algorithm_params or {}), logprobs=req.token_logprobs)
+            ignore_eos=req.ignore_eos, stop_token_ids=stops, extra=dict(req.algorithm_params or {}),
+            logprobs=req.token_logprobs)
         try:
             pl = self.engine.plan(ids, p)
         except ParamError as e:

@@ -97,8 +97,10 @@ def takes_content_parts(tokenizer) -> bool:
     return known
 
 
-def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                        continue_final_message: bool = False) -> list[int]:
+    extra = {"continue_final_message": True} if continue_final_message else {}
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True, **extra)
     if isinstance(out, dict) or hasattr(out, "input_ids"):
         out = out["input_ids"]
     return list(out)

@@ -32,7 +32,8 @@ class GenerationParams:
     threshold: float | None = None    # Fast-dLLM confidence-threshold parallel decoding
     factor: float | None = None       # Fast-dLLM dynamic (factor) parallel decoding
     seed: int | None = None
-    ignore_eos: bool = False          # decode the whole window; stop tokens do not end the row
+    ignore_eos: bool = False          # decode the whole window; the model's stop tokens do not end the row
+    stop_token_ids: frozenset = frozenset()   # the request's own stop tokens (vLLM's), beside the model's
     logprobs: int | None = None       # None: none; k >= 0: each generated token's log-probability and the top k
     extra: dict = field(default_factory=dict)  # algorithm-specific parameters
 

@@ -162,6 +162,9 @@ class Finisher:
         self.hooks = hooks or StepHooks()
 
     def stops(self, row: Row) -> frozenset[int]:
+        extra = row.params.stop_token_ids
+        if extra:                 # the request's own, which ignore_eos does not silence (as vLLM's)
+            return extra if row.params.ignore_eos else self.stop_ids | extra
         return _NO_STOPS if row.params.ignore_eos else self.stop_ids
 
     def final_prefix(self, row: Row, gen: list[int]) -> tuple[list[int], bool]:
