@@ -34,14 +34,14 @@ def _bad_value(info: ParamInfo, value) -> str | None:
         return None
     kind = info.kind or ("bool" if isinstance(default, bool) else "int" if isinstance(default, int) else "number")
     if kind == "bool":
-        return None if isinstance(value, bool) else "boolean"
+        return None if isinstance(value, bool) else "a boolean"
     if kind == "int":
         ok = isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= 1 << 16
-        return None if ok else "non-negative integer"
+        return None if ok else f"an integer from 0 to {1 << 16}"
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
     if ok and info.maximum is not None and value > info.maximum:
-        return f"number from 0 to {info.maximum:g}"
-    return None if ok else "non-negative number"
+        return f"a number from 0 to {info.maximum:g}"
+    return None if ok else "a non-negative number"
 
 
 COMMON_PARAMS = (
@@ -105,7 +105,7 @@ class Algorithm:
         for name, value in extra.items():
             why = _bad_value(known[name], value)
             if why is not None:
-                raise ParamError("algorithm_params", f"{self.name}: {name} must be a {why}, got {value!r}")
+                raise ParamError("algorithm_params", f"{self.name}: {name} must be {why}, got {value!r}")
         changes = {k: v for k, v in self.defaults.items() if getattr(p, k) is None and
                    not (k == "threshold" and p.factor is not None)}
         p = replace(p, extra=extra, **changes)
