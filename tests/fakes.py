@@ -8,6 +8,23 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 
 CHUNK = {"id": "c", "object": "text_completion", "created": 1, "model": "m"}
+READY = {"status": "ready", "busy": False, "seconds_since_last_step": 0.0}
+
+
+def worker_app(batch, cancel=None, health: dict | None = None) -> web.Application:
+    """A fake worker's routes: GET /health answering ``health`` (default: ready), POST /worker/batch by ``batch``,
+    POST /worker/cancel by ``cancel`` (default: one that cancels nothing)."""
+    async def answer_health(request):
+        return web.json_response(health or READY)
+
+    async def no_cancel(request):
+        return web.json_response({"cancelled": 0})
+
+    app = web.Application()
+    app.router.add_get("/health", answer_health)
+    app.router.add_post("/worker/batch", batch)
+    app.router.add_post("/worker/cancel", cancel or no_cancel)
+    return app
 
 
 def fake_worker(mode: str, seen: list, cancelled: list | None = None, delay: float = 0.0,

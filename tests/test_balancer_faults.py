@@ -10,7 +10,7 @@ from aiohttp.test_utils import TestServer
 from balancer.app import BalancerConfig, make_app
 from balancer.batcher import BatchConfig
 from balancer.pool import HealthConfig
-from tests.fakes import fake_worker, workers
+from tests.fakes import READY, fake_worker, worker_app, workers
 from tests.helpers import read_http_answer
 
 
@@ -320,9 +320,6 @@ def _scripted_worker(answers: list, seen: list, cancelled: list | None = None, r
     cancelled). ``read_delay``: seconds before it reads a batch (a large body on its way); ``seen``: (time, ids)."""
     runs = {}
 
-    async def health(request):
-        return web.json_response({"status": "ready", "busy": False, "seconds_since_last_step": 0.0})
-
     async def batch(request):
         await asyncio.sleep(read_delay)
         ids = [item["id"] for item in (await request.json())["requests"]]
@@ -353,11 +350,7 @@ def _scripted_worker(answers: list, seen: list, cancelled: list | None = None, r
                     cancelled.append(rid)
         return web.json_response({"cancelled": 1})
 
-    app = web.Application()
-    app.router.add_get("/health", health)
-    app.router.add_post("/worker/batch", batch)
-    app.router.add_post("/worker/cancel", cancel)
-    return app
+    return worker_app(batch, cancel)
 
 
 BUSY = {"error": {"message": "the worker is draining", "type": "service_unavailable", "param": None, "code": None}}
@@ -550,9 +543,6 @@ async def test_rows_answered_leave_the_in_flight_count_before_their_batch_ends(a
     to come, not the whole batch until its stream closes; the failure counters are Prometheus counters."""
     release = asyncio.Event()
 
-    async def health(request):
-        return web.json_response({"status": "ready", "busy": False, "seconds_since_last_step": 0.0})
-
     async def batch(request):
         items = (await request.json())["requests"]
         resp = web.StreamResponse()
@@ -564,10 +554,7 @@ async def test_rows_answered_leave_the_in_flight_count_before_their_batch_ends(a
                                            "data": {"choices": [{"index": 0, "text": "x"}]}}) + b"\n")
         return resp
 
-    app = web.Application()
-    app.router.add_get("/health", health)
-    app.router.add_post("/worker/batch", batch)
-    async with workers(app) as urls:
+    async with workers(worker_app(batch)) as urls:
         client = await _balancer(aiohttp_client, urls, batch_size=3, wait_time=0.05)
         calls = [asyncio.ensure_future(client.post("/v1/completions", json={"prompt": p})) for p in "abc"]
         for _ in range(200):
@@ -616,9 +603,6 @@ def _holding_worker(capacity: int, held: set, seen: list, cancelled: list, break
     any answer while its rows stay held (the balancer's side of the connection reset, the worker unaware)."""
     state = {"batches": 0}
 
-    async def health(request):
-        return web.json_response({"status": "ready", "busy": False, "seconds_since_last_step": 0.0})
-
     async def batch(request):
         ids = [item["id"] for item in (await request.json())["requests"]]
         seen.append(ids)
@@ -656,11 +640,7 @@ def _holding_worker(capacity: int, held: set, seen: list, cancelled: list, break
             held.discard(rid)
         return web.json_response({"cancelled": 1})
 
-    app = web.Application()
-    app.router.add_get("/health", health)
-    app.router.add_post("/worker/batch", batch)
-    app.router.add_post("/worker/cancel", cancel)
-    return app
+    return worker_app(batch, cancel)
 
 
 async def test_rows_a_full_worker_queue_refuses_wait_for_a_worker_again(aiohttp_client):
@@ -708,10 +688,6 @@ def _versioned_worker(health_hash: str, holds: str, seen: list):
     """A fake worker (test double) whose /health names weights ``health_hash`` while it holds ``holds`` (its weights
     changed behind the balancer's back since its last probe); rows pinned to other weights get their own 409, as a
     real worker's."""
-    async def health(request):
-        return web.json_response({"status": "ready", "busy": False, "seconds_since_last_step": 0.0,
-                                  "model_version": {"hash": health_hash, "path": "/m"}})
-
     async def batch(request):
         items = (await request.json())["requests"]
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
@@ -732,14 +708,7 @@ def _versioned_worker(health_hash: str, holds: str, seen: list):
         await resp.write_eof()
         return resp
 
-    app = web.Application()
-    app.router.add_get("/health", health)
-    app.router.add_post("/worker/batch", batch)
-    async def cancel(request):
-        return web.json_response({})
-
-    app.router.add_post("/worker/cancel", cancel)
-    return app
+    return worker_app(batch, health={**READY, "model_version": {"hash": health_hash, "path": "/m"}})
 
 
 async def test_a_pinned_request_a_worker_refuses_for_its_changed_weights_goes_to_one_that_holds_them(aiohttp_client):
@@ -762,9 +731,6 @@ async def test_a_pinned_request_a_worker_refuses_for_its_changed_weights_goes_to
 def _refusing_worker(refuse: set, hold: float):
     """A fake worker (test double): rows of requests in ``refuse`` get a 429 line at once (its queue full), the
     others are answered after ``hold`` seconds."""
-    async def health(request):
-        return web.json_response({"status": "ready", "busy": False, "seconds_since_last_step": 0.0})
-
     async def batch(request):
         ids = [it["id"] for it in (await request.json())["requests"]]
         resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
@@ -782,14 +748,7 @@ def _refusing_worker(refuse: set, hold: float):
         await resp.write_eof()
         return resp
 
-    async def cancel(request):
-        return web.json_response({"cancelled": 0})
-
-    app = web.Application()
-    app.router.add_get("/health", health)
-    app.router.add_post("/worker/batch", batch)
-    app.router.add_post("/worker/cancel", cancel)
-    return app
+    return worker_app(batch)
 
 
 async def test_a_cancel_closes_the_dispatch_a_refused_request_was_sent_again_in():

@@ -348,6 +348,21 @@ async def test_files_and_batches_refuse_bad_input_and_cancel_while_waiting(aioht
     assert cur["model"] is None and cur["usage"] is None
 
 
+async def _files_balancer(aiohttp_client, tmp_path, urls: list[str]):
+    """A balancer in this process over ``urls`` with its files under tmp_path, once it sees every worker."""
+    import asyncio
+
+    from balancer.app import BalancerConfig, make_app
+    from balancer.pool import HealthConfig
+    cfg = BalancerConfig(worker_urls=urls, files_dir=str(tmp_path / "files"), health=HealthConfig(interval=0.05))
+    client = await aiohttp_client(make_app(cfg))
+    for _ in range(200):
+        if (await (await client.get("/health")).json())["healthy_workers"] == len(urls):
+            return client
+        await asyncio.sleep(0.02)
+    raise TimeoutError("the balancer never saw its workers")
+
+
 async def test_files_pages_and_a_finished_batchs_files_model_and_usage(aiohttp_client, tmp_path):
     """Found by a review against OpenAI's objects: GET /v1/files took no `limit`, `order` or `after` (every file,
     always `has_more: false`); a batch whose lines all succeeded had an empty error file (OpenAI: null), and a
@@ -356,16 +371,9 @@ async def test_files_pages_and_a_finished_batchs_files_model_and_usage(aiohttp_c
     import asyncio
 
     import aiohttp as _aiohttp
-    from balancer.app import BalancerConfig, make_app
-    from balancer.pool import HealthConfig
     from tests.fakes import fake_worker, workers
     async with workers(fake_worker("ok", [])) as urls:
-        cfg = BalancerConfig(worker_urls=urls, files_dir=str(tmp_path / "files"), health=HealthConfig(interval=0.05))
-        client = await aiohttp_client(make_app(cfg))
-        for _ in range(200):
-            if (await (await client.get("/health")).json())["healthy_workers"] == 1:
-                break
-            await asyncio.sleep(0.02)
+        client = await _files_balancer(aiohttp_client, tmp_path, urls)
         ids = []
         for n in (3, 2, 1):
             form = _aiohttp.FormData()
@@ -415,8 +423,6 @@ async def test_a_deeply_nested_line_is_its_own_error_and_the_input_is_read_off_t
 
     import aiohttp as _aiohttp
     from balancer import batches
-    from balancer.app import BalancerConfig, make_app
-    from balancer.pool import HealthConfig
     from tests.fakes import fake_worker, workers
     threads = []
     real = batches.BatchJobs._read_lines
@@ -426,12 +432,7 @@ async def test_a_deeply_nested_line_is_its_own_error_and_the_input_is_read_off_t
         return real(self, *a)
     monkeypatch.setattr(batches.BatchJobs, "_read_lines", spy)
     async with workers(fake_worker("ok", [])) as urls:
-        cfg = BalancerConfig(worker_urls=urls, files_dir=str(tmp_path / "files"), health=HealthConfig(interval=0.05))
-        client = await aiohttp_client(make_app(cfg))
-        for _ in range(200):
-            if (await (await client.get("/health")).json())["healthy_workers"] == 1:
-                break
-            await asyncio.sleep(0.02)
+        client = await _files_balancer(aiohttp_client, tmp_path, urls)
         deep = '{"a":' * 300 + '1' + '}' * 300
         text = _lines(4, ['{"custom_id": "deep", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x", '
                           f'"x": {deep}}}}}'])
