@@ -29,3 +29,18 @@ def test_text_decoder_keeps_transformers_for_clean_up():
     tok.decode = lambda ids, **kw: calls.append(ids) or orig(ids, **kw)
     text_decoder(tok)([5, 6])
     assert calls == [[5, 6]]
+
+
+def test_a_gemma_end_of_turn_stops_without_generation_config(tmp_path):
+    """DiffusionGemma's end of turn (`<turn|>`) came only from its generation_config.json: a checkpoint without the
+    file would not stop at the end of its answer (a reviewer's finding). Gemma's end-of-turn tokens are among those
+    the vocabulary is searched for."""
+    import shutil
+
+    from tests.conftest import fixture_path
+    from worker.models.checkpoint import read_config
+    from worker.tokenizer import load_tokenizer, stop_token_ids
+    path = shutil.copytree(fixture_path("tiny-diffusion-gemma"), tmp_path / "dg")
+    (path / "generation_config.json").unlink()
+    tok = load_tokenizer(path)
+    assert tok.get_vocab()["<turn|>"] in stop_token_ids(path, tok, read_config(path))

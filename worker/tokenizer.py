@@ -13,7 +13,8 @@ from transformers.utils import logging as hf_logging
 EQUIVALENT_TOKENIZERS = {"DreamTokenizer": "Qwen2Tokenizer"}
 
 # Tokens that end a turn in the chat formats we serve; their ids always come from the tokenizer itself.
-END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|role_end|>")
+# Llama 3, ChatML (Qwen, SDAR, Dream), LLaDA2, Gemma 2/3, DiffusionGemma
+END_OF_TURN_TOKENS = ("<|eot_id|>", "<|im_end|>", "<|role_end|>", "<end_of_turn>", "<turn|>")
 
 
 def load_tokenizer(path: str | os.PathLike):
