@@ -298,6 +298,15 @@ class ChatMessage(BaseModel):
 
     _media = field_validator("content", mode="before")(classmethod(lambda cls, v: text_parts_only(v)))
 
+    @model_validator(mode="after")
+    def _some_content(self):
+        # as OpenAI's: only an assistant message may have no content (it had tool calls); no message has no parts
+        if self.content is None and self.role != "assistant":
+            raise ValueError(f"content: a {self.role} message needs its content")
+        if isinstance(self.content, list) and not self.content:
+            raise ValueError("content: an empty list of parts")
+        return self
+
     def text(self) -> str:
         """The content as one string: text parts joined by newlines (as vLLM and SGLang give a template that takes
         a string)."""

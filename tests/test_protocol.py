@@ -164,3 +164,14 @@ def test_neutral_values_are_still_accepted():
     parse_request("responses", {"input": "x", "top_p": 1.0, "top_logprobs": 0, "tools": [], "reasoning": {},
                                 "tool_choice": "auto"})
     parse_request("responses", {"input": "x", "reasoning": None})
+
+
+def test_a_message_needs_content_unless_the_assistants():
+    """As OpenAI's: a user, system or developer message without content, or any message with an empty list of parts,
+    is a 400 naming the message (they became empty turns; a reviewer's finding); an assistant's may be null."""
+    for msgs in ([{"role": "user", "content": None}], [{"role": "user"}], [{"role": "system", "content": None}],
+                 [{"role": "user", "content": []}]):
+        with pytest.raises(APIError) as e:
+            parse_request("chat", {"messages": msgs})
+        assert e.value.status == 400 and e.value.param == "messages.0", msgs
+    parse_request("chat", {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None}]})
