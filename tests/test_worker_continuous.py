@@ -9,7 +9,7 @@ import pytest
 
 from tests.conftest import TINY_DREAM, TINY_LLADA
 from tests.helpers import get_json, post_json, settled_batch_stats, start_worker
-from worker.engine import GenerationParams
+from worker.engine import Engine, GenerationParams
 from worker.scheduler import Job, RowScheduler
 from worker.simulated import SimulatedEngine
 
@@ -174,5 +174,49 @@ async def test_a_scoring_row_is_answered_before_its_batchs_generation_rows_end(l
         assert got.get("score", ("?",))[0] == "done" and "long" not in got       # the generation runs on
         long.cancelled = True
         await asyncio.wait_for(b.idle(), 30)
+    finally:
+        await b.close()
+
+
+async def test_an_algorithm_that_fails_costs_only_its_own_groups_rows(monkeypatch):
+    """A bug in one algorithm's step (a test double raising on its third step) gave a 500 to every unanswered row
+    of the batch, other algorithms' rows mid-stream among them (a reviewer's finding). Its group's rows get the 500,
+    the other groups run on to their answers, and the scheduler goes on with counters back to zero."""
+    from dataclasses import replace as dc_replace
+    from worker.engine import algorithms
+    eng = Engine.from_pretrained(TINY_LLADA, device="cpu", dtype="float32")
+    real = algorithms.REGISTRY["prefix_cache"]
+
+    def failing(engine, rows, fin):
+        for k, _ in enumerate(real.run(engine, rows, fin)):
+            if k == 2:
+                raise ValueError("a bug (test double)")
+            yield
+    monkeypatch.setitem(algorithms.REGISTRY, "prefix_cache", dc_replace(real, run=failing))
+    b = RowScheduler(eng, batch_size=8, max_wait_time=0.01)
+    b.start()
+    got = {}
+
+    def sink(i, kind, payload):
+        if kind in ("done", "error"):
+            got[i] = (kind, payload[0] if kind == "error" else payload.finish_reason)
+
+    def job(i, alg, gen=32):
+        p = eng.plan([5, 6, 7], GenerationParams(gen_length=gen, block_length=8, algorithm=alg, ignore_eos=True))
+        return Job([5, 6, 7], p.params, sink, index=i)
+    try:
+        b.submit(job(0, "basic", 256))
+        b.submit(job(1, "basic"))
+        await asyncio.sleep(0.1)
+        b.submit(job(2, "prefix_cache"), wait=False)
+        for _ in range(1500):
+            if len(got) == 3:
+                break
+            await asyncio.sleep(0.02)
+        assert got == {0: ("done", "length"), 1: ("done", "length"), 2: ("error", 500)}
+        b.submit(job(3, "basic", 8))
+        await asyncio.wait_for(b.idle(), 60)
+        await asyncio.sleep(0.05)
+        assert got[3] == ("done", "length") and b.rates()["rows_running"] == 0 and b.queue_depth == 0
     finally:
         await b.close()

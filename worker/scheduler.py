@@ -469,6 +469,16 @@ class _Feed:
         self.b._retired(j)
         j.sink(j.index, "done", result)
 
+    def fail(self, index: int, message: str) -> None:
+        """A row whose algorithm group raised (a bug): a 500 for it, the batch's other rows go on."""
+        j = self.jobs.pop(index)
+        self.long -= self.b.is_long(j)
+        self.post(self._fail, j, message)
+
+    def _fail(self, j: Job, message: str) -> None:          # on the event loop
+        self.b._retired(j)
+        j.sink(j.index, "error", (500, message))
+
     def unfinished(self) -> list[Job]:
         return list(self.jobs.values())
 

@@ -435,6 +435,18 @@ class _Batch:
                 rest = self.groups.pop(name).inbox
                 if rest:
                     self.start(name, rest)
+            except torch.cuda.OutOfMemoryError:
+                raise                  # (the caller retries the batch in halves)
+            except Exception as e:     # a bug in one algorithm's step: its group's rows fail, the others go on
+                fail = getattr(self.feed, "fail", None)
+                if fail is None or self.engine.ranks is not None:     # (ranks must fail together)
+                    raise
+                log.exception("algorithm group %s failed; its rows are answered with an error", name)
+                for r in g.running + g.inbox:
+                    if not r.done:
+                        r.done, r.finish_reason = True, "error"
+                        fail(r.index, f"internal error during generation: {type(e).__name__}: {e}")
+                self.groups.pop(name)
             if self.feed is not None:
                 self.sweep()
                 self.admit()
@@ -471,7 +483,9 @@ def result(r: Row) -> Result:
 
 
 class Feed(Protocol):
-    """Where a running batch takes new rows from and hands finished ones to (the worker's queue)."""
+    """Where a running batch takes new rows from and hands finished ones to (the worker's queue). A feed may also
+    have ``fail(index, message)``: then a row whose algorithm group raised is answered through it (500) while the
+    batch's other groups go on; without it, the exception ends the batch."""
 
     def admit(self, rows: int, tokens: int) -> list[tuple[int, Request]]: ...
 
