@@ -132,6 +132,14 @@ class WorkerProc:
     last_exit: int | None = None        # the last one's code
 
 
+def _sh_quoted(value: str) -> str:
+    """``value`` inside double quotes as a shell reads it back (``source FILE``): \\, ", $ and ` escaped, a newline
+    a space."""
+    for ch in ("\\", '"', "$", "`"):
+        value = value.replace(ch, "\\" + ch)
+    return value.replace("\n", " ")
+
+
 def log_tail(path: Path, n: int = 40) -> str:
     try:
         lines = path.read_text(errors="replace").splitlines()
@@ -179,7 +187,7 @@ class Supervisor:
             "MODEL_PATH": self.cfg.model_path,
             "NUM_WORKERS": str(len(self.workers) + len(self.cfg.extra_worker_urls)),
             "WORKER_URLS": ",".join(self.worker_urls()),
-            "LOG_DIR": str(self.cfg.log_dir),
+            "LOG_DIR": str(Path(self.cfg.log_dir).resolve()),     # (read from anywhere: absolute)
             "UPDATED": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
         if os.environ.get("SLURM_JOB_ID"):
@@ -190,7 +198,7 @@ class Supervisor:
         path = self.cfg.server_info_file
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(f'{k}="{v}"\n' for k, v in info.items()))
+        tmp.write_text("".join(f'{k}="{_sh_quoted(v)}"\n' for k, v in info.items()))
         os.replace(tmp, path)
 
     def worker_address(self) -> str:

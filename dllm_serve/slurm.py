@@ -6,15 +6,40 @@ import os
 import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# flags whose value is a path: made absolute from the caller's directory (the job runs in the project's root)
+OUTPUT_PATHS = ("--log-dir", "--server-info-file", "--files-dir")
+INPUT_PATHS = ("--model-path", "--dcp-path", "--base-model")       # a hub id (org/name) is left as it is
+
+
+def _local(value: str) -> bool:
+    """Whether a --model-path-like value names a local path rather than a hub id."""
+    return value.startswith(("/", "./", "../", "~")) or value in (".", "..") or os.path.exists(value)
+
+
+def absolute_paths(flags: list[str]) -> str | None:
+    """Make the path flags of ``flags`` absolute, in place; one line naming a local input path that does not exist
+    (the job would fail on its node minutes later), else None."""
+    for i in range(len(flags) - 1):
+        flag, value = flags[i], flags[i + 1]
+        if flag in OUTPUT_PATHS:
+            flags[i + 1] = os.path.abspath(os.path.expanduser(value))
+        elif flag in INPUT_PATHS and _local(value):
+            path = os.path.abspath(os.path.expanduser(value))
+            if not os.path.exists(path):
+                return f"{flag} {value}: no such file or directory"
+            flags[i + 1] = path
+    return None
 
 
 def submit(script: str | None, argv: list[str]) -> int:
     sbatch = shutil.which("sbatch")
     if sbatch is None:
-        print("dllm-serve: sbatch not found. Run on this machine with --local, or submit from a SLURM login node.")
+        print("dllm-serve: sbatch not found. Run on this machine with --local, or submit from a SLURM login node.",
+              file=sys.stderr)
         return 2
     flags = []
     for a in argv:                        # --flag=value as --flag value: the flags read here and in the scripts
@@ -24,6 +49,10 @@ def submit(script: str | None, argv: list[str]) -> int:
             flags += a.split("=", 1)
         else:
             flags.append(a)
+    bad = absolute_paths(flags)
+    if bad:
+        print(f"dllm-serve serve: {bad}", file=sys.stderr)
+        return 2
     nodes = 1
     for i, a in enumerate(flags):         # --nodes is sbatch's, not the job's `serve --local`
         if a == "--nodes" and i + 1 < len(flags):
@@ -46,7 +75,7 @@ def submit(script: str | None, argv: list[str]) -> int:
     out = subprocess.run([sbatch, "--parsable", "--export=ALL", *opts, str(script_path)], env=env,
                          capture_output=True, text=True)
     if out.returncode != 0:
-        print(f"dllm-serve: sbatch failed: {out.stderr.strip()}")
+        print(f"dllm-serve: sbatch failed: {out.stderr.strip()}", file=sys.stderr)
         return out.returncode
     job = out.stdout.strip().split(";")[0]
     info_file = info / f"server-info-{job}"

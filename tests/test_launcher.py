@@ -485,7 +485,18 @@ def test_slurm_mode_reads_flags_written_with_an_equals_sign(tmp_path, monkeypatc
     fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
     monkeypatch.setenv("DLLM_SERVER_INFO_DIR", str(tmp_path / "info"))
-    assert submit(None, ["--gpus=8", "--worker-base-port=9000", "--nodes=2", "--model-path", "/m"]) == 0
+    (tmp_path / "m").mkdir()
+    assert submit(None, ["--gpus=8", "--worker-base-port=9000", "--nodes=2", "--model-path", str(tmp_path / "m")]) == 0
     args = (tmp_path / "sbatch.args").read_text().split("\n")
     assert "--nodes=2" in args and "--gres=gpu:8" in args and args[-2].endswith("serve_multi_node.sbatch")
-    assert (tmp_path / "sbatch.env").read_text() == "--gpus 8 --worker-base-port 9000 --model-path /m"
+    assert (tmp_path / "sbatch.env").read_text() == f"--gpus 8 --worker-base-port 9000 --model-path {tmp_path / 'm'}"
+    # paths are the caller's: made absolute (the job runs in the project's root); a hub id is left as it is; a
+    # local model path that does not exist is refused before anything is submitted (a review's findings)
+    monkeypatch.chdir(tmp_path)
+    assert submit(None, ["--model-path", "./m", "--log-dir", "logs", "--base-model", "org/name"]) == 0
+    assert (tmp_path / "sbatch.env").read_text() == \
+        f"--model-path {tmp_path / 'm'} --log-dir {tmp_path / 'logs'} --base-model org/name"
+    (tmp_path / "sbatch.args").unlink()
+    assert submit(None, ["--model-path", "./missing"]) == 2
+    assert "--model-path ./missing: no such file or directory" in capsys.readouterr().err
+    assert not (tmp_path / "sbatch.args").exists()

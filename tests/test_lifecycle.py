@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -216,3 +217,16 @@ def test_serve_takes_the_worker_start_timeout(monkeypatch):
     r = CliRunner().invoke(cli, ["serve", "--local", "--model-path", str(TINY_LLADA), "--worker-start-timeout", "7"])
     assert r.exit_code == 0, r.output
     assert seen[0].worker_start_timeout == 7 and ServeConfig(model_path="x").worker_start_timeout == 1800
+
+
+def test_the_server_info_file_reads_back_as_written_by_the_shell(tmp_path):
+    """The file is meant for `source FILE`: a model path or log folder with ", $ or a backtick broke it, or was
+    expanded by the shell (a reviewer's finding); LOG_DIR was relative, so a reader elsewhere could not find it."""
+    import subprocess
+    odd = str(tmp_path / 'm "q" $HOME `id` \\x')
+    sup = _supervisor(tmp_path, server_info_file=tmp_path / "info")
+    sup.cfg.model_path, sup.cfg.log_dir = odd, Path("rel-logs")
+    sup.write_info()
+    out = subprocess.run(["bash", "-c", 'source "$1"; printf "%s\\n%s" "$MODEL_PATH" "$LOG_DIR"', "-",
+                          str(tmp_path / "info")], capture_output=True, text=True, check=True).stdout
+    assert out.split("\n") == [odd, str(Path("rel-logs").resolve())]
