@@ -399,6 +399,13 @@ class ResponsesInputItem(BaseModel):
 
     _media = field_validator("content", mode="before")(classmethod(lambda cls, v: text_parts_only(v)))
 
+    @field_validator("content")
+    @classmethod
+    def _some_parts(cls, v):
+        if isinstance(v, list) and not v:
+            raise ValueError("an empty list of parts")
+        return v
+
     @model_validator(mode="before")
     @classmethod
     def _text_messages_only(cls, data):
@@ -495,12 +502,19 @@ class TokenizeRequest(BaseModel):
     messages: list[ChatMessage] | None = Field(None, min_length=1)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     return_token_strs: bool = False
 
     @model_validator(mode="after")
     def _one_input(self):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt or messages")
+        if self.continue_final_message:           # as a chat request checks it
+            if self.add_generation_prompt:
+                raise ValueError("continue_final_message: needs add_generation_prompt false (the last message is "
+                                 "continued, not followed by a new turn)")
+            if self.messages is None or self.messages[-1].role != "assistant":
+                raise ValueError("continue_final_message: the last message must be the assistant's")
         return self
 
 

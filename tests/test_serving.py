@@ -324,6 +324,11 @@ def test_an_assistant_prefill_is_continued_when_asked(engine, serving):
     assert prep.prompts == [want] and prep.prompts != [apply_chat_template(engine.tokenizer, msgs)]
     prep = s.prepare("chat", {"messages": msgs, "add_generation_prompt": False})
     assert prep.prompts == [apply_chat_template(engine.tokenizer, msgs, add_generation_prompt=False)]
+    # /tokenize renders it the same way (a review found the field dropped there)
+    tok = s.tokenize({"messages": msgs, "add_generation_prompt": False, "continue_final_message": True})
+    assert tok["tokens"] == want
+    with pytest.raises(APIError):
+        s.tokenize({"messages": msgs, "continue_final_message": True})
     for body in ({"continue_final_message": True}, {"continue_final_message": True, "add_generation_prompt": False,
                                                     "messages": msgs[:1]}):
         with pytest.raises(APIError) as e:

@@ -138,6 +138,9 @@ async def test_worker_batch_mixed_requests(aiohttp_client):
     lat = {s.labels["endpoint"]: s.value for s in fams["dllm_worker_request_latency_seconds"].samples
            if s.name.endswith("_count")}
     assert lat["/v1/completions"] == 2 and lat["/worker/batch"] == 2
+    # a row whose kind is not even a string is its own 400 (a review found the call a 500)
+    r = await client.post("/worker/batch", json={"requests": [{"id": "k", "kind": ["chat"], "body": {}}]})
+    assert r.status == 200 and orjson.loads((await r.read()).splitlines()[0])["status"] == 400
     assert [e["event"] for e in by["c"]] == ["response"]
     assert by["c"][0]["data"]["object"] == "chat.completion"
     chunks = [e["data"] for e in by["s"]]
@@ -547,5 +550,36 @@ async def test_a_requests_own_stop_token_ids_end_its_choice(aiohttp_client):
     r = await client.post("/v1/completions", json={**body, "stop_token_ids": [stop]})
     got = (await r.json())["choices"][0]
     assert r.status == 200 and got["finish_reason"] == "stop" and got["token_ids"] == ids[:ids.index(stop)]
+    many = [stop] + [t for t in range(290) if t not in ids]          # many ids (a scan of the window, not of them)
+    r = await client.post("/v1/completions", json={**body, "stop_token_ids": many})
+    assert (await r.json())["choices"][0]["token_ids"] == got["token_ids"]
     r = await client.post("/v1/completions", json={**body, "stop_token_ids": [10 ** 6]})
     assert r.status == 400 and (await r.json())["error"]["param"] == "stop_token_ids"
+
+
+async def test_a_batch_whose_balancer_left_counts_each_request_once(aiohttp_client):
+    """/metrics counted each row of a /worker/batch call the balancer left as 499, and again as 200 when its
+    cancelled run ended (a reviewer's finding)."""
+    from prometheus_client.parser import text_string_to_metric_families
+    client = await aiohttp_client(make_app(WorkerConfig(model_path=str(TINY_LLADA), device="cpu")),
+                                  server_kwargs={"handler_cancellation": True})       # as the worker serves
+    await wait_ready(client)
+    body = {"requests": [{"id": f"r{i}", "kind": "completion", "body": {"prompt": [5, 6], "max_tokens": 1024,
+                                                                         "block_length": 1024, "ignore_eos": True}}
+                         for i in range(2)]}
+    task = asyncio.create_task(client.post("/worker/batch", json=body))
+    state = client.server.app[STATE]
+    for _ in range(400):
+        if state.batcher.running:
+            break
+        await asyncio.sleep(0.01)
+    (await task).close()                            # the balancer goes away (its connection closed)
+    for _ in range(400):
+        if not state.batcher.running and not state.runs:
+            break
+        await asyncio.sleep(0.02)
+    await asyncio.sleep(0.3)
+    fams = {f.name: f for f in text_string_to_metric_families(await (await client.get("/metrics")).text())}
+    counts = {(s.labels["endpoint"], s.labels["status"]): s.value for s in fams["dllm_worker_requests"].samples
+              if s.name == "dllm_worker_requests_total" and s.labels["endpoint"] == "/v1/completions"}
+    assert counts == {("/v1/completions", "499"): 2}

@@ -194,7 +194,8 @@ async def _worker_batch(request: web.Request, t0: float) -> web.StreamResponse:
     unanswered = set(ids)             # requests without their last line yet
     metrics = state.metrics
 
-    paths = {rid: ENDPOINTS.get(item.get("kind"), "unknown") for rid, item in zip(ids, items)}   # (metrics)
+    paths = {rid: ENDPOINTS.get(k, "unknown") if isinstance(k := item.get("kind"), str) else "unknown"
+             for rid, item in zip(ids, items)}     # (metrics)
 
     def emitter(rid: str):
         def emit(kind: str, data, last: bool) -> None:
@@ -273,6 +274,7 @@ async def _worker_batch(request: web.Request, t0: float) -> web.StreamResponse:
             state.runs.pop(rid, None)
         for rid in unanswered:            # the balancer went away (its client did, or it failed over)
             metrics.requests.observe(paths[rid], 499, time.monotonic() - t0)
+        unanswered.clear()                # (a cancelled row's last event, later, is neither sent nor counted)
         state.active -= 1
 
 

@@ -324,7 +324,7 @@ class Serving:
             self._check_message_count(len(req.messages), "messages", 4 * self.engine.max_sequence_length)
             msgs = self._messages(req.messages)
             try:
-                ids = apply_chat_template(self.tok, msgs, req.add_generation_prompt)
+                ids = apply_chat_template(self.tok, msgs, req.add_generation_prompt, req.continue_final_message)
             except Exception as e:
                 raise APIError(400, f"messages: the chat template rejected them: {e}", param="messages")
         return {"count": len(ids), "max_model_len": self.engine.max_sequence_length, "tokens": list(ids),

@@ -158,13 +158,19 @@ class Finisher:
     def __init__(self, mask_id: int, stop_ids: list[int], early_exit: bool, hooks: StepHooks | None):
         self.mask_id = mask_id
         self.stop_ids = frozenset(stop_ids)
+        self._with_extra: dict[frozenset, frozenset] = {}     # the model's stop ids with a request's own
         self.early_exit = early_exit
         self.hooks = hooks or StepHooks()
 
     def stops(self, row: Row) -> frozenset[int]:
         extra = row.params.stop_token_ids
         if extra:                 # the request's own, which ignore_eos does not silence (as vLLM's)
-            return extra if row.params.ignore_eos else self.stop_ids | extra
+            if row.params.ignore_eos:
+                return extra
+            both = self._with_extra.get(extra)
+            if both is None:
+                both = self._with_extra[extra] = self.stop_ids | extra
+            return both
         return _NO_STOPS if row.params.ignore_eos else self.stop_ids
 
     def final_prefix(self, row: Row, gen: list[int]) -> tuple[list[int], bool]:
@@ -177,9 +183,13 @@ class Finisher:
         except ValueError:          # no mask left: once, as the row completes
             head = window
         cut = len(head)
-        for s in self.stops(row):
-            if s in head:
-                cut = min(cut, head.index(s))
+        stops = self.stops(row)
+        if len(stops) <= 8:       # the model's few: one scan in C each
+            for s in stops:
+                if s in head:
+                    cut = min(cut, head.index(s))
+        else:                     # a request's many (up to 1,024): one scan of the window
+            cut = next((i for i, t in enumerate(head) if t in stops), cut)
         return (head if cut == len(head) else head[:cut]), cut < len(head)
 
     def update(self, row: Row, gen: list[int], schedule_done: bool, settled: int | None = None) -> None:
