@@ -241,12 +241,14 @@ def test_serve_nodes_submits_the_multi_node_script_and_is_refused_with_local(tmp
     (bindir / "sbatch").chmod(0o755)
     env = dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}", SBATCH_ARGS=str(tmp_path / "args"),
                DLLM_SERVER_INFO_DIR=str(tmp_path / "info"))
-    r = subprocess.run([*DLLM, "serve", "--nodes", "2", "--gpus", "4", "--model-path", "/models/x"], cwd=ROOT,
+    model = tmp_path / "models" / "x"          # (a local model path must exist: refused before submitting if not)
+    model.mkdir(parents=True)
+    r = subprocess.run([*DLLM, "serve", "--nodes", "2", "--gpus", "4", "--model-path", str(model)], cwd=ROOT,
                        env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stdout + r.stderr
     args = (tmp_path / "args").read_text().split("\n")
     assert "--nodes=2" in args and "--gres=gpu:4" in args and args[-2].endswith("slurm/serve_multi_node.sbatch")
-    assert (tmp_path / "args.env").read_text() == "--gpus 4 --model-path /models/x"
+    assert (tmp_path / "args.env").read_text() == f"--gpus 4 --model-path {model}"
     assert "submitted SLURM job 42 (serve_multi_node.sbatch)" in r.stdout
     r = subprocess.run([*DLLM, "serve", "--gpus", "4"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     args = (tmp_path / "args").read_text().split("\n")
