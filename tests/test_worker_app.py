@@ -19,6 +19,16 @@ async def ready_client(aiohttp_client, **kw):
     return client, first
 
 
+async def running(client):
+    """The worker app's state, once its scheduler runs a row (up to 4 s)."""
+    state = client.server.app[STATE]
+    for _ in range(400):
+        if state.batcher.running:
+            break
+        await asyncio.sleep(0.01)
+    return state
+
+
 async def wait_ready(client) -> None:
     for _ in range(600):
         h = await (await client.get("/health")).json()
@@ -157,11 +167,7 @@ async def test_worker_cancel_drops_a_running_row(aiohttp_client):
     body = {"requests": [{"id": "long", "kind": "completion",
                           "body": {"prompt": [5, 6], "max_tokens": 2048, "block_length": 2048, "ignore_eos": True}}]}
     task = asyncio.create_task(client.post("/worker/batch", json=body))
-    state = client.server.app[STATE]
-    for _ in range(400):
-        if state.batcher.running:
-            break
-        await asyncio.sleep(0.01)
+    state = await running(client)
     # the balancer's /stats sums the rows running from the workers' /health answers (it read a key /health lacks)
     from types import SimpleNamespace
     from balancer.app import _rows_summary
@@ -568,11 +574,7 @@ async def test_a_batch_whose_balancer_left_counts_each_request_once(aiohttp_clie
                                                                          "block_length": 1024, "ignore_eos": True}}
                          for i in range(2)]}
     task = asyncio.create_task(client.post("/worker/batch", json=body))
-    state = client.server.app[STATE]
-    for _ in range(400):
-        if state.batcher.running:
-            break
-        await asyncio.sleep(0.01)
+    state = await running(client)
     (await task).close()                            # the balancer goes away (its connection closed)
     for _ in range(400):
         if not state.batcher.running and not state.runs:
