@@ -529,11 +529,7 @@ class CentralBatcher:
             log.warning("worker %d refused %d requests pinned to weights it no longer holds: its weights are unknown "
                         "until its next /health; re-queued", w.index, len(stale))
             w.last_health = {**w.last_health, "model_version": None}
-            for p in stale:
-                p.worker = None
-                p.tries -= 1            # not a failure of the request
-                p.attempt += 1
-            self.queue.extendleft(reversed([p for p in stale if not p.done]))
+            self._put_back(stale)
             self.versions_changed()     # (a 409 now if no worker is known to hold them)
 
     def _wrong_weights(self, w: Worker, batch: list[Pending], body: bytes) -> bool:
@@ -550,11 +546,7 @@ class CentralBatcher:
             return False
         log.warning("worker %d holds other weights (%s) than the batch allows: re-queued", w.index, actual)
         w.last_health = {**w.last_health, "model_version": actual}
-        for p in batch:
-            p.worker = None
-            p.tries -= 1
-            p.attempt += 1
-        self.queue.extendleft(reversed([p for p in batch if not (p.cancelled or p.done)]))
+        self._put_back(batch)
         self.versions_changed()
         return True
 
@@ -570,11 +562,7 @@ class CentralBatcher:
         w.busy_until = time.monotonic() + delay
         log.info("worker %d answered a batch %d (%s): no batches for %.2f s, %d requests back in the queue", w.index,
                  status, body[:200].decode(errors="replace"), delay, len(batch))
-        for p in batch:
-            p.worker = None
-            p.tries -= 1            # not a failure of the request
-            p.attempt += 1
-        self.queue.extendleft(reversed([p for p in batch if not p.done]))
+        self._put_back(batch)
         self.pool.notify()
 
     def _rejected(self, w: Worker, batch: list[Pending], status: int, body: bytes) -> None:
@@ -598,11 +586,17 @@ class CentralBatcher:
                   len(batch), status, body[:300].decode(errors="replace"))
         self.split_batches += 1
         for p in batch:
-            p.worker = None
             p.solo = True
-            p.tries -= 1            # not a failure of the request or of the worker
+        self._put_back(batch)
+
+    def _put_back(self, batch: list[Pending]) -> None:
+        """Requests a worker did not take (refused, busy, other weights): back to the front of the queue, in order,
+        without using a retry (not a failure of the request); whatever the attempt queued is stale from now on."""
+        for p in batch:
+            p.worker = None
+            p.tries -= 1
             p.attempt += 1
-        self.queue.extendleft(reversed([p for p in batch if not (p.cancelled or p.done)]))
+        self.queue.extendleft(reversed([p for p in batch if not p.done]))      # (a cancelled one is done)
 
     def _failover(self, w: Worker, unfinished: list[Pending], attempts: dict, why: str) -> None:
         unfinished = [p for p in unfinished if not (p.cancelled or p.done)]
