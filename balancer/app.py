@@ -119,8 +119,9 @@ class BalancerConfig:
     batch_retry_max: float = setting(5.0, "Longest wait between two tries of a /v1/batches line the balancer "
                                           "cannot take now (queue full, no healthy worker); the wait starts at "
                                           "0.1 s and doubles.", type=FiniteFloatRange(0.1))
-    models_cache_ttl: float = setting(30.0, "Seconds the balancer reuses a worker's answer to GET /v1/models (and "
-                                            "/v1/models/{id}) before asking again; 0: ask every time.",
+    models_cache_ttl: float = setting(30.0, "Seconds the balancer reuses a worker's answer to GET /v1/models, "
+                                            "/v1/models/{id}, /generation/algorithms and /tokenizer_info before "
+                                            "asking again; 0: ask every time.",
                                       type=FiniteFloatRange(0))
 
 

@@ -6,7 +6,7 @@ import orjson
 import pytest
 import torch
 
-from tests.conftest import TINY_LLADA
+from tests.conftest import TINY_LLADA, TINY_SDAR
 from worker.app import STATE, WorkerConfig, make_app
 from worker.scheduler import Job, RowScheduler
 from worker.engine import GenerationParams, Result
@@ -585,3 +585,29 @@ async def test_a_batch_whose_balancer_left_counts_each_request_once(aiohttp_clie
     counts = {(s.labels["endpoint"], s.labels["status"]): s.value for s in fams["dllm_worker_requests"].samples
               if s.name == "dllm_worker_requests_total" and s.labels["endpoint"] == "/v1/completions"}
     assert counts == {("/v1/completions", "499"): 2}
+
+
+@pytest.mark.parametrize("kw, block", [
+    ({"model_path": str(TINY_LLADA), "default_block_length": 16}, 16),   # the server's flag, not the registry's 32
+    ({"model_path": str(TINY_SDAR)}, 4),                                 # the checkpoint's block_size first
+    ({"model_path": str(TINY_LLADA), "simulate_device": (0.0, 0.0)}, 32),   # a simulated device answers too
+])
+async def test_generation_algorithms_shows_the_block_length_requests_get(aiohttp_client, kw, block):
+    """/generation/algorithms says which block_length a request without one gets: the checkpoint's block size
+    (SDAR), else --default-block-length, at the top and in every algorithm's parameters; the request's tokens are
+    those of one that names it."""
+    client = await aiohttp_client(make_app(WorkerConfig(device="cpu", **kw)))
+    await wait_ready(client)
+    r = await client.get("/generation/algorithms")
+    assert r.status == 200, await r.text()
+    algos = await r.json()
+    assert algos["defaults"]["block_length"] == block
+    assert algos["algorithms"] and all(a["parameters"]["block_length"]["default"] == block
+                                       for a in algos["algorithms"] if "block_length" in a["parameters"])
+    if "simulate_device" in kw:
+        return
+    body = {"prompt": [5, 6, 7, 8], "max_tokens": 16, "return_token_ids": True}
+    plain = await (await client.post("/v1/completions", json=body)).json()
+    named = await (await client.post("/v1/completions", json={**body, "block_length": block})).json()
+    assert plain["choices"][0]["token_ids"] == named["choices"][0]["token_ids"]
+    assert plain["choices"][0]["nfe"] == named["choices"][0]["nfe"]

@@ -505,15 +505,20 @@ async def generation_algorithms(request: web.Request) -> web.Response:
     from worker.engine import ALGORITHMS
     state = request.app[STATE]
     c = state.config
-    family = state.engine.family if state.engine else None
+    engine = state.engine
+    family = engine.family if engine else None
+    # a request without block_length gets the checkpoint's block size (SDAR, DiffusionGemma), else the server's
+    # (worker/serving.py Serving._params)
+    block = (engine.default_block_length if engine is not None else None) or c.default_block_length
     return json_response({
         "family": family,
         "default_algorithm": c.default_algorithm,
-        "defaults": {"max_tokens": c.default_max_tokens, "block_length": c.default_block_length,
+        "defaults": {"max_tokens": c.default_max_tokens, "block_length": block,
                      "steps": "max_tokens (one step per token)", "temperature": 0.0, "remasking": "low_confidence",
                      "cfg_scale": 0.0, "threshold": None, "factor": None},
-        "algorithms": [a.describe(None if state.engine is None else state.engine.algorithm_defaults.get(a.name))
-                       for a in ALGORITHMS.values() if state.engine is None or state.engine.supports(a)],
+        "algorithms": [a.describe(None if engine is None else engine.algorithm_defaults.get(a.name),
+                                  {"block_length": block})
+                       for a in ALGORITHMS.values() if engine is None or engine.supports(a)],
     })
 
 

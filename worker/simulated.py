@@ -51,6 +51,7 @@ class SimulatedEngine:
 
     scoring = "the simulated device (a test double) has no model to score with"
     default_block_length = None          # no checkpoint block size: the server's default applies
+    algorithm_defaults: dict = {}        # nor algorithm_params defaults of its own
 
     def supports(self, algorithm) -> bool:
         return "llada" in algorithm.families      # requests are validated as for a LLaDA model

@@ -115,13 +115,16 @@ class Algorithm:
                                        f"{', '.join(i.name for i in self.params)})")
         return p
 
-    def describe(self, defaults: dict | None = None) -> dict:
-        """For /generation/algorithms; ``defaults``: the checkpoint's own defaults for ``algorithm_params``."""
-        defaults = defaults or {}
+    def describe(self, defaults: dict | None = None, served: dict | None = None) -> dict:
+        """For /generation/algorithms; ``defaults``: the checkpoint's own defaults for ``algorithm_params``;
+        ``served``: the common parameters' defaults as this server applies them (its --default-block-length, or
+        the checkpoint's block size), where this algorithm has none of its own."""
+        defaults, served = defaults or {}, served or {}
         return {
             "name": self.name, "description": self.description, "exact": self.exact,
             "families": list(self.families),
-            "parameters": {p.name: {"default": self.defaults.get(p.name, p.default), "description": p.description}
+            "parameters": {p.name: {"default": self.defaults.get(p.name, served.get(p.name, p.default)),
+                                    "description": p.description}
                            for p in self.params},
             "algorithm_params": {p.name: {"default": defaults.get(p.name, p.default), "description": p.description,
                                           **({"choices": list(p.choices)} if p.choices else {}),
