@@ -209,6 +209,35 @@ async def _body_bytes(client) -> dict:
     return (await (await client.get("/stats")).json())["request_body_bytes"]
 
 
+async def test_a_body_over_the_limit_gets_413_without_content_length(aiohttp_client):
+    """One body is at most --max-body-bytes (64 MiB; 1,000 bytes here): announced by Content-Length it is refused
+    before it is read, and sent in chunks with no length it is refused once its bytes pass the limit (a review found
+    no test of the second); in the OpenAI shape either way, and a body at the limit is read whole."""
+    from common.http import errors_middleware, read_body
+
+    async def echo(request):
+        return web.json_response({"bytes": len(await read_body(request, max_bytes=1000))})
+
+    app = web.Application(middlewares=[errors_middleware])
+    app.router.add_post("/echo", echo)
+    client = await aiohttp_client(app)
+    headers = {"Content-Type": "application/json"}
+
+    async def chunks(n: int, size: int = 300):
+        for _ in range(n):
+            yield b"x" * size
+            await asyncio.sleep(0)
+
+    for data in (b"x" * 1001, chunks(4)):          # 1,001 bytes announced; 1,200 bytes chunked
+        r = await client.post("/echo", data=data, headers=headers)
+        err = (await r.json())["error"]
+        assert r.status == 413 and err["type"] == "invalid_request_error" and "1000 bytes" in err["message"]
+    r = await client.post("/echo", data=b"x" * 1000, headers=headers)
+    assert r.status == 200 and (await r.json())["bytes"] == 1000
+    r = await client.post("/echo", data=chunks(3), headers=headers)
+    assert r.status == 200 and (await r.json())["bytes"] == 900
+
+
 async def test_request_body_bytes_in_flight_are_bounded(aiohttp_client):
     """Issue 29 item 3: bodies held at once (until their requests are answered) stay within
     --max-body-bytes-in-flight (8 MiB here: 6 MiB for bodies over 1 MiB); past it a body gets 503 + Retry-After in
@@ -662,6 +691,42 @@ async def test_rows_a_full_worker_queue_refuses_wait_for_a_worker_again(aiohttp_
         assert stats["in_flight"] == 0
 
 
+async def test_refusals_use_no_retry_a_later_failure_still_has_its_retries(aiohttp_client):
+    """A request refused by row 429s keeps every retry for real failures: refused three times, then its batch's
+    connection cut, it is sent again (--max-retries 1) and answered (a review found the refusals' bookkeeping
+    unchecked: a refusal that used a retry left such a request a 502 "failed on N workers")."""
+    state = {"dispatches": 0}
+
+    async def batch(request):
+        ids = [item["id"] for item in (await request.json())["requests"]]
+        state["dispatches"] += 1
+        n = state["dispatches"]
+        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await resp.prepare(request)
+        if n == 4:
+            request.transport.abort()                     # a failure: the request's one retry
+            return resp
+        for rid in ids:
+            if n <= 3:
+                line = {"id": rid, "event": "error", "status": 429, "end": True,
+                        "data": {"error": {"message": "the worker queue is full", "type": "rate_limit_error",
+                                           "param": None, "code": None}}}
+            else:
+                line = {"id": rid, "event": "response", "end": True, "data": {
+                    "object": "text_completion", "choices": [{"index": 0, "text": rid, "finish_reason": "length"}]}}
+            await resp.write(orjson.dumps(line) + b"\n")
+        await resp.write_eof()
+        return resp
+
+    async with workers(worker_app(batch), worker_app(batch)) as urls:
+        client = await _balancer(aiohttp_client, urls, max_retries=1, busy_backoff_max=0.05)
+        r = await client.post("/v1/completions", json={"prompt": "p"})
+        assert r.status == 200, await r.text()
+        assert state["dispatches"] == 5
+        stats = await (await client.get("/stats")).json()
+        assert stats["redispatched_requests"] == 1
+
+
 async def test_a_request_sent_again_to_a_worker_that_still_holds_it_is_not_refused_as_a_duplicate(aiohttp_client):
     """A batch's connection breaks while the worker goes on holding its rows; with no other worker the requests go
     back to the same one. Each dispatch of a request has its own id on the wire, so the worker takes them (a reviewer
@@ -767,18 +832,26 @@ async def test_a_cancel_closes_the_dispatch_a_refused_request_was_sent_again_in(
                     await pool.probe(w, session)
                 b = CentralBatcher(pool, lambda: session, BatchConfig(batch_size=8, wait_time=0.01,
                                                                       idle_dispatch=False, busy_backoff_max=5))
-                pool.workers[1].busy_until = time.monotonic() + 0.3          # the first batch goes to worker 0
+                pool.workers[1].busy_until = time.monotonic() + 60           # the first batch goes to worker 0
                 b.start()
                 try:
                     a = Pending(id="a", kind="completion", body=b'{"prompt":"x"}', stream=False)
                     c = Pending(id="c", kind="completion", body=b'{"prompt":"x"}', stream=False)
                     b.submit(a)
                     b.submit(c)
-                    for _ in range(100):
+                    for _ in range(250):                # (not a fixed time: a slow machine forms it later)
+                        await asyncio.sleep(0.02)
+                        if a.attempt >= 2:              # refused by worker 0 (c still held there)
+                            break
+                    assert a.attempt >= 2 and c.worker is pool.workers[0]
+                    pool.workers[1].busy_until = 0.0            # worker 1 may take it now
+                    for _ in range(250):
                         await asyncio.sleep(0.02)
                         if a.worker is pool.workers[1]:
                             break
                     assert a.worker is pool.workers[1]       # refused by worker 0, sent again to worker 1
+                    on_1 = [d.batch for d in b._dispatches if d.worker is pool.workers[1]]
+                    assert [[p.id for p in batch] for batch in on_1] == [["a"]], on_1
                     await asyncio.sleep(0.1)
                     t = time.monotonic()
                     b.cancel(a)

@@ -2,6 +2,7 @@
 every row's tokens and nfe equal its output alone, whatever joins or leaves around it. A scripted feed (a test
 double of the worker's queue) releases rows at given steps of the running group."""
 import random
+import zlib
 
 import pytest
 
@@ -69,7 +70,7 @@ def mixed_llada(alg, seed, n=6):
 @pytest.mark.parametrize("alg", ["basic", "prefix_cache", "dual_cache", "dinfer_blockwise", "dinfer_hierarchy",
                                  "dinfer_credit"])
 def test_llada_rows_joining_a_running_batch_are_exact(llada_engine, alg):
-    reqs = mixed_llada(alg, seed=hash(alg) % 1000)
+    reqs = mixed_llada(alg, seed=zlib.crc32(alg.encode()) % 1000)   # (hash() of a str differs between runs)
     feed = check_against_alone(llada_engine, reqs[:2], [(1, reqs[2]), (3, reqs[3]), (3, reqs[4]), (9, reqs[5])])
     assert any(rows > 0 for _, _, rows in feed.joined)      # they joined a batch that was running
 

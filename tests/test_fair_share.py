@@ -64,17 +64,31 @@ def test_scoring_holds_one_chunk_of_rows_and_stops_when_cancelled(llada_engine, 
 
 
 def test_long_rows_step_apart_and_short_rows_overtake_them(llada_engine):
-    """Engine: with long_row_cost set, a short row joining beside long ones finishes after at most one of their
-    steps per few of its own, and every row equals itself alone (exactness is kept)."""
-    from tests.test_continuous import check_against_alone
-    llada_engine.long_row_cost = 10_000
+    """Engine: with long_row_cost set, a short row joining beside long ones steps in a group of its own (its forwards
+    hold it alone), takes several steps per step of theirs and finishes first; every row equals itself alone
+    (exactness is kept). (A review found this test's "long" rows under the long-row cost it set: one group.)"""
+    from tests.test_continuous import check_against_alone, run_staggered
+    from worker.engine.params import row_cost
+    llada_engine.long_row_cost = 1_000
+    long = [Request([5, 6], GenerationParams(gen_length=64, block_length=8)) for _ in range(2)]
+    short = Request([7, 8, 9], GenerationParams(gen_length=8, block_length=8))
+    plan = lambda r: llada_engine.plan(r.prompt_ids, r.params)
+    assert row_cost(plan(long[0])) > 1_000 >= row_cost(plan(short))
+    model, rows_per_forward = llada_engine.model, []
+    real = model.forward
+    model.forward = lambda x, *a, **k: rows_per_forward.append(x.shape[0]) or real(x, *a, **k)
     try:
-        long = [Request([5, 6], GenerationParams(gen_length=64, block_length=8)) for _ in range(2)]
-        short = Request([7, 8, 9], GenerationParams(gen_length=8, block_length=8))
-        feed = check_against_alone(llada_engine, long, [(1, short)])
+        feed = run_staggered(llada_engine, long, [(1, short)])
+        del model.forward                                   # (the instance's override; the class's forward again)
         (i, _, _), = feed.joined
         assert list(feed.results)[0] == i      # the short row, joined after the first step, finished first
+        # its 8 steps in forwards of its own, the long rows' forwards (2 rows) no more than 2 meanwhile
+        assert rows_per_forward.count(1) == 8 and 3 not in rows_per_forward, rows_per_forward
+        assert rows_per_forward[1:].index(1) < 3, rows_per_forward
+        check_against_alone(llada_engine, long, [(1, short)])
     finally:
+        if "forward" in vars(model):
+            del model.forward
         llada_engine.long_row_cost = 0
 
 

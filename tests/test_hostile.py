@@ -141,6 +141,8 @@ def check_answer(status: int, body: bytes, ctype: str) -> None:
     if status >= 400:
         err = json.loads(body)["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["message"], body[:300]
+        if status in (400, 413, 415):            # OpenAI's type for a request it cannot take as sent
+            assert err["type"] == "invalid_request_error", body[:300]
     elif ctype.startswith("text/event-stream"):
         assert body.rstrip().endswith(b"data: [DONE]"), body[-200:]
     else:

@@ -98,6 +98,31 @@ def test_lru_evicts_leaves_before_their_ancestors_and_keys_hold_the_block_length
     assert PrefixCache(0).lookup(a, 2, 3) == []
 
 
+def test_a_block_is_reused_only_when_every_token_of_it_matches():
+    """A cached block serves a prompt only if the prompt equals it in every token up to the block's end: prompts
+    that agree with a cached one at each block's first token but differ inside a block find the blocks before that
+    one only, and their answers are those of the cache off (a review found no prompt in these tests that differs
+    from a cached one inside a block: keys made of each block's first token passed them all)."""
+    kv = lambda j: (torch.full((1, 1, 4, 1), float(j)), torch.zeros(1, 1, 4, 1))
+    c = PrefixCache(1 << 20)
+    a = list(range(1, 13))                                  # 3 blocks of 4
+    c.insert(a, 4, 0, 3, kv)
+    inside = lambda i: a[:i] + [99] + a[i + 1:]
+    assert len(c.lookup(a, 4, 3)) == 3
+    assert len(c.lookup(inside(6), 4, 3)) == 1              # block 1's third token differs
+    assert len(c.lookup(inside(11), 4, 3)) == 2             # block 2's last token differs
+    assert len(c.lookup(inside(1), 4, 3)) == 0
+    off, on, _ = engines("llada2", 0.01)
+    prompt = shared_prefix_requests(off, 1, 24)[0]
+    changed = Request(prompt.prompt_ids[:9] + [prompt.prompt_ids[9] % 50 + 1] + prompt.prompt_ids[10:], prompt.params)
+    assert changed.prompt_ids[8] == prompt.prompt_ids[8] and changed.prompt_ids[9] != prompt.prompt_ids[9]
+    want = outcome(off.generate([prompt, changed]))
+    assert outcome(on.generate([prompt])) == want[:1]
+    before = on.prefix_cache.tokens_hit
+    assert outcome(on.generate([changed])) == want[1:]
+    assert on.prefix_cache.tokens_hit - before == 8           # blocks 0 and 1 only (token 9 is in block 2)
+
+
 def test_families_whose_prompts_see_the_answer_get_no_cache():
     from tests.conftest import TINY_DREAM, TINY_LLADA
     for path in (TINY_LLADA, TINY_DREAM):

@@ -37,7 +37,9 @@ def test_completion_errors_name_the_parameter(body, param):
         parse_request("completion", body)
     assert e.value.status == 400
     assert e.value.param == param
-    assert e.value.body()["error"]["param"] == param
+    # OpenAI's shape: exactly these keys, and a 400's type is invalid_request_error (as OpenAI's and vLLM's)
+    assert e.value.body() == {"error": {"message": e.value.message, "type": "invalid_request_error",
+                                        "param": param, "code": e.value.code}}
 
 
 @pytest.mark.parametrize("body, param", [
