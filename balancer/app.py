@@ -114,7 +114,8 @@ class BalancerConfig:
                                           "$DLLM_CACHE/batches/port-PORT]; batches left running resume from there.")
     max_file_bytes: int = setting(512 * 2**20, "Largest file POST /v1/files takes (413 beyond).",
                                   type=click.IntRange(1))
-    batch_concurrency: int = setting(64, "Lines of one /v1/batches batch in the queue at once.",
+    batch_concurrency: int = setting(64, "Lines of /v1/batches batches in the queue at once, over all "
+                                           "running batches (they take turns).",
                                      type=click.IntRange(1))
     batch_retry_max: float = setting(5.0, "Longest wait between two tries of a /v1/batches line the balancer "
                                           "cannot take now (queue full, no healthy worker); the wait starts at "

@@ -93,6 +93,10 @@ class BatchJobs:
     def __init__(self, state, root: Path, max_file_bytes: int, concurrency: int):
         self.state, self.root = state, root
         self.max_file_bytes, self.concurrency = max_file_bytes, concurrency
+        # --batch-concurrency: lines in the queue at once over every running batch, taken in turn (FIFO): a client
+        # starting many batches gets no more of the queue than one batch (a review filled the 4,096-request queue
+        # with 70 batches of 64 lanes each, and every interactive request got 429)
+        self.slots = asyncio.Semaphore(concurrency)
         self.files_dir, self.batches_dir = root / "files", root / "batches"
         self.tasks: dict[str, asyncio.Task] = {}
         self._cancel: set[str] = set()          # batches being cancelled (read per line: kept in memory)
@@ -370,7 +374,10 @@ class BatchJobs:
                     if self._cancelling(bid) or self.state.draining:
                         return
                     try:
-                        status, data = await self._answer(line, lambda: self._cancelling(bid))
+                        async with self.slots:        # (its turn may come after a cancel or a drain)
+                            if self._cancelling(bid) or self.state.draining:
+                                return
+                            status, data = await self._answer(line, lambda: self._cancelling(bid))
                     except asyncio.CancelledError:
                         raise
                     except Exception as e:    # (a bug) this line's error, not the batch's end

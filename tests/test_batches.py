@@ -348,13 +348,15 @@ async def test_files_and_batches_refuse_bad_input_and_cancel_while_waiting(aioht
     assert cur["model"] is None and cur["usage"] is None
 
 
-async def _files_balancer(aiohttp_client, tmp_path, urls: list[str]):
-    """A balancer in this process over ``urls`` with its files under tmp_path, once it sees every worker."""
+async def _files_balancer(aiohttp_client, tmp_path, urls: list[str], **settings):
+    """A balancer in this process over ``urls`` with its files under tmp_path (and these settings), once it sees
+    every worker."""
     import asyncio
 
     from balancer.app import BalancerConfig, make_app
     from balancer.pool import HealthConfig
-    cfg = BalancerConfig(worker_urls=urls, files_dir=str(tmp_path / "files"), health=HealthConfig(interval=0.05))
+    cfg = BalancerConfig(worker_urls=urls, files_dir=str(tmp_path / "files"), health=HealthConfig(interval=0.05),
+                         **settings)
     client = await aiohttp_client(make_app(cfg))
     for _ in range(200):
         if (await (await client.get("/health")).json())["healthy_workers"] == len(urls):
@@ -409,6 +411,54 @@ async def test_files_pages_and_a_finished_batchs_files_model_and_usage(aiohttp_c
         r = await client.get("/v1/batches/x/y")
         assert r.status == 404 and "/v1/files, /v1/batches" in (await r.json())["error"]["message"]
         assert "does not serve" not in (await r.json())["error"]["message"]
+
+
+async def test_many_batches_hold_no_more_of_the_queue_than_batch_concurrency(aiohttp_client, tmp_path):
+    """--batch-concurrency bounds the lines in the queue over all running batches, which take turns: five batches
+    hold at most 4 rows on the worker at once, an interactive request is answered meanwhile, and every batch
+    completes (a review started 70 batches of 64 lanes each: the 4,096-request queue filled, and every interactive
+    request got 429). A fake worker (tests/fakes.py: a test double) holds each batch 0.1 s."""
+    import asyncio
+
+    import aiohttp as _aiohttp
+    from aiohttp import web
+    from tests.fakes import worker_app, workers
+    held, peak = [0], [0]
+
+    async def batch(request):
+        items = (await request.json())["requests"]
+        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await resp.prepare(request)
+        held[0] += len(items)
+        peak[0] = max(peak[0], held[0])
+        await asyncio.sleep(0.1)
+        for item in items:
+            held[0] -= 1
+            data = {"object": "text_completion", "model": "m",
+                    "choices": [{"index": 0, "text": "t", "finish_reason": "length"}]}
+            await resp.write(orjson.dumps({"id": item["id"], "event": "response", "data": data, "end": True}) + b"\n")
+        await resp.write_eof()
+        return resp
+
+    async with workers(worker_app(batch)) as urls:
+        client = await _files_balancer(aiohttp_client, tmp_path, urls, batch_concurrency=4)
+        form = _aiohttp.FormData()
+        form.add_field("purpose", "batch")
+        form.add_field("file", _lines(12).encode(), filename="in.jsonl")
+        fid = (await (await client.post("/v1/files", data=form)).json())["id"]
+        bids = [(await (await client.post("/v1/batches", json={"input_file_id": fid, "endpoint": "/v1/completions",
+                                                                "completion_window": "24h"})).json())["id"]
+                for _ in range(5)]
+        await asyncio.sleep(0.2)
+        r = await client.post("/v1/completions", json={"prompt": "x"})
+        assert r.status == 200
+        for _ in range(400):
+            statuses = [(await (await client.get(f"/v1/batches/{b}")).json())["status"] for b in bids]
+            if set(statuses) == {"completed"}:
+                break
+            await asyncio.sleep(0.05)
+        assert set(statuses) == {"completed"}
+        assert 2 <= peak[0] <= 4 + 1, peak            # (+1: the interactive request)
 
 
 async def test_a_deeply_nested_line_is_its_own_error_and_the_input_is_read_off_the_event_loop(aiohttp_client, tmp_path,

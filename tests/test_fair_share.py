@@ -18,11 +18,15 @@ from worker.engine import likelihood
 HOSTILE_SCORE = {"prompt": [5 + i % 280 for i in range(300)], "echo": True, "logprobs": 1, "max_tokens": 0, "mc_num": 4096,
                  "mc_batch_size": 4096}
 LONG = {"prompt": "a", "max_tokens": 4000, "block_length": 1}
+# a review's: copies of a two-token prompt cost 3 tokens each by their length, 4.7 M in all, and held a worker for
+# four minutes (their random draws and bookkeeping); a copy costs at least MIN_FORWARD_TOKENS now
+SHORT_SCORES = {"prompt": [[3, 8]] * 24, "echo": True, "logprobs": 0, "max_tokens": 0, "mc_num": 65536,
+                "mc_batch_size": 4096, "context_length": 1}
 
 
 async def test_costly_requests_are_refused_naming_the_limit(aiohttp_client):
     client, _ = await ready_client(aiohttp_client)
-    for body in (HOSTILE_SCORE, {**LONG, "n": 3}, {**LONG, "temperature": 0.5, "n": 2, "cfg_scale": 1.0}):
+    for body in (HOSTILE_SCORE, SHORT_SCORES, {**LONG, "n": 3}, {**LONG, "temperature": 0.5, "n": 2, "cfg_scale": 1.0}):
         r = await client.post("/v1/completions", json=body)
         err = (await r.json())["error"]
         assert r.status == 400 and err["code"] == "request_too_costly", err

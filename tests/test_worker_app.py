@@ -611,3 +611,14 @@ async def test_generation_algorithms_shows_the_block_length_requests_get(aiohttp
     named = await (await client.post("/v1/completions", json={**body, "block_length": block})).json()
     assert plain["choices"][0]["token_ids"] == named["choices"][0]["token_ids"]
     assert plain["choices"][0]["nfe"] == named["choices"][0]["nfe"]
+
+
+async def test_detokenize_takes_at_most_the_models_context(aiohttp_client):
+    """/detokenize decodes at most max_model_len ids (4096 here): a million (the body's limit) held the worker's GIL
+    2.7 s each, and eight at once slowed every other request by seconds (a review)."""
+    client, _ = await ready_client(aiohttp_client)
+    r = await client.post("/detokenize", json={"tokens": [5] * 4096})
+    assert r.status == 200 and (await r.json())["prompt"]
+    r = await client.post("/detokenize", json={"tokens": [5] * 4097})
+    err = (await r.json())["error"]
+    assert r.status == 400 and err["param"] == "tokens" and "4096" in err["message"], err

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .params import MIN_FORWARD_TOKENS
+
 
 @dataclass
 class ScoreRequest:
@@ -51,11 +53,14 @@ class Cancelled(Exception):
 
 def cost(req: ScoreRequest) -> int:
     """A scoring request's nominal cost in token-forwards (as params.row_cost): ``mc_num`` copies per split, the
-    greedy check's one forward per target token, the next-token forward; doubled with classifier-free guidance."""
+    greedy check's one forward per target token, the next-token forward, each of at least MIN_FORWARD_TOKENS
+    tokens (a copy of a short prompt costs its random draws and bookkeeping whatever its length: a review's 24
+    two-token prompts at mc_num 65,536 passed the limit at 3 tokens a copy and held a worker for four minutes);
+    doubled with classifier-free guidance."""
     n = len(req.ids)
     copies = len(req.splits) * req.mc_num
     greedy = sum(n - s for s in req.splits) if req.check_greedy else 0
-    return (copies + greedy + int(req.next_token)) * (n + 1) * (2 if req.cfg_scale > 0 else 1)
+    return (copies + greedy + int(req.next_token)) * max(MIN_FORWARD_TOKENS, n + 1) * (2 if req.cfg_scale > 0 else 1)
 
 
 def check(req: ScoreRequest) -> None:
