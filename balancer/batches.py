@@ -212,7 +212,19 @@ class BatchJobs:
     async def file_content(self, request: web.Request) -> web.StreamResponse:
         fid = request.match_info["file_id"]
         self._file(fid)
-        return web.FileResponse(self._data(fid), headers={"Content-Type": "application/jsonl"})
+        path = self._data(fid)
+        if "Range" in request.headers:         # a range it cannot serve: 416 in the OpenAI shape (aiohttp's is empty)
+            size = path.stat().st_size if path.exists() else 0
+            try:
+                rng = request.http_range
+                start = None if rng.start is None else max(0, rng.start + size) if rng.start < 0 else rng.start
+            except ValueError:
+                start = size
+            if start is not None and start >= size:
+                raise APIError(416, f"the Range {request.headers['Range']!r} is not within this file's {size} bytes",
+                               type="invalid_request_error", param="Range", code="range_not_satisfiable",
+                               headers={"Content-Range": f"bytes */{size}"})
+        return web.FileResponse(path, headers={"Content-Type": "application/jsonl"})
 
     async def delete_file(self, request: web.Request) -> web.Response:
         fid = request.match_info["file_id"]

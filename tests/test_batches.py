@@ -408,6 +408,15 @@ async def test_files_pages_and_a_finished_batchs_files_model_and_usage(aiohttp_c
             "output_tokens_details": {"reasoning_tokens": 0}}
         listed = [f["id"] for f in (await (await client.get("/v1/files")).json())["data"]]
         assert cur["output_file_id"] in listed and len(listed) == 4
+        url = f"/v1/files/{ids[0]}/content"
+        whole = await (await client.get(url)).read()
+        r = await client.get(url, headers={"Range": "bytes=2-5"})
+        assert r.status == 206 and await r.read() == whole[2:6]
+        for rng in (f"bytes={len(whole)}-", "bytes=x"):        # past the end, malformed: 416 in the OpenAI shape
+            r = await client.get(url, headers={"Range": rng})
+            err = (await r.json())["error"]
+            assert r.status == 416 and err["code"] == "range_not_satisfiable" and err["type"] == "invalid_request_error"
+            assert r.headers["Content-Range"] == f"bytes */{len(whole)}"
         r = await client.get("/v1/batches/x/y")
         assert r.status == 404 and "/v1/files, /v1/batches" in (await r.json())["error"]["message"]
         assert "does not serve" not in (await r.json())["error"]["message"]
