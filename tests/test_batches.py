@@ -470,6 +470,41 @@ async def test_many_batches_hold_no_more_of_the_queue_than_batch_concurrency(aio
         assert 2 <= peak[0] <= 4 + 1, peak            # (+1: the interactive request)
 
 
+async def test_a_running_batch_holds_a_chunk_of_its_lines_not_its_input(aiohttp_client, tmp_path, monkeypatch):
+    """A batch's lines are parsed as they are sent, a chunk at a time (32 lines here): while 800 lines run, the
+    balancer holds at most a chunk of them and those in flight (a review: every line parsed at once, about 6x the input file, so a
+    few batches of a large file took gigabytes). Every line is answered once, in the file's order of taking. A fake
+    worker (tests/fakes.py: a test double)."""
+    import asyncio
+    import gc
+
+    import aiohttp as _aiohttp
+    from balancer import batches
+    from common.batchfile import Line
+    from tests.fakes import fake_worker, workers
+    monkeypatch.setattr(batches._Lines, "CHUNK_LINES", 32)
+    async with workers(fake_worker("ok", [])) as urls:
+        client = await _files_balancer(aiohttp_client, tmp_path, urls, batch_concurrency=8)
+        form = _aiohttp.FormData()
+        form.add_field("purpose", "batch")
+        form.add_field("file", _lines(800).encode(), filename="in.jsonl")
+        fid = (await (await client.post("/v1/files", data=form)).json())["id"]
+        b = await (await client.post("/v1/batches", json={"input_file_id": fid, "endpoint": "/v1/completions",
+                                                            "completion_window": "24h"})).json()
+        held = []
+        for _ in range(1200):
+            cur = await (await client.get(f"/v1/batches/{b['id']}")).json()
+            if cur["status"] in ("completed", "failed"):
+                break
+            held.append(sum(1 for o in gc.get_objects() if type(o) is Line))
+            await asyncio.sleep(0.05)
+        assert cur["status"] == "completed" and cur["request_counts"] == {"total": 800, "completed": 800,
+                                                                            "failed": 0}, cur
+        assert len(held) >= 3 and 0 < max(held) <= 32 + 8 * 2, held
+        raw = await (await client.get(f"/v1/files/{cur['output_file_id']}/content")).read()
+        assert sorted(orjson.loads(x)["custom_id"] for x in raw.splitlines()) == sorted(f"r{i}" for i in range(800))
+
+
 async def test_a_deeply_nested_line_is_its_own_error_and_the_input_is_read_off_the_event_loop(aiohttp_client, tmp_path,
                                                                                             monkeypatch):
     """A line nested 300 levels deep was read (orjson reads 1,024) but could not be written again for its request
@@ -490,6 +525,12 @@ async def test_a_deeply_nested_line_is_its_own_error_and_the_input_is_read_off_t
         threads.append(threading.current_thread() is threading.main_thread())
         return real(self, *a)
     monkeypatch.setattr(batches.BatchJobs, "_read_lines", spy)
+    chunk = batches._Lines._chunk
+
+    def spy_chunk(self):
+        threads.append(threading.current_thread() is threading.main_thread())
+        return chunk(self)
+    monkeypatch.setattr(batches._Lines, "_chunk", spy_chunk)
     async with workers(fake_worker("ok", [])) as urls:
         client = await _files_balancer(aiohttp_client, tmp_path, urls)
         deep = '{"a":' * 300 + '1' + '}' * 300
@@ -512,7 +553,7 @@ async def test_a_deeply_nested_line_is_its_own_error_and_the_input_is_read_off_t
         err = [orjson.loads(x) for x in raw.splitlines()]
         assert [(e["custom_id"], e["error"]["code"]) for e in err] == [(None, "invalid_json")]
         assert "nests deeper than" in err[0]["error"]["message"]
-        assert threads == [False]
+        assert threads and not any(threads)       # the count and every chunk of lines read on a thread
 
 
 @pytest.mark.slow
