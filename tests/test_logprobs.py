@@ -149,3 +149,24 @@ async def test_tokens_no_step_decided_get_a_stand_in_and_fail_nothing(aiohttp_cl
     undecided = [i for i, v in enumerate(lp["token_logprobs"]) if v == -9999.0]
     assert len(undecided) >= 8 and all(choice["token_ids"][i] == 292 for i in undecided)
     assert all(lp["top_logprobs"][i] == {lp["tokens"][i]: -9999.0} for i in undecided)
+
+
+def test_a_token_that_begins_a_character_has_one_string_among_its_alternatives():
+    """A byte-level token that only begins a character has the text "" in context (its character comes with the
+    next token); listed among its own step's alternatives it has that same string, not U+FFFD (a review found the
+    chosen token twice in a completions map, and a chat top entry other than the token). Dream's tokenizer."""
+    from worker.serving import Serving, _Choice
+    from worker.tokenizer import load_tokenizer, text_decoder
+    s = Serving.__new__(Serving)             # only its tokenizer parts: logprobs() reads nothing else
+    s.tok = load_tokenizer(TINY_DREAM)
+    s.decode, s._token_texts = text_decoder(s.tok), {}
+    st = _Choice(s.decode, [])
+    st.token_ids = [136, 216, 131]            # "\ufffd", then two bytes of one character
+    st.logprobs = [(136, -0.1, [(136, -0.1), (5, -3.0)]), (216, -0.2, [(216, -0.2), (7, -4.0)]),
+                   (131, -0.3, [(131, -0.3)])]
+    comp = s.logprobs("completion", st)
+    assert comp["tokens"][1] == "" and "".join(comp["tokens"]) == s.decode(st.token_ids)
+    assert len(comp["top_logprobs"][1]) == 2 and comp["top_logprobs"][1][""] == -0.2
+    chat = s.logprobs("chat", st)["content"]
+    assert [c["top_logprobs"][0]["token"] for c in chat] == [c["token"] for c in chat]
+    assert chat[1]["top_logprobs"][0]["bytes"] == chat[1]["bytes"] == []

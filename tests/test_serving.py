@@ -7,7 +7,7 @@ import random
 import pytest
 
 from common.protocol import APIError
-from tests.conftest import TINY_LLADA
+from tests.conftest import TINY_LLADA, fixture_path
 from worker.scheduler import RowScheduler
 from worker.engine import Engine
 from worker.engine.engine import Result
@@ -107,6 +107,24 @@ def test_streamed_text_holds_back_a_possible_stop_string(demo_tokenizer):
     first = c.progress(ids)
     assert decode(ids).endswith("2") and first == decode(ids)[:-1]
     assert first + c.finish(Result(ids, "length", 1, ids, 1)) == decode(ids)
+
+
+def test_a_stop_string_counts_only_in_text_no_later_token_changes():
+    """While tokens still come, a stop string is looked for only in the settled text: two byte tokens decode to
+    two U+FFFD until the token completing the second character comes (a review's Dream answer matched the stop
+    string "\\ufffd\\ufffd" there and was cut to nothing); a stop in settled text stops at once."""
+    from worker.tokenizer import load_tokenizer
+    tok = load_tokenizer(fixture_path("tiny-dream"))
+    decode = lambda ids: tok.decode(ids, skip_special_tokens=True)
+    head, whole = [136, 216], [136, 216, 131, 131]
+    assert decode(head) == "\ufffd\ufffd" and decode(whole) == "\ufffd\u0603\ufffd"
+    c = _Choice(decode, ["\ufffd\ufffd"])
+    out = c.progress(head)
+    assert not c.stopped
+    out += c.progress(whole[:3]) + c.finish(Result(whole, "length", 1, whole, 1))
+    assert out == c.text == decode(whole) and c.finish_reason == "length"
+    c = _Choice(decode, ["\u0603"])
+    assert c.progress(whole[:3]) == "\ufffd" and c.stopped and c.token_ids == whole[:1]
 
 
 def test_the_simulated_device_prepares_and_runs_rows_like_a_model():

@@ -278,7 +278,10 @@ class Serving:
         entries = entries[:len(st.token_ids)]
         pieces, alts = token_pieces(self.decode, [t for t, _, _ in entries], [[a for a, _ in top]
                                                                                for _, _, top in entries])
-        alts = [[p or self.token_text(a) for p, (a, _) in zip(row, top)] for row, (_, _, top) in zip(alts, entries)]
+        # the chosen token among its alternatives has its own string (a byte that only begins a character: "",
+        # where its text alone would be U+FFFD: a review found it listed twice, under two strings)
+        alts = [[s if a == t else p or self.token_text(a) for p, (a, _) in zip(row, top)]
+                for s, row, (t, _, top) in zip(pieces, alts, entries)]
         if kind == "chat":
             def item(s: str, lp: float) -> dict:
                 return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8", "replace"))}
@@ -601,9 +604,30 @@ class _Choice:
         self.window: list[int] | None = None
         self.settled = 0
 
-    def _apply(self, ids: list[int]) -> None:
+    def _settled(self, text: str, start: int = 0) -> int:
+        """How much of ``text`` (the final prefix's, while tokens still come) no later token can change: not a
+        trailing incomplete multi-byte character (U+FFFD until its last byte comes), and with a clean-up tokenizer
+        not the last word and the space before it (after a lone quote, the word before it too: see progress)."""
+        n = len(text)
+        while n > start and text[n - 1] == "\ufffd":
+            n -= 1
+        if self.cleans_up:
+            # transformers' clean_up_tokenization_spaces rewrites the whole text: " ' " becomes "'" once a word
+            # follows the quote, a space before ".", ",", "n't", "'s"... goes, and one rewrite may make another
+            # ("do n ' t" -> "do n't" -> "don't"): each removes the space before a token, so the last word and
+            # the space before it may still change, and after a lone quote the word before it too
+            cut = text.rfind(" ", 0, n)
+            if cut > 0 and text.endswith(" '", 0, n):
+                cut = text.rfind(" ", 0, cut)
+            n = max(start, min(n, cut))
+        return n
+
+    def _apply(self, ids: list[int], final: bool = True) -> None:
         text = self._decode(ids)
-        hits = [h for h in (text.find(s) for s in self.stops) if h >= 0]
+        # while tokens still come, a stop string counts only where the text is settled (a review: a stop string
+        # matched two U+FFFD that the next token turned into one character, and the answer was cut there)
+        settled = len(text) if final else self._settled(text)
+        hits = [h for stop in self.stops if 0 <= (h := text.find(stop)) <= settled - len(stop)]
         if hits:
             cut = min(hits)
             self.text, self.token_ids, self.stopped = text[:cut], self._ids_for(ids, cut), True
@@ -634,22 +658,11 @@ class _Choice:
 
     def progress(self, ids: list[int]) -> str:
         """The final prefix grew to ``ids``: the text that can be streamed now."""
-        self._apply(ids)
+        self._apply(ids, final=False)
         if self.stopped:
             return self._delta(len(self.text))
-        safe = len(self.text) - self.hold          # might be the start of a stop string
-        while safe > self.sent and self.text[safe - 1] == "\ufffd":   # an incomplete multi-byte character
-            safe -= 1
-        if self.cleans_up:
-            # transformers' clean_up_tokenization_spaces rewrites the whole text: " ' " becomes "'" once a word
-            # follows the quote, a space before ".", ",", "n't", "'s"... goes, and one rewrite may make another
-            # ("do n ' t" -> "do n't" -> "don't"): each removes the space before a token, so the last word and
-            # the space before it may still change, and after a lone quote the word before it too
-            cut = self.text.rfind(" ", 0, safe)
-            if cut > 0 and self.text.endswith(" '", 0, safe):
-                cut = self.text.rfind(" ", 0, cut)
-            safe = max(self.sent, min(safe, cut))
-        return self._delta(safe)
+        # not what might be the start of a stop string, nor what may still change
+        return self._delta(self._settled(self.text[:max(0, len(self.text) - self.hold)], self.sent))
 
     def finish(self, result) -> str:
         self.nfe = result.nfe
