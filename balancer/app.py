@@ -384,6 +384,8 @@ async def health(request: web.Request) -> web.Response:
 
 
 def _system_status(state: BalancerState) -> str:
+    if state.draining:            # shutting down: new requests get 503 (a review found it shown "normal")
+        return "draining"
     healthy = len(state.pool.healthy())
     if not healthy:
         return "down"
@@ -506,12 +508,12 @@ async def _expire_loop(state: BalancerState) -> None:
 async def _lifecycle(app: web.Application):
     state = app[STATE]
     # idle connections to workers go after 30 s, before a worker's own --keepalive-timeout (75 s) closes them
+    app[JOBS].start()             # (first: a files folder it cannot make fails the start before anything runs)
     state.session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
                                           json_serialize=lambda o: orjson.dumps(o).decode())
     state.pool.start()
     state.batcher.start()
     state.weights.start()
-    app[JOBS].start()
     expiry = asyncio.create_task(_expire_loop(state), name="request-timeouts")
     yield
     if state.fronts is not None:
@@ -546,11 +548,15 @@ def make_app(cfg: BalancerConfig) -> web.Application:
     app.router.add_get("/dashboard", dashboard)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/v1/load_weights", load_weights)
-    root = Path(cfg.files_dir) if cfg.files_dir else Path(
-        os.environ.get("DLLM_CACHE", Path.home() / ".cache" / "dllm-serve")) / "batches" / f"port-{cfg.port}"
-    app[JOBS] = BatchJobs(app[STATE], root, cfg.max_file_bytes, cfg.batch_concurrency)
+    app[JOBS] = BatchJobs(app[STATE], files_root(cfg), cfg.max_file_bytes, cfg.batch_concurrency)
     add_batch_routes(app, app[JOBS])
     return app
+
+
+def files_root(cfg: BalancerConfig) -> Path:
+    """Where /v1/files and /v1/batches keep their data: --files-dir, else a folder per port under $DLLM_CACHE."""
+    return Path(cfg.files_dir) if cfg.files_dir else Path(
+        os.environ.get("DLLM_CACHE", Path.home() / ".cache" / "dllm-serve")) / "batches" / f"port-{cfg.port}"
 
 
 def check_port_free(host: str, port: int) -> None:

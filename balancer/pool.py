@@ -91,10 +91,10 @@ class Worker:
             return "updating"
         if not self.ever_ready:
             return "starting"
+        if self.down:             # (before stalled: a stalled worker whose probes then failed is unhealthy)
+            return "unhealthy"
         if self.stalled:
             return "stalled"
-        if self.down:
-            return "unhealthy"
         return "busy" if self.inflight_batches else "idle"
 
     @property
@@ -272,6 +272,17 @@ class WorkerPool:
         w.consecutive_ok = 0
         self.abort(w, "stalled")
         return True
+
+    def process_exited(self, w: Worker, why: str) -> None:
+        """``w``'s launcher (balancer/supervisor.py, same process) saw its process exit: down at once, not at the
+        next failed probe or dispatch (a review saw a killed worker shown idle for 1.4 s), its work failed over."""
+        w.consecutive_ok = 0
+        if w.ever_ready and not w.down:
+            log.warning("worker %d (%s) is down: %s", w.index, w.url, why)
+            w.down = True
+        if w.inflight_batches:
+            self.abort(w, why)
+        self.notify()
 
     def abort(self, w: Worker, why: str) -> None:
         """Break every in-flight dispatch to ``w`` (``why``: "stalled", "connection refused"); their unsent requests

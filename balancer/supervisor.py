@@ -166,6 +166,7 @@ class Supervisor:
         self.runner: web.AppRunner | None = None
         self.app: web.Application | None = None
         self.fatal: str | None = None
+        self._held_port: socket.socket | None = None      # the balancer's port until it listens (_reserve)
 
     # ------------------------------------------------------------ server-info file
     @property
@@ -281,6 +282,9 @@ class Supervisor:
             self.fatal = (f"worker {w.index} cannot listen on {self.cfg.worker_host}:{w.port}: address already in "
                           f"use (another server?); choose other ports with --worker-base-port")
             return
+        if self.app is not None:       # the balancer's view follows at once
+            self.app[STATE].pool.process_exited(self.app[STATE].pool.workers[w.index],
+                                                f"its process exited (code {code})")
         now = time.monotonic()
         w.exits += 1
         w.last_exit = code
@@ -320,7 +324,30 @@ class Supervisor:
                     s.bind((host, port))
             except OSError as e:
                 return f"{host}:{port}, {what}, is not free: {e.strerror or e}"
+        if not c.no_balancer:
+            self._reserve(c.host, c.port)
         return None
+
+    def _reserve(self, host: str, port: int) -> None:
+        """Hold the balancer's port until the balancer listens on it (the workers load meanwhile, minutes on GPUs):
+        a socket bound without SO_REUSEADDR makes any other server's bind of it fail, this check's too, so a second
+        launch on the same --port is refused at once instead of taking the port from the first as it finished
+        loading (a review). Not listening: a client meanwhile is refused, as before. Best effort: a port with
+        connections of a server just stopped (TIME_WAIT) cannot be held so; the check above still passed."""
+        if not port:
+            return
+        s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+        try:
+            s.bind((host, port))
+        except OSError:
+            s.close()
+            return
+        self._held_port = s
+
+    def _release_port(self) -> None:
+        if self._held_port is not None:
+            self._held_port.close()
+            self._held_port = None
 
     # ------------------------------------------------------------ main loop
     async def run(self, stop: asyncio.Event | None = None) -> int:
@@ -411,6 +438,7 @@ class Supervisor:
         bcfg.host, bcfg.port = self.cfg.host, self.cfg.port
         if self.cfg.worker_api_key:
             bcfg.worker_api_key = self.cfg.worker_api_key
+        self._release_port()           # (held since the launch's port check)
         self.app = make_app(bcfg)
         for w, pw in zip(self.workers, self.app[STATE].pool.workers):     # /worker-status shows its process too
             pw.process = lambda w=w: self.process_info(w)
@@ -420,6 +448,7 @@ class Supervisor:
         await start_sites(self.runner, bcfg)
 
     async def _shutdown(self) -> None:
+        self._release_port()
         self.stopping = True
         if self.status != "failed":
             self.status = "stopping"

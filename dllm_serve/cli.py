@@ -278,9 +278,11 @@ def _check_device(device: str) -> None:
 @click.option("--log-level", default="info", show_default=True)
 def balancer(log_level, **values):
     """Centralized batching in front of N workers (never imports torch)."""
-    from balancer.app import run
+    from balancer.app import files_root, run
     _logging(log_level)
-    sys.exit(run(build(BalancerConfig, values, batch=build(BatchConfig, values), health=build(HealthConfig, values))))
+    cfg = build(BalancerConfig, values, batch=build(BatchConfig, values), health=build(HealthConfig, values))
+    _writable_dir(files_root(cfg), "--files-dir")
+    sys.exit(run(cfg))
 
 
 def _writable_dir(path: Path, flag: str) -> None:
@@ -469,6 +471,9 @@ def serve(local, model_path, dcp_path, base_model, gpus, gpu_ids, workers, slurm
     _writable_dir(cfg.log_dir, "--log-dir")
     if cfg.server_info_file is not None:
         _writable_dir(cfg.server_info_file.parent, "--server-info-file")
+    if not cfg.no_balancer:
+        from balancer.app import files_root
+        _writable_dir(files_root(bcfg), "--files-dir")
     where = "no balancer (workers only)" if cfg.no_balancer else f"balancer on http://{cfg.host}:{cfg.port}"
     click.echo(f"dllm-serve: model {resolved}; {len(ids) if ids else cfg.cpu_workers} "
                f"{'GPU' if ids else 'CPU'} worker(s){f' of {tp} ranks' if tp > 1 else ''}; {where}; logs in "
@@ -651,7 +656,7 @@ def load_weights(url, server_info_file, model_path, dcp_path, base_model, mode, 
 @click.option("--interval", type=FiniteFloatRange(0.1), default=2.0, show_default=True)
 @click.option("--json", "as_json", is_flag=True, help="Print /worker-status and /stats as JSON.")
 def status(url, monitor, interval, as_json):
-    """Worker status table. Exit code: 0 all healthy, 1 degraded, 2 down or unreachable."""
+    """Worker status table. Exit code: 0 all healthy, 1 degraded, 2 down, draining or unreachable."""
     from dllm_serve.status import main as status_main
     sys.exit(status_main(url, monitor, interval, as_json))
 

@@ -1,5 +1,5 @@
 """``dllm-serve status`` / ``scripts/check_worker_status.py``: the balancer's /worker-status and /stats as a table,
-a live view (``--monitor``), or JSON. Exit code: 0 all workers healthy, 1 degraded, 2 down or unreachable."""
+a live view (``--monitor``), or JSON. Exit code: 0 all workers healthy, 1 degraded, 2 down, draining or unreachable."""
 from __future__ import annotations
 
 import http.client
@@ -37,7 +37,7 @@ def exit_code(data: dict) -> int:
     if "error" in data:
         return 2
     ws = data["worker_status"]
-    if ws["healthy_workers"] == 0:
+    if ws["healthy_workers"] == 0 or ws.get("system_status") == "draining":      # taking no new request
         return 2
     return 0 if ws["healthy_workers"] == ws["total_workers"] else 1
 
@@ -71,7 +71,8 @@ def render(data: dict, url: str):
     if "error" in data:
         return Text(data["error"], style="bold red")
     ws, st = data["worker_status"], data["stats"]
-    sys_style = {"normal": "green", "overloaded": "yellow", "degraded": "yellow", "down": "bold red"}
+    sys_style = {"normal": "green", "overloaded": "yellow", "degraded": "yellow", "down": "bold red",
+                 "draining": "bold blue"}
     head = Text.assemble(("dllm-serve ", "bold"), (url, "dim"), "  system: ",
                          (ws["system_status"], sys_style.get(ws["system_status"], "")),
                          f"  workers {ws['healthy_workers']}/{ws['total_workers']} healthy",

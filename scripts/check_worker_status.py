@@ -2,7 +2,7 @@
 """Worker status of a running dllm-serve (thin wrapper over `dllm-serve status`).
 
   scripts/check_worker_status.py --url http://localhost:8000 --monitor --interval 2
-  scripts/check_worker_status.py --json      # exit code: 0 all healthy, 1 degraded, 2 down or unreachable
+  scripts/check_worker_status.py --json      # exit code: 0 all healthy, 1 degraded, 2 down, draining or unreachable
 """
 import sys
 

@@ -25,6 +25,18 @@ async def _balancer(aiohttp_client, urls, **batch):
     raise TimeoutError
 
 
+async def test_a_draining_balancer_says_so_in_its_system_status(aiohttp_client):
+    """While it drains (SIGTERM: new requests get 503), /worker-status says `draining`, not `normal`."""
+    from balancer.app import STATE
+    async with workers(fake_worker("ok", [])) as urls:
+        client = await _balancer(aiohttp_client, urls)
+        ws = await (await client.get("/worker-status")).json()
+        assert ws["system_status"] == "normal"
+        client.server.app[STATE].draining = True
+        ws = await (await client.get("/worker-status")).json()
+        assert ws["system_status"] == "draining" and ws["healthy_workers"] == 1
+
+
 async def test_crash_mid_batch_redispatches_unsent_and_errors_started_streams(aiohttp_client):
     log = []
     dying, good = TestServer(fake_worker("die", log)), TestServer(fake_worker("ok", log))

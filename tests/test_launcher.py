@@ -219,9 +219,9 @@ def test_dcp_of_another_model_size_is_refused_before_converting(tmp_path, monkey
 
 
 # ---------------------------------------------------------------- status command
-def _fake_balancer(healthy: int, total: int):
+def _fake_balancer(healthy: int, total: int, system: str | None = None):
     ws = {"timestamp": 0, "healthy_workers": healthy, "total_workers": total,
-          "system_status": "normal" if healthy == total else ("down" if not healthy else "degraded"),
+          "system_status": system or ("normal" if healthy == total else ("down" if not healthy else "degraded")),
           "workers": [{"worker_id": i, "url": f"http://w{i}", "status": "idle" if i < healthy else "unhealthy",
                        "in_flight": 0, "in_flight_batches": 0, "requests_served": 3, "errors": 0,
                        "last_activity_seconds_ago": 1.0, "worker_health": {}} for i in range(total)]}
@@ -241,10 +241,12 @@ def _fake_balancer(healthy: int, total: int):
     return app
 
 
-@pytest.mark.parametrize("healthy, code", [(2, 0), (1, 1), (0, 2)])
-async def test_status_exit_codes(aiohttp_server, healthy, code):
+@pytest.mark.parametrize("healthy, code, system", [(2, 0, None), (1, 1, None), (0, 2, None), (2, 2, "draining")])
+async def test_status_exit_codes(aiohttp_server, healthy, code, system):
+    """0 all healthy, 1 degraded, 2 down or draining (shutting down: it takes no new request; a review found a
+    draining server reported normal, exit 0)."""
     import asyncio
-    server = await aiohttp_server(_fake_balancer(healthy, 2))
+    server = await aiohttp_server(_fake_balancer(healthy, 2, system))
     url = str(server.make_url("")).rstrip("/")
     loop = asyncio.get_running_loop()
     res = await loop.run_in_executor(None, lambda: CliRunner().invoke(cli, ["status", "--url", url]))

@@ -30,6 +30,21 @@ def test_ports_that_overlap_fail_the_launch_at_once(tmp_path):
                                  "balancer's port (--port): choose ports that do not overlap")
 
 
+def test_a_launch_holds_its_port_until_its_balancer_listens(tmp_path):
+    """A second launch on the same --port while the first one's workers load was not refused: both passed the port
+    check, the second served, and the first, loaded, died on its bind (a review). The first holds the port from its
+    check until its balancer listens: the second's check fails at once; once released, the port is free again."""
+    port = free_port()
+    first = _supervisor(tmp_path, port=port, worker_base_port=free_port())
+    assert first.taken_ports() is None
+    second = _supervisor(tmp_path / "2", port=port, worker_base_port=free_port())
+    taken = second.taken_ports()
+    assert taken is not None and f"127.0.0.1:{port}, the balancer's port (--port), is not free" in taken
+    first._release_port()
+    assert second.taken_ports() is None
+    second._release_port()
+
+
 def test_the_restart_back_off_doubles_per_crash_in_a_row(tmp_path):
     """It doubled per crash within --crash-window, so a worker crashing every 8 s with a 15 s window waited 2, 4,
     4, 4, ... s for ever; now it doubles per crash since the worker was last ready, up to --restart-backoff-max."""
@@ -46,6 +61,19 @@ def test_the_restart_back_off_doubles_per_crash_in_a_row(tmp_path):
     w.in_a_row = 0                           # (what a ready worker does)
     sup._on_exit(w)
     assert round(w.restart_at - time.monotonic()) == 1
+
+
+def test_a_worker_exit_reaches_the_balancer_at_once(tmp_path):
+    """The supervisor tells the balancer's pool (same process) the moment it sees a worker's process exit."""
+    from balancer.app import STATE
+    sup = _supervisor(tmp_path, cpu_workers=2)
+    seen = []
+    pool = SimpleNamespace(workers=["w0", "w1"], process_exited=lambda w, why: seen.append((w, why)))
+    sup.app = {STATE: SimpleNamespace(pool=pool)}
+    w = sup.workers[1]
+    w.proc = SimpleNamespace(returncode=-9)
+    sup._on_exit(w)
+    assert seen == [("w1", "its process exited (code -9)")]
 
 
 def test_worker_status_shows_a_crash_loop(tmp_path):
@@ -79,10 +107,11 @@ def test_a_log_directory_removed_while_running_is_made_again_at_a_restart(tmp_pa
 
 @pytest.mark.parametrize("flag, value, words", [
     ("--log-dir", "afile/x", "--log-dir"), ("--server-info-file", "afile/info", "--server-info-file"),
-    ("--extra-worker-urls", "notaurl", "expected a base URL")])
+    ("--files-dir", "afile/f", "--files-dir"), ("--extra-worker-urls", "notaurl", "expected a base URL")])
 def test_launch_options_that_cannot_work_are_one_line_before_anything_starts(tmp_path, flag, value, words):
     """An unwritable --log-dir or --server-info-file was a traceback; --extra-worker-urls took anything (a worker
-    "notaurl" stayed "starting" for ever)."""
+    "notaurl" stayed "starting" for ever); an unusable --files-dir failed the launch once the workers had loaded,
+    blaming the port (a review)."""
     (tmp_path / "afile").write_text("a file, not a directory")
     arg = str(tmp_path / value) if "/" in value else value
     r = CliRunner().invoke(cli, ["serve", "--local", "--model-path", str(TINY_LLADA), flag, arg,

@@ -136,6 +136,43 @@ async def test_a_worker_without_progress_while_holding_work_stalls_and_its_work_
         assert w.status == "idle" and not w.stalled
 
 
+async def test_a_stalled_worker_whose_probes_then_fail_shows_unhealthy():
+    """Stalled (it held work and made no progress), its work failed over, then its probes fail: the log says
+    unhealthy and so does its status (a review found `stalled` shown until it was re-admitted)."""
+    answer = {"body": READY}
+    async with pool_with(answer, stall_timeout=5.0) as (pool, aborts):
+        w = pool.workers[0]
+        await pool.probe_once()
+        pool.batch_started(w, 1)
+        w.last_progress = time.monotonic() - 30.0
+        answer["body"] = {"status": "ready", "busy": True, "seconds_since_last_step": 30.0}
+        await pool.probe_once()
+        assert w.status == "stalled"
+        pool.batch_ended(w, 1)
+        answer["body"] = "not json"
+        for _ in range(3):
+            await pool.probe_once()
+        assert w.down and w.status == "unhealthy"
+
+
+async def test_a_worker_whose_process_exited_is_down_at_once_and_its_work_fails_over():
+    """Its launcher saw the process exit (balancer/supervisor.py): down at once, its dispatches aborted, where a probe
+    took up to an interval (a review saw a killed worker shown idle for 1.4 s); a new process ready again is
+    re-admitted by its probes."""
+    answer = {"body": READY}
+    async with pool_with(answer) as (pool, aborts):
+        w = pool.workers[0]
+        await pool.probe_once()
+        pool.batch_started(w, 1)
+        pool.process_exited(w, "its process exited (code -9)")
+        assert w.status == "unhealthy" and not pool.any_healthy()
+        assert aborts == [(0, "its process exited (code -9)")]
+        pool.batch_ended(w, 1)
+        for _ in range(2):                       # healthy_threshold 2
+            await pool.probe_once()
+        assert w.status == "idle" and pool.any_healthy()
+
+
 async def test_without_a_listener_abort_does_nothing():
     async with pool_with({"body": READY}) as (pool, _):
         pool.on_abort = None
