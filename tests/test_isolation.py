@@ -672,3 +672,56 @@ async def test_a_server_raises_its_open_files_limit_and_serves_past_the_usual_10
                 s.close()
             proc.terminate()
             proc.wait(30)
+
+
+async def test_generation_routes_taken_directly_behave_as_through_the_router():
+    """The generation endpoints skip aiohttp's router (common.http.direct_routes): the same handler inside the same
+    middlewares (an error in the OpenAI shape, the API key), ``request.app`` and ``request.match_info`` as the
+    router gives them; a query string, an ``Expect`` header, another method or another path goes through the router
+    (405, 404, 100-continue) as before."""
+    from common.http import AppRunner, middlewares
+    seen, routed = [], []
+
+    async def completions(request):
+        seen.append((request.app is app, request.match_info.route.resource.canonical))
+        body = loads(await request.read())
+        if "bad" in body:
+            raise APIError(400, "bad", param="bad")
+        return web.json_response({"ok": True})
+
+    app = web.Application(middlewares=middlewares("k", lambda path: path.startswith("/v1/")))
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/other", completions)
+    real = app.router.resolve
+
+    async def resolve(request):
+        routed.append(request.raw_path)
+        return await real(request)
+    app.router.resolve = resolve
+    runner = AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        async with aiohttp.ClientSession(headers={"Authorization": "Bearer k"}) as s:
+            url = f"http://127.0.0.1:{port}"
+            r = await s.post(url + "/v1/completions", json={})
+            assert r.status == 200 and seen[-1] == (True, "/v1/completions")
+            r = await s.post(url + "/v1/completions", json={"bad": 1})
+            assert r.status == 400 and (await r.json())["error"]["param"] == "bad"
+            r = await s.post(url + "/v1/completions", json={}, headers={"Authorization": "Bearer wrong"})
+            assert r.status == 401 and (await r.json())["error"]["type"] == "authentication_error"
+            assert routed == []                               # the router saw none of these
+            r = await s.post(url + "/v1/completions?x=1", json={})
+            assert r.status == 200 and seen[-1] == (True, "/v1/completions")
+            r = await s.post(url + "/v1/completions", json={}, expect100=True)
+            assert r.status == 200
+            r = await s.get(url + "/v1/completions")
+            assert r.status == 405 and "error" in await r.json()
+            r = await s.post(url + "/v1/nothing", json={})
+            assert r.status == 404
+            r = await s.post(url + "/v1/other", json={})
+            assert r.status == 200 and seen[-1] == (True, "/v1/other")
+            assert routed == ["/v1/completions?x=1", "/v1/completions", "/v1/completions", "/v1/nothing", "/v1/other"]
+    finally:
+        await runner.cleanup()
