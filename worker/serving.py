@@ -607,7 +607,8 @@ class _Choice:
     def _settled(self, text: str, start: int = 0) -> int:
         """How much of ``text`` (the final prefix's, while tokens still come) no later token can change: not a
         trailing incomplete multi-byte character (U+FFFD until its last byte comes), and with a clean-up tokenizer
-        not the last word and the space before it (after a lone quote, the word before it too: see progress)."""
+        not the last word and the space before it (after a lone quote, the word before it too); from ``start``
+        on (what is streamed already stays)."""
         n = len(text)
         while n > start and text[n - 1] == "\ufffd":
             n -= 1
