@@ -60,7 +60,7 @@ class WorkerConfig:
                                              "naming it (0: no limit). A row's nominal cost: its schedule's forwards "
                                              "x (prompt + canvas tokens, at least 64), x2 with cfg_scale; a scoring request's: "
                                              "(splits x mc_num + greedy-check forwards) x its tokens "
-                                             "(docs/reliability.md).", type=click.IntRange(0))
+                                             "(at least 64) (docs/reliability.md).", type=click.IntRange(0))
     long_row_cost: int = setting(1 << 20, "Rows above this nominal cost (token-forwards) are long: they hold at "
                                           "most --long-row-share of a batch's rows, so short rows are never held "
                                           "behind them (0: no distinction).", type=click.IntRange(0))

@@ -127,6 +127,27 @@ def test_a_stop_string_counts_only_in_text_no_later_token_changes():
     assert c.progress(whole[:3]) == "\ufffd" and c.stopped and c.token_ids == whole[:1]
 
 
+def test_with_a_clean_up_tokenizer_stop_strings_stop_early_and_stream_nothing_they_cut():
+    """A tokenizer whose text a later word may still rewrite (clean_up_tokenization_spaces): a stop string without a
+    space stops the row as soon as it appears (the clean-up only removes spaces; a review found such a stop found
+    only at the end, the row never cancelled), and one with a space is never streamed in part before the final text
+    cuts it."""
+    def decoder(pieces):
+        def decode(ids):
+            return "".join(pieces[i] for i in ids)
+        decode.cleans_up = True
+        return decode
+    decode = decoder(["你", "好", "。", "再", "见"])
+    c = _Choice(decode, ["。"])
+    out = "".join(c.progress(list(range(k))) for k in range(1, 4))
+    assert c.stopped and out == c.text == "你好"
+    decode = decoder(["a", " b", " c", "d", " e", " f"])
+    c = _Choice(decode, ["b c"])
+    out = "".join(c.progress(list(range(k))) for k in range(1, 5))
+    out += c.finish(Result(list(range(6)), "length", 1, list(range(6)), 1))
+    assert c.text == "a " and c.finish_reason == "stop" and out == "a "
+
+
 def test_the_simulated_device_prepares_and_runs_rows_like_a_model():
     """worker/simulated.py (the test double of the benchmarks) goes through the same request path."""
     from worker.engine import Request

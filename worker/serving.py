@@ -604,13 +604,12 @@ class _Choice:
         self.window: list[int] | None = None
         self.settled = 0
 
-    def _settled(self, text: str, start: int = 0) -> int:
+    def _settled(self, text: str) -> int:
         """How much of ``text`` (the final prefix's, while tokens still come) no later token can change: not a
         trailing incomplete multi-byte character (U+FFFD until its last byte comes), and with a clean-up tokenizer
-        not the last word and the space before it (after a lone quote, the word before it too); from ``start``
-        on (what is streamed already stays)."""
+        not the last word and the space before it (after a lone quote, the word before it too)."""
         n = len(text)
-        while n > start and text[n - 1] == "\ufffd":
+        while n and text[n - 1] == "\ufffd":
             n -= 1
         if self.cleans_up:
             # transformers' clean_up_tokenization_spaces rewrites the whole text: " ' " becomes "'" once a word
@@ -620,15 +619,21 @@ class _Choice:
             cut = text.rfind(" ", 0, n)
             if cut > 0 and text.endswith(" '", 0, n):
                 cut = text.rfind(" ", 0, cut)
-            n = max(start, min(n, cut))
+            n = max(0, min(n, cut))
         return n
 
     def _apply(self, ids: list[int], final: bool = True) -> None:
         text = self._decode(ids)
         # while tokens still come, a stop string counts only where the text is settled (a review: a stop string
-        # matched two U+FFFD that the next token turned into one character, and the answer was cut there)
-        settled = len(text) if final else self._settled(text)
-        hits = [h for stop in self.stops if 0 <= (h := text.find(stop)) <= settled - len(stop)]
+        # matched two U+FFFD that the next token turned into one character, and the answer was cut there); the
+        # clean-up only removes spaces, so a stop string without one counts before the last word settles too
+        plain = worded = len(text)
+        if not final:
+            while plain and text[plain - 1] == "\ufffd":
+                plain -= 1
+            worded = self._settled(text)
+        hits = [h for stop in self.stops
+                if 0 <= (h := text.find(stop)) <= (worded if " " in stop else plain) - len(stop)]
         if hits:
             cut = min(hits)
             self.text, self.token_ids, self.stopped = text[:cut], self._ids_for(ids, cut), True
@@ -662,8 +667,8 @@ class _Choice:
         self._apply(ids, final=False)
         if self.stopped:
             return self._delta(len(self.text))
-        # not what might be the start of a stop string, nor what may still change
-        return self._delta(self._settled(self.text[:max(0, len(self.text) - self.hold)], self.sent))
+        # a stop string not found yet ends after the settled text: not what might be its start, nor what may change
+        return self._delta(self._settled(self.text) - self.hold)
 
     def finish(self, result) -> str:
         self.nfe = result.nfe
