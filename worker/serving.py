@@ -604,14 +604,15 @@ class _Choice:
         self.window: list[int] | None = None
         self.settled = 0
 
-    def _settled(self, text: str) -> int:
+    def _settled(self, text: str, words: bool = True) -> int:
         """How much of ``text`` (the final prefix's, while tokens still come) no later token can change: not a
         trailing incomplete multi-byte character (U+FFFD until its last byte comes), and with a clean-up tokenizer
-        not the last word and the space before it (after a lone quote, the word before it too)."""
+        (unless ``words`` is False) not the last word and the space before it (after a lone quote, the word before
+        it too)."""
         n = len(text)
         while n and text[n - 1] == "\ufffd":
             n -= 1
-        if self.cleans_up:
+        if words and self.cleans_up:
             # transformers' clean_up_tokenization_spaces rewrites the whole text: " ' " becomes "'" once a word
             # follows the quote, a space before ".", ",", "n't", "'s"... goes, and one rewrite may make another
             # ("do n ' t" -> "do n't" -> "don't"): each removes the space before a token, so the last word and
@@ -629,9 +630,7 @@ class _Choice:
         # clean-up only removes spaces, so a stop string without one counts before the last word settles too
         plain = worded = len(text)
         if not final:
-            while plain and text[plain - 1] == "\ufffd":
-                plain -= 1
-            worded = self._settled(text)
+            plain, worded = self._settled(text, words=False), self._settled(text)
         hits = [h for stop in self.stops
                 if 0 <= (h := text.find(stop)) <= (worded if " " in stop else plain) - len(stop)]
         if hits:
