@@ -132,6 +132,31 @@ class WorkerProc:
     last_exit: int | None = None        # the last one's code
 
 
+def write_info_file(path: Path, info: dict, error: str | None = None) -> None:
+    """The server-info file (KEY="VALUE" lines a shell can source), replaced atomically; with the SLURM job's id and
+    ``error`` (one line, at most 2,000 characters) as SERVER_ERROR."""
+    info = dict(info)
+    if os.environ.get("SLURM_JOB_ID"):
+        info["SLURM_JOB_ID"] = os.environ["SLURM_JOB_ID"]
+    if error:
+        error = error.replace('"', "'").replace("\n", " ")
+        info["SERVER_ERROR"] = error if len(error) <= 2000 else error[:600] + " ... " + error[-1390:]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(f'{k}="{_sh_quoted(v)}"\n' for k, v in info.items()))
+    os.replace(tmp, path)
+
+
+def write_failed_info(path: Path, error: str) -> None:
+    """The server-info file of a launch that failed before it started anything (a bad model path, GPU flags, a DCP
+    that does not convert): SERVER_STATUS="failed" and SERVER_ERROR, so a job waiting on the file stops waiting."""
+    try:
+        write_info_file(path, {"SERVER_STATUS": "failed", "SERVER_PID": str(os.getpid()),
+                               "UPDATED": time.strftime("%Y-%m-%dT%H:%M:%S%z")}, error)
+    except OSError:
+        pass                        # (its directory is not writable: the error itself says so on stderr)
+
+
 def _sh_quoted(value: str) -> str:
     """``value`` inside double quotes as a shell reads it back (``source FILE``): \\, ", $ and ` escaped, a newline
     a space."""
@@ -191,16 +216,7 @@ class Supervisor:
             "LOG_DIR": str(Path(self.cfg.log_dir).resolve()),     # (read from anywhere: absolute)
             "UPDATED": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
-        if os.environ.get("SLURM_JOB_ID"):
-            info["SLURM_JOB_ID"] = os.environ["SLURM_JOB_ID"]
-        if self.fatal:
-            error = self.fatal.replace('"', "'").replace("\n", " ")
-            info["SERVER_ERROR"] = error if len(error) <= 2000 else error[:600] + " ... " + error[-1390:]
-        path = self.cfg.server_info_file
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text("".join(f'{k}="{_sh_quoted(v)}"\n' for k, v in info.items()))
-        os.replace(tmp, path)
+        write_info_file(self.cfg.server_info_file, info, self.fatal)
 
     def worker_address(self) -> str:
         """Where this machine reaches its own workers (``--worker-host``; loopback when they listen on every

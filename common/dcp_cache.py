@@ -14,6 +14,9 @@ import sys
 from pathlib import Path
 
 FINGERPRINT = ".dcp-fingerprint.json"
+# the converting process's parent: the converter ends when that process dies (SIGTERM to a launch that is
+# converting leaves no converter running; `dllm-serve convert-dcp --no-cache` reads it)
+PARENT_ENV = "DLLM_SERVE_CONVERT_PARENT"
 
 
 def fingerprint(dcp_path: Path, base_model: Path) -> dict:
@@ -69,16 +72,20 @@ def ensure_converted(dcp_path: str | Path, base_model: str | Path, output: str |
     want = fingerprint(dcp_path, base)
     with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)           # a racing launch waits here, then finds the result
+        # under the lock no other conversion of this output runs: a temporary directory here is one a killed
+        # conversion left (a whole checkpoint's size)
+        for stale in (*output.parent.glob(f".{output.name}.tmp-*"), *output.parent.glob(f".{output.name}.old-*")):
+            shutil.rmtree(stale, ignore_errors=True)
         marker = output / FINGERPRINT
         if marker.is_file() and json.loads(marker.read_text()) == want:
             log(f"dllm-serve: reusing converted checkpoint {output}")
             return output
         tmp = output.parent / f".{output.name}.tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
         log(f"dllm-serve: converting DCP {dcp_path} (base {base}) -> {output}")
         r = subprocess.run([sys.executable, "-m", "dllm_serve", "convert-dcp", "--dcp-path", str(dcp_path),
                             "--base-model", str(base), "--output", str(tmp), "--no-cache"],
-                           capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
+                           capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent,
+                           env=dict(os.environ, **{PARENT_ENV: str(os.getpid())}))
         if r.returncode != 0:
             shutil.rmtree(tmp, ignore_errors=True)
             raise RuntimeError(f"DCP conversion failed:\n{(r.stdout + r.stderr)[-3000:]}")

@@ -2,6 +2,7 @@
 imports torch."""
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -414,20 +415,36 @@ SERVE_WORKER = ("default_algorithm", "default_max_tokens", "dtype", "score_mc_nu
 @click.option("--nodes", type=click.IntRange(1), default=None,
               help="SLURM mode: nodes of the job (sbatch --nodes); more than one runs slurm/serve_multi_node.sbatch "
                    "(the balancer on the first node, --gpus or --workers per node).")
+@click.option("--slurm-cpus", type=click.IntRange(1), default=None,
+              help="SLURM mode: cores to ask for on each node (sbatch --cpus-per-task) [default: 4 per worker "
+                   "(per GPU of --gpus, or per --workers) plus 2].")
 @click.option("--log-level", default="info", show_default=True)
-def serve(local, model_path, dcp_path, base_model, gpus, gpu_ids, workers, slurm_script, nodes, log_level, **values):
+def serve(local, model_path, dcp_path, base_model, gpus, gpu_ids, workers, slurm_script, nodes, slurm_cpus, log_level,
+          **values):
     """Workers (one per GPU, or CPU workers) plus the balancer, supervised: ``--local``, or a SLURM job."""
     from common.worker_config import scoring_defaults_problem
     _logging(log_level)
     why = scoring_defaults_problem(values["worker_score_mc_num"], values["worker_score_batch_size"])
     if why:
         raise click.UsageError(why)
-    if local and nodes is not None:
-        raise click.UsageError("--nodes is for SLURM mode (without --local); --local runs on this machine only")
+    if local and (nodes is not None or slurm_cpus is not None):
+        raise click.UsageError(f"{'--nodes' if nodes is not None else '--slurm-cpus'} is for SLURM mode (without "
+                               f"--local); --local runs on this machine only")
     if not local:
         from dllm_serve.slurm import submit
         sys.exit(submit(slurm_script, sys.argv[2:] if len(sys.argv) > 2 else []))
-    from balancer.supervisor import run
+    from balancer.supervisor import run, write_failed_info
+    try:
+        cfg = _local_serve_config(model_path, dcp_path, base_model, gpus, gpu_ids, workers, log_level, values)
+    except click.ClickException as e:      # (a SLURM job's wait loop reads the server-info file: it says "failed")
+        if values["server_info_file"] is not None:
+            write_failed_info(Path(values["server_info_file"]).absolute(), e.format_message())
+        raise
+    sys.exit(run(cfg))
+
+
+def _local_serve_config(model_path, dcp_path, base_model, gpus, gpu_ids, workers, log_level, values) -> ServeConfig:
+    """``serve --local``'s checks (usage errors, exit 2; a DCP that does not convert, exit 1) and its config."""
     from common.resolve import ResolveError, resolve_model
     if dcp_path:                 # usage errors (exit 2), as --model-path's are; a DCP that cannot convert is exit 1
         if model_path:
@@ -478,7 +495,7 @@ def serve(local, model_path, dcp_path, base_model, gpus, gpu_ids, workers, slurm
     click.echo(f"dllm-serve: model {resolved}; {len(ids) if ids else cfg.cpu_workers} "
                f"{'GPU' if ids else 'CPU'} worker(s){f' of {tp} ranks' if tp > 1 else ''}; {where}; logs in "
                f"{cfg.log_dir}/", err=True)
-    sys.exit(run(cfg))
+    return cfg
 
 
 @main.command()
@@ -539,6 +556,13 @@ def score(model_path, prefix_ids, target_ids, mc_num, batch_size, cfg_scale, see
 def convert_dcp(dcp_path, base_model, output, no_cache):
     """Convert a DCP checkpoint into a servable directory (once; reused while unchanged)."""
     if no_cache:
+        from common.dcp_cache import PARENT_ENV
+        parent = os.environ.get(PARENT_ENV)
+        if parent:                          # converting for a launch: not past its end
+            from balancer.supervisor import die_with_parent
+            die_with_parent()
+            if str(os.getppid()) != parent:
+                raise click.ClickException("the process that started this conversion has exited")
         from worker.dcp import convert
         from worker.models import CheckpointError
         if output is None:
@@ -547,6 +571,8 @@ def convert_dcp(dcp_path, base_model, output, no_cache):
             convert(dcp_path, base_model, output)
         except (CheckpointError, OSError) as e:
             raise click.ClickException(str(e))
+        except Exception as e:              # a checkpoint still being written (an empty .metadata: EOFError), ...
+            raise click.ClickException(f"cannot read the DCP checkpoint {dcp_path}: {type(e).__name__}: {e}")
         click.echo(output)
         return
     from common.dcp_cache import ensure_converted

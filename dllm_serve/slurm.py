@@ -35,6 +35,31 @@ def absolute_paths(flags: list[str]) -> str | None:
     return None
 
 
+# cores a SLURM job asks for on each node (sbatch --cpus-per-task; --slurm-cpus overrides): per worker (its HTTP
+# server, tokenizer and the thread that drives its GPU), plus the balancer's and the supervisor's
+CPUS_PER_WORKER = 4
+CPUS_EXTRA = 2
+
+
+def _value(flags: list[str], flag: str) -> str | None:
+    """The value of ``flag`` in ``flags`` (the last one given), or None."""
+    found = None
+    for i, a in enumerate(flags[:-1]):
+        if a == flag:
+            found = flags[i + 1]
+    return found
+
+
+def _take(flags: list[str], flag: str, default):
+    """The (int) value of ``flag``, removed from ``flags`` (it is the submission's, not the job's); ``default``
+    when absent."""
+    value = _value(flags, flag)
+    while flag in flags[:-1]:
+        i = flags.index(flag)
+        del flags[i:i + 2]
+    return default if value is None else int(value)
+
+
 def submit(script: str | None, argv: list[str]) -> int:
     sbatch = shutil.which("sbatch")
     if sbatch is None:
@@ -53,23 +78,24 @@ def submit(script: str | None, argv: list[str]) -> int:
     if bad:
         print(f"dllm-serve serve: {bad}", file=sys.stderr)
         return 2
-    nodes = 1
-    for i, a in enumerate(flags):         # --nodes is sbatch's, not the job's `serve --local`
-        if a == "--nodes" and i + 1 < len(flags):
-            nodes = int(flags[i + 1])
-            del flags[i:i + 2]
-            break
+    if "--gpu-ids" in flags:
+        print("dllm-serve serve: --gpu-ids names GPUs of this machine; a SLURM job gets the GPUs SLURM allocates "
+              "(CUDA_VISIBLE_DEVICES on its node): give --gpus N", file=sys.stderr)
+        return 2
+    nodes = _take(flags, "--nodes", 1)           # sbatch's, not the job's `serve --local`
+    cpus = _take(flags, "--slurm-cpus", None)
+    gpus = _value(flags, "--gpus")
+    if cpus is None:                  # ask SLURM for cores: by default a job gets one, and where cgroups confine
+        workers = int(gpus or _value(flags, "--workers") or 1)         # jobs to theirs, every worker shared it
+        cpus = CPUS_PER_WORKER * workers + CPUS_EXTRA
     default = "serve_multi_node.sbatch" if nodes > 1 else "serve_single_node.sbatch"
     script_path = Path(script) if script else ROOT / "slurm" / default
     info = Path(os.environ.get("DLLM_SERVER_INFO_DIR", Path.home() / ".dllm-serve"))
     env = dict(os.environ, DLLM_SERVE_ROOT=str(ROOT), DLLM_SERVE_ARGS=shlex.join(flags),
                DLLM_SERVER_INFO_DIR=str(info))
-    opts = [f"--nodes={nodes}"]
-    for flag in ("--gpus",):
-        if flag in flags and flags.index(flag) + 1 < len(flags):
-            opts.append(f"--gres=gpu:{flags[flags.index(flag) + 1]}")
-    if "--gpu-ids" in flags and flags.index("--gpu-ids") + 1 < len(flags):
-        opts.append(f"--gres=gpu:{len(flags[flags.index('--gpu-ids') + 1].split(','))}")
+    opts = [f"--nodes={nodes}", f"--cpus-per-task={cpus}"]
+    if gpus is not None:
+        opts.append(f"--gres=gpu:{gpus}")
     info.mkdir(parents=True, exist_ok=True)
     opts.append(f"--output={info / 'dllm-serve-%j.out'}")
     out = subprocess.run([sbatch, "--parsable", "--export=ALL", *opts, str(script_path)], env=env,
@@ -78,11 +104,12 @@ def submit(script: str | None, argv: list[str]) -> int:
         print(f"dllm-serve: sbatch failed: {out.stderr.strip()}", file=sys.stderr)
         return out.returncode
     job = out.stdout.strip().split(";")[0]
-    info_file = info / f"server-info-{job}"
+    info_file = _value(flags, "--server-info-file") or info / f"server-info-{job}"
     print(f"submitted SLURM job {job} ({script_path.name})")
-    print(f"server info: {info_file}   (wait for SERVER_STATUS=\"running\"); job output: "
-          f"{info / f'dllm-serve-{job}.out'}")
-    print(f"  until grep -q 'SERVER_STATUS=\"running\"' {info_file} 2>/dev/null; do sleep 5; done; cat {info_file}")
+    print(f"server info: {info_file}   (wait for SERVER_STATUS=\"running\", or \"failed\" with SERVER_ERROR); job "
+          f"output: {info / f'dllm-serve-{job}.out'}")
+    print(f"  until grep -qE 'SERVER_STATUS=\"(running|failed)\"' {info_file} 2>/dev/null; do sleep 5; done; "
+          f"cat {info_file}")
     print("connect from your machine: ssh -N -L <port>:<node>:<port> <login-node>  (node and port: SERVER_BASE_URL "
           "in the server info; with no --port the job derives its port from the job id)")
     print(f"stop: scancel {job}")

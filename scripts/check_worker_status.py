@@ -8,7 +8,8 @@ import sys
 
 import _venv  # noqa: F401  (re-runs this script with the project's .venv)
 
-from dllm_serve.cli import main  # noqa: E402
+from dllm_serve.cli import status  # noqa: E402
 
 if __name__ == "__main__":
-    main(["status", *sys.argv[1:]])
+    status.main(sys.argv[1:], prog_name="check_worker_status.py", help_option_names=["-h", "--help"],
+                max_content_width=110)

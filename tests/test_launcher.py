@@ -176,6 +176,49 @@ def test_dcp_racing_launches_convert_once(tmp_path):
     assert len({out.strip() for out, _ in outs}) == 1
 
 
+@pytest.mark.slow
+def test_sigterm_while_converting_leaves_no_converter_and_the_next_launch_clears_its_directory(tmp_path, monkeypatch):
+    """SIGTERM to a launch converting its DCP (before its supervisor runs) left the converter running, orphaned,
+    and its temporary directory (a whole checkpoint) was never removed; a DCP still being written (an empty
+    .metadata) failed with "Aborted!" and nothing else."""
+    _write_dcp(tmp_path / "ckpt", "structured")
+    env = dict(os.environ, DLLM_CACHE=str(tmp_path / "cache"))
+    serve = subprocess.Popen(DLLM + ["serve", "--local", "--dcp-path", str(tmp_path / "ckpt"), "--base-model",
+                                     str(TINY_LLADA), "--port", str(free_port()), "--log-dir", str(tmp_path / "logs")],
+                             cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        converter = None
+        while converter is None and time.monotonic() < deadline and serve.poll() is None:
+            converter = next((c for c in psutil.Process(serve.pid).children()
+                              if "convert-dcp" in " ".join(c.cmdline())), None)
+            time.sleep(0.05)
+        assert converter is not None, "no converter seen"
+        serve.send_signal(signal.SIGTERM)
+        serve.wait(timeout=30)
+        gone, alive = psutil.wait_procs([converter], timeout=15)
+        assert not alive, f"the converter outlived its launch: {converter.cmdline()}"
+    finally:
+        serve.kill()
+        serve.wait()
+    cache = tmp_path / "cache" / "converted"
+    left = list(cache.glob(".*.tmp-*"))
+    from common.dcp_cache import default_output
+    monkeypatch.setenv("DLLM_CACHE", env["DLLM_CACHE"])
+    out = default_output(tmp_path / "ckpt")
+    stale = out.parent / f".{out.name}.tmp-1"        # (and one of a launch killed before)
+    stale.mkdir(parents=True, exist_ok=True)
+    (stale / "model.safetensors").write_bytes(b"x")
+    r = subprocess.run(DLLM + ["convert-dcp", "--dcp-path", str(tmp_path / "ckpt"), "--base-model", str(TINY_LLADA)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert not list(cache.glob(".*.tmp-*")), (left, list(cache.iterdir()))
+    (tmp_path / "ckpt" / "weights" / ".metadata").write_bytes(b"")
+    r = subprocess.run(DLLM + ["convert-dcp", "--dcp-path", str(tmp_path / "ckpt"), "--base-model", str(TINY_LLADA)],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and "cannot read the DCP checkpoint" in r.stderr and "EOFError" in r.stderr, r.stderr
+
+
 def test_serve_dcp_usage_errors_are_exit_2_as_model_path_ones(tmp_path):
     """`serve --dcp-path` without --base-model, or with a path that is not a directory, exited 1 ("error:") where
     the same mistakes with --model-path are usage errors (exit 2)."""

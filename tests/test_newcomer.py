@@ -257,3 +257,51 @@ def test_serve_nodes_submits_the_multi_node_script_and_is_refused_with_local(tmp
                        text=True, timeout=60)
     assert r.returncode == 2 and "--nodes is for SLURM mode" in r.stderr
     assert len([line for line in r.stderr.splitlines() if line.strip()]) <= 3
+
+
+def test_slurm_mode_asks_for_cores_refuses_gpu_ids_and_prints_the_users_info_file(tmp_path):
+    """A job asked SLURM for nothing but GPUs: one core for the balancer and every worker where cgroups confine a
+    job to its cores (now 4 a worker plus 2, or --slurm-cpus, which the job's serve never sees); --gpu-ids (this
+    machine's GPUs) was passed to a job whose node numbers its own, where serve refused it; and the server-info
+    file printed was the default one where --server-info-file named another."""
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "sbatch").write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$SBATCH_ARGS"\n'
+                                   'printf "%s" "$DLLM_SERVE_ARGS" > "$SBATCH_ARGS.env"\necho 42\n')
+    (bindir / "sbatch").chmod(0o755)
+    env = dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}", SBATCH_ARGS=str(tmp_path / "args"),
+               DLLM_SERVER_INFO_DIR=str(tmp_path / "info"))
+
+    def submit(*flags):
+        r = subprocess.run([*DLLM, "serve", *flags], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+        return r, (tmp_path / "args").read_text().split("\n"), (tmp_path / "args.env").read_text()
+
+    r, args, job = submit("--gpus", "8")
+    assert r.returncode == 0 and "--cpus-per-task=34" in args and "--gres=gpu:8" in args, (r.stderr, args)
+    r, args, job = submit("--workers", "2", "--nodes", "2", "--slurm-cpus=5")
+    assert r.returncode == 0 and "--cpus-per-task=5" in args and "--nodes=2" in args, (r.stderr, args)
+    assert job == "--workers 2"
+    r, args, job = submit("--server-info-file", "mine.env")
+    assert "--cpus-per-task=6" in args and f"server info: {ROOT / 'mine.env'}" in r.stdout, r.stdout
+    (tmp_path / "args").unlink()
+    r = subprocess.run([*DLLM, "serve", "--gpu-ids", "0,2"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and "give --gpus N" in r.stderr and not (tmp_path / "args").exists(), r.stderr
+    r = subprocess.run([*DLLM, "serve", "--local", "--slurm-cpus", "4"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "--slurm-cpus is for SLURM mode" in r.stderr
+
+
+def test_a_launch_that_fails_before_starting_says_failed_in_its_server_info_file(tmp_path):
+    """A SLURM job whose serve failed its checks (no GPU on the node, a model path the node lacks, a DCP that does
+    not convert) exited without writing its server-info file, so the documented wait loop never ended."""
+    info = tmp_path / "info.env"
+    info.write_text('SERVER_STATUS="initializing"\n')     # (an earlier launch's file is replaced)
+    r = subprocess.run([*DLLM, "serve", "--local", "--gpus", "2", "--server-info-file", str(info)], cwd=ROOT,
+                       env=dict(os.environ, CUDA_VISIBLE_DEVICES="", SLURM_JOB_ID="42"), capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 2 and "shows no GPU" in r.stderr, r.stderr
+    text = info.read_text()
+    assert 'SERVER_STATUS="failed"' in text and 'SLURM_JOB_ID="42"' in text and "shows no GPU" in text, text
+    assert subprocess.run(["bash", "-c", f'. {info} && [ "$SERVER_STATUS" = failed ] && [ -n "$SERVER_ERROR" ]'],
+                          timeout=10).returncode == 0

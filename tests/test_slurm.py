@@ -68,9 +68,10 @@ def _info(path):
 def test_sbatch_single_node_serves_and_scancel_stops(slurm, tmp_path):
     env = dict(slurm, DLLM_SERVER_INFO_DIR=str(tmp_path / "info"))
     port = free_port()
-    out = subprocess.run([*DLLM, "serve", "--workers", "1", "--port", str(port), "--worker-base-port",
-                          str(free_port()), "--stagger", "0"], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=60)
+    # (--slurm-cpus 1: this cluster's node declares the machine's cores, two)
+    out = subprocess.run([*DLLM, "serve", "--workers", "1", "--slurm-cpus", "1", "--port", str(port),
+                          "--worker-base-port", str(free_port()), "--stagger", "0"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
     job = out.stdout.split("submitted SLURM job ")[1].split()[0]
     assert f"scancel {job}" in out.stdout and "ssh -N -L" in out.stdout
@@ -177,8 +178,9 @@ def test_sbatch_two_nodes_serves_from_both_survives_a_worker_kill_and_scancel_cl
     models = [ROOT / "tests/fixtures/tiny-llada", ROOT / "tests/fixtures/tiny-llada-peaky"]
     jobs = []
     for model in models:
-        out = subprocess.run([*DLLM, "serve", "--nodes", "2", "--workers", "1", "--model-path", str(model),
-                              "--stagger", "0"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+        out = subprocess.run([*DLLM, "serve", "--nodes", "2", "--workers", "1", "--slurm-cpus", "1", "--model-path",
+                              str(model), "--stagger", "0"], cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=60)
         assert out.returncode == 0, out.stdout + out.stderr
         assert "serve_multi_node.sbatch" in out.stdout
         jobs.append(out.stdout.split("submitted SLURM job ")[1].split()[0])
