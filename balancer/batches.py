@@ -25,8 +25,8 @@ import orjson
 from aiohttp import BodyPartReader, web
 
 from common.batchfile import BATCH_URLS, is_final, parse_line, result_key, result_line
-from common.http import body_read, json_response
-from common.openai_http import parse
+from common.http import MAX_BODY_BYTES, body_read, json_response
+from common.openai_http import ENDPOINTS, parse
 from common.protocol import APIError, error_body, loads
 
 log = logging.getLogger("dllm.balancer.batches")
@@ -151,17 +151,25 @@ class BatchJobs:
         self.files_dir, self.batches_dir = root / "files", root / "batches"
         self.tasks: dict[str, asyncio.Task] = {}
         self._cancel: set[str] = set()          # batches being cancelled (read per line: kept in memory)
+        # what a listing sorts by, kept in memory (read from the records once, at the start): a listing read and
+        # parsed every record on the event loop, seconds for 20,000 files with every client stopped (a review)
+        self._files: dict[str, tuple[int, str]] = {}       # file id -> (created_at, purpose)
+        self._batches: dict[str, int] = {}                 # batch id -> created_at
+        self._gone: dict[str, int] = {}                    # deleted file id -> created_at: a page `after` it
 
     # ------------------------------------------------------------ storage
     def start(self) -> None:
         """Create the directories; resume the batches a previous balancer left running."""
         self.files_dir.mkdir(parents=True, exist_ok=True)
         self.batches_dir.mkdir(parents=True, exist_ok=True)
+        for rec in _load_all(self.files_dir, "file-*.json"):
+            self._files[rec["id"]] = (rec["created_at"], rec["purpose"])
         for f in sorted(self.batches_dir.glob("batch_*.json")):
             try:
                 b = orjson.loads(f.read_bytes())
             except (OSError, orjson.JSONDecodeError):
                 continue
+            self._batches[b["id"]] = b["created_at"]
             if b.get("status") == "cancelling":
                 self._cancel.add(b["id"])
             if b.get("status") in RUNNING:
@@ -193,7 +201,33 @@ class BatchJobs:
         rec = {"id": fid, "object": "file", "bytes": size, "created_at": _now(), "filename": filename,
                "purpose": purpose, "status": "processed", "status_details": None}
         _write_json(self.files_dir / f"{fid}.json", rec)
+        self._files[fid] = (rec["created_at"], purpose)
         return rec
+
+    async def _page(self, folder: Path, keys: dict, after: str | None, desc: bool, limit: int,
+                    gone: dict | None = None) -> tuple[list[dict], bool]:
+        """One page of a listing: the records of ``keys`` (id -> created_at) sorted by (created_at, id), those
+        after the id ``after`` (by its place in that order, so one deleted meanwhile still marks it: ``gone``),
+        read from disk on a thread, at most ``limit``; and whether more follow."""
+        order = sorted(((c, i) for i, c in keys.items()), reverse=desc)
+        if after:
+            c = keys.get(after, (gone or {}).get(after))
+            if c is None:
+                order = []                 # an id this server never listed
+            else:
+                mark = (c, after)
+                order = [k for k in order if (k < mark if desc else k > mark)]
+        page = order[:limit]
+
+        def read() -> list[dict]:
+            out = []
+            for _, i in page:
+                try:
+                    out.append(orjson.loads((folder / f"{i}.json").read_bytes()))
+                except (OSError, orjson.JSONDecodeError):      # removed meanwhile
+                    continue
+            return out
+        return await asyncio.to_thread(read), len(order) > limit
 
     # ------------------------------------------------------------ /v1/files
     async def upload(self, request: web.Request) -> web.Response:
@@ -237,7 +271,6 @@ class BatchJobs:
         """As OpenAI's: ``purpose``, ``order`` (desc: newest first, or asc), ``limit`` (1-10,000, 10,000) and
         ``after`` (the id the page starts after); ``first_id``, ``last_id`` and ``has_more`` for the next page."""
         q = request.query
-        files = _load_all(self.files_dir, "file-*.json")
         purpose, order = q.get("purpose"), q.get("order", "desc")
         if order not in ("asc", "desc"):
             raise APIError(400, f"order must be 'asc' or 'desc', got {order!r}", param="order")
@@ -247,15 +280,10 @@ class BatchJobs:
             raise APIError(400, "limit must be an integer", param="limit")
         if not 1 <= limit <= 10000:
             raise APIError(400, f"limit must be between 1 and 10000, got {limit}", param="limit")
-        files = sorted((f for f in files if purpose is None or f["purpose"] == purpose),
-                       key=lambda f: (f["created_at"], f["id"]), reverse=order == "desc")
-        after = q.get("after")
-        if after:
-            ids = [f["id"] for f in files]
-            files = files[ids.index(after) + 1:] if after in ids else []
-        page = files[:limit]
+        keys = {i: c for i, (c, p) in self._files.items() if purpose is None or p == purpose}
+        page, more = await self._page(self.files_dir, keys, q.get("after"), order == "desc", limit, self._gone)
         return json_response({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                              "last_id": page[-1]["id"] if page else None, "has_more": len(files) > limit})
+                              "last_id": page[-1]["id"] if page else None, "has_more": more})
 
     async def get_file(self, request: web.Request) -> web.Response:
         return json_response(self._file(request.match_info["file_id"]))
@@ -279,9 +307,21 @@ class BatchJobs:
 
     async def delete_file(self, request: web.Request) -> web.Response:
         fid = request.match_info["file_id"]
-        self._file(fid)
+        rec = self._file(fid)
+        for bid, task in self.tasks.items():     # a running batch reads its input again when it resumes
+            if not task.done():
+                try:
+                    b = self._batch(bid)
+                except APIError:
+                    continue
+                if b.get("input_file_id") == fid and b["status"] in RUNNING:
+                    raise APIError(409, f"file {fid} is the input of batch {bid}, which is {b['status']}: cancel "
+                                        f"the batch or let it end first", param="file_id", code="file_in_use",
+                                   type="invalid_request_error")
         self._data(fid).unlink(missing_ok=True)
         (self.files_dir / f"{fid}.json").unlink(missing_ok=True)
+        self._files.pop(fid, None)
+        self._gone[fid] = rec["created_at"]
         return json_response({"id": fid, "object": "file", "deleted": True})
 
     # ------------------------------------------------------------ /v1/batches
@@ -316,6 +356,7 @@ class BatchJobs:
              "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": metadata, "model": None,
              "usage": None}
         self._save_batch(b)
+        self._batches[b["id"]] = now
         self.tasks[b["id"]] = asyncio.create_task(self._run(b["id"]), name=f"batch {b['id']}")
         return json_response(public(b))
 
@@ -323,23 +364,20 @@ class BatchJobs:
         return json_response(public(self._batch(request.match_info["batch_id"])))
 
     async def list_batches(self, request: web.Request) -> web.Response:
-        batches = _load_all(self.batches_dir, "batch_*.json")
-        batches.sort(key=lambda b: (b["created_at"], b["id"]), reverse=True)
-        after = request.query.get("after")
-        if after:
-            ids = [b["id"] for b in batches]
-            batches = batches[ids.index(after) + 1:] if after in ids else []
         try:
             limit = max(1, min(100, int(request.query.get("limit", 20))))
         except ValueError:
             raise APIError(400, "limit must be an integer", param="limit")
-        page = [public(b) for b in batches[:limit]]
+        page, more = await self._page(self.batches_dir, self._batches, request.query.get("after"), True, limit)
+        page = [public(b) for b in page]
         return json_response({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                              "last_id": page[-1]["id"] if page else None, "has_more": len(batches) > limit})
+                              "last_id": page[-1]["id"] if page else None, "has_more": more})
 
     async def cancel(self, request: web.Request) -> web.Response:
         b = self._batch(request.match_info["batch_id"])
-        if b["status"] in ("validating", "in_progress", "finalizing"):
+        # (not once finalizing: its answers are all in, and the run's last write, which follows, would overwrite a
+        # "cancelling" it never saw: a review's cancel was told "cancelling" and the batch then said "completed")
+        if b["status"] in ("validating", "in_progress"):
             b["status"], b["cancelling_at"] = "cancelling", _now()
             self._cancel.add(b["id"])
             self._save_batch(b)
@@ -478,10 +516,14 @@ class BatchJobs:
         """One line through the balancer's queue, as its door would take it: (status, body); a line the balancer
         cannot admit now (queue full, no healthy worker) waits and tries again; (None, None) when the balancer is
         shutting down or the batch is ``cancelled()`` meanwhile (the line is not answered)."""
+        t0 = time.monotonic()
         body = orjson.dumps(line.body)
         try:
+            if len(body) > MAX_BODY_BYTES:
+                raise APIError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
             req = await parse(line.kind, body)       # (a line's body may be as large as a request's)
         except APIError as e:
+            self.state.observe(ENDPOINTS[line.kind], e.status, time.monotonic() - t0)
             return e.status, e.body()
         state, delay = self.state, 0.1
         while True:
@@ -492,6 +534,7 @@ class BatchJobs:
                 if state.draining or cancelled():
                     return None, None
                 if e.status not in (429, 503):
+                    state.observe(ENDPOINTS[line.kind], e.status, time.monotonic() - t0)
                     return e.status, e.body()
                 await asyncio.sleep(delay)
                 delay = min(state.cfg.batch_retry_max, delay * 2)
@@ -504,8 +547,11 @@ class BatchJobs:
                     break
         finally:
             state.release(p)
-        return result if result is not None else (502, {"error": {"message": "no answer", "type": "server_error",
-                                                                  "param": None, "code": None}})
+        if result is None:
+            result = (502, {"error": {"message": "no answer", "type": "server_error", "param": None, "code": None}})
+        if not (result[0] == 499 or (state.draining and result[0] == 503) or cancelled()):
+            state.observe(ENDPOINTS[line.kind], result[0], time.monotonic() - t0)   # (as the door counts a request)
+        return result
 
 
 def add_routes(app: web.Application, jobs: BatchJobs) -> None:

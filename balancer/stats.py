@@ -1,4 +1,4 @@
-"""Rolling one-minute request statistics (requests/s, latency percentiles).
+"""Rolling one-minute request statistics (requests/s, and latency percentiles of the successful answers).
 
 The window holds counts, not samples: one slot per second (its requests, its successes, a sparse histogram of its
 latencies over log-spaced buckets, each 4% wider than the one before), and running totals over the slots in the
@@ -46,12 +46,12 @@ class Window:
             self._trim(sec)
             slots.append((sec, {}, [0, 0]))
         _, hist, counts = slots[-1]
-        i = bucket(latency)
-        hist[i] = hist.get(i, 0) + 1
-        self.hist[i] += 1
         counts[0] += 1
         self.requests += 1
-        if status < 400:
+        if status < 400:          # latencies of answers only: a refusal's (a 400 or 429 in microseconds) is not one
+            i = bucket(latency)
+            hist[i] = hist.get(i, 0) + 1
+            self.hist[i] += 1
             counts[1] += 1
             self.ok += 1
 
@@ -67,8 +67,9 @@ class Window:
 
     def percentiles(self, qs: tuple[float, ...]) -> list[float | None]:
         """The latency at each quantile of ``qs`` (ascending): the nearest-rank percentile, the ``ceil(q * n)``-th
-        smallest (0-based ``ceil(q * n) - 1``), as its bucket's middle; None when the window is empty."""
-        n = self.requests
+        smallest (0-based ``ceil(q * n) - 1``) of the successful answers' latencies, as its bucket's middle; None
+        when the window has none."""
+        n = self.ok
         if not n:
             return [None] * len(qs)
         ranks = [min(n - 1, max(0, math.ceil(q * n) - 1)) for q in qs]

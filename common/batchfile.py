@@ -15,6 +15,7 @@ ends with one line per request."""
 from __future__ import annotations
 
 import os
+import re
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +23,7 @@ from typing import Iterator
 
 import orjson
 
+from common.http import MAX_BODY_BYTES
 from common.protocol import MAX_DEPTH, _deeper_than
 
 # the URLs a batch line may name, and the request kind each is (common/openai_http.py ENDPOINTS)
@@ -63,9 +65,23 @@ def read_lines(path: str | os.PathLike) -> Iterator[Line]:
             yield parse_line(n, raw, seen)
 
 
+# A line holds a request body (at most MAX_BODY_BYTES, as one sent to the door) and its envelope; a longer one is
+# refused unread: a review's 300 MiB line took 1.3 GB of the balancer's memory to parse before the worker refused it.
+MAX_LINE_BYTES = MAX_BODY_BYTES + (64 << 10)
+_CUSTOM_ID = re.compile(rb'"custom_id"\s*:\s*("(?:[^"\\]|\\.){1,1024}")')
+
+
 def parse_line(n: int, raw: bytes, seen: set[str]) -> Line:
     def bad(code: str, message: str, cid=None) -> Line:
         return Line(n, cid, None, None, None, {"code": code, "message": f"line {n}: {message}"})
+    if len(raw) > MAX_LINE_BYTES:       # its custom_id, when the line begins with it, names its result
+        found = _CUSTOM_ID.search(raw, 0, 1 << 16)
+        try:
+            cid = orjson.loads(found.group(1)) if found else None
+        except orjson.JSONDecodeError:
+            cid = None
+        return bad("request_too_large", f"the line is {len(raw)} bytes; a request body may be at most "
+                                        f"{MAX_BODY_BYTES}", cid if isinstance(cid, str) else None)
     try:
         obj = orjson.loads(raw)
     except orjson.JSONDecodeError as e:

@@ -34,8 +34,11 @@ class RequestMetrics:
         self.counters: dict[str, PlainCounter] = {}
 
     def observe(self, endpoint: str, status: int, seconds: float | None = None) -> None:
+        """A request answered with ``status``; its latency goes into the histogram when it succeeded (status < 400:
+        refusals and errors, often answered in microseconds, would pull the percentiles down exactly when the
+        answers are slowest; they are counted by status)."""
         self.counts[(endpoint, status)] += 1
-        if seconds is None:
+        if seconds is None or status >= 400:
             return
         h = self.hist.get(endpoint)
         if h is None:
@@ -52,7 +55,8 @@ class RequestMetrics:
         for (endpoint, status), n in sorted(self.counts.items()):
             c.add_metric([endpoint, str(status)], n)
         yield c
-        h = HistogramMetricFamily(f"{self.prefix}_request_latency_seconds", "Request latency", labels=["endpoint"])
+        h = HistogramMetricFamily(f"{self.prefix}_request_latency_seconds",
+                                  "Latency of successful requests (status < 400)", labels=["endpoint"])
         for endpoint, (counts, total) in sorted(self.hist.items()):
             cumulative, buckets = 0, []
             for bound, n in zip(self.buckets + (math.inf,), counts):

@@ -78,7 +78,8 @@ def render(data: dict, url: str):
                          f"  workers {ws['healthy_workers']}/{ws['total_workers']} healthy",
                          f"  queue {st['queue_depth']}  in flight {st['in_flight']}")
     t = Table(show_edge=False, header_style="bold", pad_edge=False)
-    for col in ("id", "url", "status", "device", "weights", "rows", "batches", "served", "errors", "active", "step"):
+    for col in ("id", "url", "status", "device", "weights", "requests", "batches", "served", "errors", "active",
+                "step"):
         t.add_column(col, justify="right" if col not in ("url", "status") else "left", no_wrap=True,
                      min_width=9 if col == "status" else None)
     for w in ws["workers"]:
@@ -91,11 +92,12 @@ def render(data: dict, url: str):
                   # stopped worker's last one still says "0 s")
                   _ago(w.get("seconds_since_progress")) if w["status"] in ("busy", "stalled") else "-")
     cb, lm = st["centralized_batching"], st["last_minute"]
-    legend = Text("weights: the start of its model_version hash; rows/batches: in flight; active: since the last "
+    legend = Text("weights: the start of its model_version hash; requests/batches: in flight; active: since the last "
                   "event; step: since the balancer last saw its device make progress (- unless busy or stalled)", style="dim")
     foot = Text(f"batching: max {cb['max_batch_size']}, wait {cb['max_wait_time']}s, batches "
                 f"{cb['total_batches_processed']}, avg size {cb['avg_batch_size']}  |  last minute: "
-                f"{lm['requests']} requests, {lm['requests_per_second']} req/s, p50 {_secs(lm['latency_p50'])}, "
+                f"{lm['requests']} answers ({lm.get('ok', '?')} ok), {lm['requests_per_second']} answers/s, ok p50 "
+                f"{_secs(lm['latency_p50'])}, "
                 f"p99 {_secs(lm['latency_p99'])}  |  re-dispatched {st.get('redispatched_requests', 0)}")
     return Group(head, t, foot, legend)
 
@@ -108,7 +110,7 @@ def plain_line(data: dict, url: str) -> str:
         return f"{now} dllm-serve {data['error']}"
     ws, st = data["worker_status"], data["stats"]
     lm = st["last_minute"]
-    workers = " ".join(f"w{w['worker_id']}={_status(w).replace(' ', '_')}/rows:{w['in_flight']}"
+    workers = " ".join(f"w{w['worker_id']}={_status(w).replace(' ', '_')}/requests:{w['in_flight']}"
                        f"/served:{w['requests_served']}/errors:{w['errors']}" for w in ws["workers"])
     return (f"{now} dllm-serve {url} system={ws['system_status']} healthy={ws['healthy_workers']}/{ws['total_workers']} "
             f"queue={st['queue_depth']} in_flight={st['in_flight']} req/s={lm['requests_per_second']} "

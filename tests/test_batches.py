@@ -470,6 +470,104 @@ async def test_many_batches_hold_no_more_of_the_queue_than_batch_concurrency(aio
         assert 2 <= peak[0] <= 4 + 1, peak            # (+1: the interactive request)
 
 
+async def test_listing_reads_its_page_only_and_survives_deleting_what_it_listed(aiohttp_client, tmp_path,
+                                                                                monkeypatch):
+    """A review: every listing read and parsed every record on the event loop (20,000 files: seconds, every client
+    stopped); and `for f in client.files.list(limit=3): client.files.delete(f.id)` stopped after the first page (the
+    `after` id was gone, so the page after it was empty, has_more false). A fake worker (a test double)."""
+    import aiohttp as _aiohttp
+    from balancer import batches
+    from tests.fakes import fake_worker, workers
+    async with workers(fake_worker("ok", [])) as urls:
+        client = await _files_balancer(aiohttp_client, tmp_path, urls)
+        for n in range(7):
+            form = _aiohttp.FormData()
+            form.add_field("purpose", "batch")
+            form.add_field("file", _lines(1).encode(), filename=f"in{n}.jsonl")
+            assert (await client.post("/v1/files", data=form)).status == 200
+
+        def every_record(*a):
+            raise AssertionError("a listing read every record")
+        monkeypatch.setattr(batches, "_load_all", every_record)
+        api = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="x", max_retries=0)
+        deleted = [f.id async for f in api.files.list(limit=3) if (await api.files.delete(f.id)).deleted]
+        assert len(deleted) == 7 and (await api.files.list()).data == []
+        r = await client.get("/v1/files?after=file-000000000000000000000000")
+        assert (await r.json())["data"] == []                    # an id never listed: nothing after it
+        assert [b async for b in api.batches.list(limit=2)] == []
+        await api.close()
+
+
+async def test_a_batchs_input_is_kept_lines_too_large_are_refused_unread_and_lines_count_in_metrics(
+        aiohttp_client, tmp_path, monkeypatch):
+    """A review: deleting the input file of a running batch made it fail if the balancer restarted (its resume reads
+    the input again): now 409 while the batch runs. A line larger than a request body may be was parsed (a 300 MiB
+    line: 1.3 GB) and sent, refused only by the worker's own limit; now refused unread, its custom_id kept. A cancel
+    accepted while finalizing was overwritten by the run's last write ("cancelling", then "completed"): ignored now.
+    And the lines were missing from /metrics and /stats' last minute. Small limits stand in for 64 MiB here; a
+    fake worker (a test double) answers each batch after 0.2 s."""
+    import asyncio
+
+    import aiohttp as _aiohttp
+    from aiohttp import web
+    from balancer import batches
+    from common import batchfile
+    from tests.fakes import worker_app, workers
+    monkeypatch.setattr(batchfile, "MAX_LINE_BYTES", 4096)
+    monkeypatch.setattr(batches, "MAX_BODY_BYTES", 1024)
+
+    async def batch(request):
+        items = (await request.json())["requests"]
+        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
+        await resp.prepare(request)
+        await asyncio.sleep(0.2)
+        for item in items:
+            data = {"object": "text_completion", "model": "m",
+                    "choices": [{"index": 0, "text": "t", "finish_reason": "length"}]}
+            await resp.write(orjson.dumps({"id": item["id"], "event": "response", "data": data, "end": True}) + b"\n")
+        await resp.write_eof()
+        return resp
+
+    big = json.dumps({"custom_id": "big", "method": "POST", "url": "/v1/completions",
+                      "body": {"prompt": "x" * 5000, "max_tokens": 1}})
+    body_big = json.dumps({"custom_id": "body", "method": "POST", "url": "/v1/completions",
+                           "body": {"prompt": "x" * 2000, "max_tokens": 1}})
+    async with workers(worker_app(batch)) as urls:
+        client = await _files_balancer(aiohttp_client, tmp_path, urls, batch_concurrency=2)
+        form = _aiohttp.FormData()
+        form.add_field("purpose", "batch")
+        form.add_field("file", _lines(6, [big, body_big]).encode(), filename="in.jsonl")
+        fid = (await (await client.post("/v1/files", data=form)).json())["id"]
+        b = await (await client.post("/v1/batches", json={"input_file_id": fid, "endpoint": "/v1/completions",
+                                                            "completion_window": "24h"})).json()
+        await asyncio.sleep(0.1)
+        r = await client.delete(f"/v1/files/{fid}")
+        err = (await r.json())["error"]
+        assert r.status == 409 and err["code"] == "file_in_use" and b["id"] in err["message"], err
+        for _ in range(200):
+            cur = await (await client.get(f"/v1/batches/{b['id']}")).json()
+            if cur["status"] == "completed":
+                break
+            await asyncio.sleep(0.05)
+        assert cur["request_counts"] == {"total": 8, "completed": 6, "failed": 2}, cur
+        out = {}
+        for fkey in ("output_file_id", "error_file_id"):
+            for line in (await (await client.get(f"/v1/files/{cur[fkey]}/content")).read()).splitlines():
+                r = json.loads(line)
+                out[r["custom_id"]] = r
+        assert out["big"]["error"]["code"] == "request_too_large" and out["big"]["response"] is None
+        assert out["body"]["response"]["status_code"] == 413
+        text = await (await client.get("/metrics")).text()
+        assert 'dllm_balancer_requests_total{endpoint="/v1/completions",status="200"} 6.0' in text
+        assert 'dllm_balancer_requests_total{endpoint="/v1/completions",status="413"} 1.0' in text
+        assert (await (await client.get("/stats")).json())["last_minute"]["ok"] == 6
+        assert (await client.delete(f"/v1/files/{fid}")).status == 200          # (the batch has ended)
+        rec = tmp_path / "files" / "batches" / f"{b['id']}.json"                 # a batch caught finalizing
+        rec.write_bytes(orjson.dumps({**orjson.loads(rec.read_bytes()), "status": "finalizing"}))
+        cur = await (await client.post(f"/v1/batches/{b['id']}/cancel")).json()
+        assert cur["status"] == "finalizing" and cur["cancelling_at"] is None
+
+
 async def test_a_running_batch_holds_a_chunk_of_its_lines_not_its_input(aiohttp_client, tmp_path, monkeypatch):
     """A batch's lines are parsed as they are sent, a chunk at a time (32 lines here): while 800 lines run, the
     balancer holds at most a chunk of them and those in flight (a review: every line parsed at once, about 6x the input file, so a

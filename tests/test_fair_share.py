@@ -34,6 +34,16 @@ async def test_costly_requests_are_refused_naming_the_limit(aiohttp_client):
     r = await client.post("/v1/completions", json={"prompt": [5, 6, 7, 8], "echo": True, "logprobs": 1,
                                                    "max_tokens": 0, "mc_num": 8, "mc_batch_size": 8})
     assert r.status == 200
+    # a review's: 128 choices of 256 tokens with 20 alternatives each (688,000 entries, 70 MB of JSON) cost 2% of the
+    # limit and stopped the worker's event loop for tens of seconds; each entry now costs LOGPROB_ENTRY_COST
+    many = {"messages": [{"role": "user", "content": "hi"}], "n": 128, "max_tokens": 256, "block_length": 256,
+            "steps": 16, "logprobs": True, "top_logprobs": 20}
+    r = await client.post("/v1/chat/completions", json=many)
+    err = (await r.json())["error"]
+    assert r.status == 400 and err["code"] == "request_too_costly" and err["param"] == "top_logprobs", err
+    assert "log-probability entries" in err["message"]
+    r = await client.post("/v1/chat/completions", json={**many, "logprobs": False, "top_logprobs": None})
+    assert r.status == 200          # (the same request without them: 553,000 token-forwards)
     client, _ = await ready_client(aiohttp_client, max_request_cost=1000)     # the limit is the operator's
     r = await client.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 64})
     assert r.status == 400 and "--max-request-cost 1,000" in (await r.json())["error"]["message"]

@@ -227,7 +227,7 @@ async def test_the_monitor_prints_plain_lines_into_a_pipe(aiohttp_server):
         await proc.wait()
     for line in lines:
         assert "system=degraded healthy=1/2 queue=2 in_flight=4" in line and "p99=1.2s" in line, line
-        assert "w0=busy/rows:4/served:7/errors:0 w1=unhealthy/rows:0/served:0/errors:3" in line, line
+        assert "w0=busy/requests:4/served:7/errors:0 w1=unhealthy/requests:0/served:0/errors:3" in line, line
 
 
 def test_serve_nodes_submits_the_multi_node_script_and_is_refused_with_local(tmp_path):

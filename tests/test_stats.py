@@ -87,3 +87,30 @@ def test_a_dead_workers_last_health_no_longer_counts_in_the_sums():
                   last_health={"running_batch_size": 8, "rows_joined_per_s": 0.1, "prefix_cache": cache})
     assert _rows_summary([live, dead]) == {"rows_running": 0, "rows_joined_per_s": 0.5, "rows_retired_per_s": 0.0}
     assert _prefix_cache([live, dead])["workers"] == 1
+
+
+def test_latencies_are_the_successful_answers_only(monkeypatch):
+    """A review: 3 answers of 0.3-0.9 s and 50 refusals (400) in microseconds gave a p50 of 0.1 ms, the refusals'
+    (under overload, fast 429s pull the percentiles down just when answers are slowest). Refusals and errors are
+    counted, not timed; the Prometheus histogram the same (common/metrics.py)."""
+    from common.metrics import RequestMetrics
+    from prometheus_client.parser import text_string_to_metric_families
+    from prometheus_client import CollectorRegistry, generate_latest
+    clock(monkeypatch)
+    w = stats.Window(60.0)
+    m = RequestMetrics("x", (0.01, 1.0))
+    for lat in (0.3, 0.6, 0.9):
+        w.add(lat, 200)
+        m.observe("/v1/completions", 200, lat)
+    for _ in range(50):
+        w.add(0.0001, 400)
+        m.observe("/v1/completions", 400, 0.0001)
+    s = w.summary()
+    assert (s["requests"], s["ok"]) == (53, 3) and abs(s["latency_p50"] - 0.6) < 0.013, s
+    reg = CollectorRegistry()
+    reg.register(m)
+    fams = {f.name: f for f in text_string_to_metric_families(generate_latest(reg).decode())}
+    counts = {(x.labels["status"]): x.value for x in fams["x_requests"].samples if x.name == "x_requests_total"}
+    assert counts == {"200": 3.0, "400": 50.0}
+    hist = {x.name: x.value for x in fams["x_request_latency_seconds"].samples if not x.labels.get("le")}
+    assert hist["x_request_latency_seconds_count"] == 3.0 and abs(hist["x_request_latency_seconds_sum"] - 1.8) < 1e-9

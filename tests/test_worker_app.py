@@ -147,7 +147,7 @@ async def test_worker_batch_mixed_requests(aiohttp_client):
     assert counts[("/worker/batch", "200")] == 1 and counts[("/worker/batch", "400")] == 1
     lat = {s.labels["endpoint"]: s.value for s in fams["dllm_worker_request_latency_seconds"].samples
            if s.name.endswith("_count")}
-    assert lat["/v1/completions"] == 2 and lat["/worker/batch"] == 2
+    assert lat["/v1/completions"] == 1 and lat["/worker/batch"] == 1     # the 200s (a 400 is counted, not timed)
     # a row whose kind is not even a string is its own 400 (a review found the call a 500)
     r = await client.post("/worker/batch", json={"requests": [{"id": "k", "kind": ["chat"], "body": {}}]})
     assert r.status == 200 and orjson.loads((await r.read()).splitlines()[0])["status"] == 400
@@ -473,6 +473,21 @@ async def test_a_request_larger_than_the_queue_is_a_400_not_a_429_forever(aiohtt
     assert r.status == 400 and err["param"] == "n" and "--max-queue" in err["message"]
     r = await client.post("/v1/completions", json={"prompt": [5, 6], "n": 4, "max_tokens": 2})
     assert r.status == 200 and len((await r.json())["choices"]) == 4
+
+
+async def test_rows_a_full_queue_refuses_in_a_batch_are_not_counted_as_answered(aiohttp_client):
+    """A review: a worker counted every row of a balancer's batch it refused 429 for a full queue (which the balancer
+    sends again) as a request answered 429: 25 "failures" for 12 requests that all succeeded."""
+    client, _ = await ready_client(aiohttp_client, max_queue=4)
+    body = {"requests": [{"id": f"r{i}", "kind": "completion", "body": {"prompt": [5, 6], "max_tokens": 2}}
+                         for i in range(6)]}
+    r = await client.post("/worker/batch", json=body)
+    events = [orjson.loads(x) for x in (await r.read()).splitlines()]
+    refused = sum(1 for e in events if e.get("status") == 429)
+    assert refused == 2, events
+    text = await (await client.get("/metrics")).text()
+    assert 'dllm_worker_requests_total{endpoint="/v1/completions",status="200"} 4.0' in text
+    assert 'status="429"' not in text and "dllm_worker_batch_rows_refused_total 2.0" in text
 
 
 async def test_after_running_out_of_memory_both_halves_end_under_steady_load():

@@ -43,6 +43,9 @@ class WorkerMetrics:
         self.joined = self.requests.counter("dllm_worker_rows_joined", "Rows that joined a running batch "
                                                                        "(continuous batching)")
         self.retired = self.requests.counter("dllm_worker_rows_retired", "Rows that finished")
+        self.refused = self.requests.counter("dllm_worker_batch_rows_refused",
+                                             "Requests of a balancer's batch refused 429 for a full queue (the "
+                                             "balancer queues them again: not counted as answered)")
         self.prefix_looked_up = self.requests.counter("dllm_worker_prefix_cache_prompt_tokens",
                                                       "Prompt tokens in whole blocks looked up in the prefix cache")
         self.prefix_hit = self.requests.counter("dllm_worker_prefix_cache_cached_tokens",
@@ -198,7 +201,7 @@ async def _worker_batch(request: web.Request, t0: float) -> web.StreamResponse:
              for rid, item in zip(ids, items)}     # (metrics)
 
     def emitter(rid: str):
-        def emit(kind: str, data, last: bool) -> None:
+        def emit(kind: str, data, last: bool, answered: bool = True) -> None:
             if rid not in unanswered:     # (after the timeout's error line: nothing more for it)
                 return
             if kind == "error":
@@ -208,7 +211,9 @@ async def _worker_batch(request: web.Request, t0: float) -> web.StreamResponse:
             if last:
                 line["end"] = True
                 unanswered.discard(rid)
-                metrics.requests.observe(paths[rid], data[0] if kind == "error" else 200, time.monotonic() - t0)
+                if answered:
+                    metrics.requests.observe(paths[rid], data[0] if kind == "error" else 200,
+                                             time.monotonic() - t0)
             lines.append(orjson.dumps(line))
             wake.set()
         return emit
@@ -235,7 +240,9 @@ async def _worker_batch(request: web.Request, t0: float) -> web.StreamResponse:
                 raise prep
             runs[rid] = state.serving.submit(prep, emit, wait=False)   # the batch was formed upstream
         except APIError as e:                 # this row's own rejection: the other rows go on
-            emit("error", (e.status, e.body()), True)
+            if e.status == 429:               # (a full queue: the balancer sends it again, here or elsewhere)
+                metrics.refused.inc()
+            emit("error", (e.status, e.body()), True, answered=e.status != 429)
         except Exception as e:                # a bug on one row must not fail the batch
             log.error("request %s: preparing the row failed", rid, exc_info=e)
             emit("error", (500, error_body(f"internal error: {type(e).__name__}", "server_error")), True)

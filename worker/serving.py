@@ -14,7 +14,7 @@ from common.protocol import (MAX_ROWS, APIError, ChatCompletionRequest, Completi
 from common.openai_http import Event, EventBox
 from worker.engine import Engine, GenerationParams, ParamError
 from worker.engine.likelihood import cost as score_cost
-from worker.engine.params import Plan, row_cost, with_seed
+from worker.engine.params import LOGPROB_ENTRY_COST, Plan, logprobs_cost, row_cost, with_seed
 from worker.responses import ResponsesEvents
 from worker.scheduler import Job, RowScheduler
 from worker.tokenizer import apply_chat_template, max_token_chars, takes_content_parts, text_decoder, token_pieces
@@ -138,14 +138,20 @@ class Serving:
         if kind == "completion" and req.scoring:
             return self._prepare_scoring(req, prompts)
         n = req.n
-        plans, costs = [], []
+        plans, costs, entries = [], [], 0
         for ids in prompts:
             pl = self._params(req, ids)
             costs += [row_cost(pl)] * n
+            entries += logprobs_cost(pl) * n
             # choice j of a seeded request uses seed + j: reproducible, and distinct when sampling
             plans += [pl if j == 0 or pl.params.seed is None else with_seed(pl, (pl.params.seed + j) % (1 << 63))
                       for j in range(n)]
-        self._check_cost(sum(costs), "max_tokens", "prompt length + max_tokens, steps, n and cfg_scale")
+        if entries and sum(costs) <= self.defaults.max_request_cost < sum(costs) + entries:
+            self._check_cost(sum(costs) + entries, "top_logprobs" if kind == "chat" else "logprobs",
+                             f"max_tokens x n x (1 + top logprobs) log-probability entries at {LOGPROB_ENTRY_COST} "
+                             f"each, with its prompt length + max_tokens, steps, n and cfg_scale")
+        self._check_cost(sum(costs) + entries, "max_tokens", "prompt length + max_tokens, steps, n, cfg_scale and "
+                                                             "logprobs")
         prompts = [ids for ids in prompts for _ in range(n)]
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         return Prepared(kind, req, prompts, [pl.params for pl in plans], rid=new_id(prefix), costs=costs,

@@ -118,6 +118,21 @@ def row_cost(pl: Plan) -> int:
     return forwards * tokens * (2 if pl.params.cfg_scale > 0 else 1)
 
 
+# One log-probability entry (a generated token's, or one of its top alternatives') in token-forwards: the worker
+# finds each entry's text in context and writes it out, the balancer reads and writes it again, host work of a few
+# microseconds an entry that a GPU's forward of a token does not come near. Without it a request of n=128 choices of
+# 256 tokens with top_logprobs 20 (688,000 entries, 70 MB of JSON) cost 553,000 token-forwards, 2% of the default
+# limit, and stopped its worker's event loop for tens of seconds (a review): now 88 M, refused.
+LOGPROB_ENTRY_COST = 128
+
+
+def logprobs_cost(pl: Plan) -> int:
+    """A row's log-probability entries (max_tokens x (1 + top alternatives), when it asks for logprobs) at
+    LOGPROB_ENTRY_COST token-forwards each: added to its cost at admission (--max-request-cost)."""
+    k = pl.params.logprobs
+    return 0 if k is None else pl.gen_length * (1 + k) * LOGPROB_ENTRY_COST
+
+
 def with_seed(pl: Plan, seed: int) -> Plan:
     """The same plan for a row with another seed (the n choices of a request; a seed given to an unseeded row)."""
     return replace(pl, params=replace(pl.params, seed=seed))
