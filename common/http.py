@@ -143,8 +143,10 @@ async def read_bytes(request: web.Request, max_bytes: int = MAX_BODY_BYTES) -> b
     length = request.content_length
     if length is not None and length > max_bytes:
         raise APIError(413, f"the request body is larger than {max_bytes} bytes")
+    taken = 0                 # of the budget: the Content-Length at once, then what the body decodes to beyond it
     if budget is not None and length:
         budget.take(request, length)
+        taken = length
     buf, content = bytearray(), request.content
     while True:
         chunk = content.read_nowait()                  # what has arrived: usually a small body's whole
@@ -156,8 +158,11 @@ async def read_bytes(request: web.Request, max_bytes: int = MAX_BODY_BYTES) -> b
                 break
         if len(buf) + len(chunk) > max_bytes:
             raise APIError(413, f"the request body is larger than {max_bytes} bytes")
-        if budget is not None and length is None:
-            budget.take(request, len(chunk))
+        # a chunked body chunk by chunk, and a compressed one (Content-Encoding: aiohttp decodes it) as it grows
+        # past its Content-Length: a review's 60 KiB of gzip were 60 MiB each, twelve at once past the bound
+        if budget is not None and len(buf) + len(chunk) > taken:
+            budget.take(request, len(buf) + len(chunk) - taken)
+            taken = len(buf) + len(chunk)
         buf += chunk
     return bytes(buf)
 

@@ -636,8 +636,11 @@ def run_batch(input_path, output_path, url, model_path, serve_args, api_key, con
 @click.option("--timeout", type=FiniteFloatRange(0, min_open=True), default=None,
               help="Seconds for in-flight batches to finish before a worker loads [default: the balancer's "
                    "--request-timeout].")
+@click.option("--answer-timeout", type=FiniteFloatRange(0, min_open=True), default=3600.0, show_default=True,
+              help="Seconds to wait for the server's answer (the whole update); past it the command exits 1 (the "
+                   "update may still be running: /stats `weights` says how it ends).")
 @click.option("--api-key", envvar="DLLM_API_KEY", default=None, help="The balancer's API key (required by it).")
-def load_weights(url, server_info_file, model_path, dcp_path, base_model, mode, timeout, api_key):
+def load_weights(url, server_info_file, model_path, dcp_path, base_model, mode, timeout, answer_timeout, api_key):
     """New weights on a running server without a restart (POST /v1/load_weights; docs/operations.md)."""
     import urllib.error
     import urllib.request
@@ -660,7 +663,7 @@ def load_weights(url, server_info_file, model_path, dcp_path, base_model, mode, 
     headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {api_key}"} if api_key else {})}
     req = urllib.request.Request(url + "/v1/load_weights", data=orjson.dumps(body), headers=headers, method="POST")
     try:
-        with urllib.request.urlopen(req, timeout=None) as r:
+        with urllib.request.urlopen(req, timeout=answer_timeout) as r:
             click.echo(r.read().decode())
     except urllib.error.HTTPError as e:
         raw = e.read()
@@ -669,6 +672,10 @@ def load_weights(url, server_info_file, model_path, dcp_path, base_model, mode, 
         except (ValueError, KeyError, TypeError):
             msg = raw[:500].decode(errors="replace")
         click.echo(f"dllm-serve load-weights: {e.code}: {msg}", err=True)
+        sys.exit(1)
+    except TimeoutError:
+        click.echo(f"dllm-serve load-weights: no answer from {url} within --answer-timeout ({answer_timeout:g} s); "
+                   f"the update may still be running: see {url}/stats (weights)", err=True)
         sys.exit(1)
     except OSError as e:
         click.echo(f"dllm-serve load-weights: cannot reach {url}: {e}", err=True)

@@ -250,6 +250,33 @@ async def test_a_body_over_the_limit_gets_413_without_content_length(aiohttp_cli
     assert r.status == 200 and (await r.json())["bytes"] == 900
 
 
+async def test_a_compressed_body_counts_what_it_decodes_to(aiohttp_client):
+    """A review: aiohttp decodes a gzip body (Content-Encoding), and the bound on bodies in flight counted only its
+    Content-Length: twelve 60 KiB bodies of 60 MiB each passed --max-body-bytes-in-flight at once (1.4 GB). The
+    decoded bytes count now, as a chunked body's do."""
+    import gzip
+
+    from common.http import BODY_BUDGET, BodyBudget, errors_middleware, read_body
+
+    async def echo(request):
+        return web.json_response({"bytes": len(await read_body(request))})
+
+    app = web.Application(middlewares=[errors_middleware])
+    app[BODY_BUDGET] = budget = BodyBudget(400_000)
+    app.router.add_post("/echo", echo)
+    client = await aiohttp_client(app)
+    headers = {"Content-Type": "application/json", "Content-Encoding": "gzip"}
+    small = orjson.dumps({"prompt": "x" * 100_000})
+    r = await client.post("/echo", data=gzip.compress(small), headers=headers)
+    assert r.status == 200 and (await r.json())["bytes"] == len(small) and budget.peak >= len(small)
+    big = gzip.compress(orjson.dumps({"prompt": "x" * 1_000_000}))      # 1 MB that arrives as 1 KB
+    assert len(big) < 5000
+    r = await client.post("/echo", data=big, headers=headers)
+    err = (await r.json())["error"]
+    assert r.status == 413 and "--max-body-bytes-in-flight" in err["message"], err
+    assert budget.used == 0
+
+
 async def test_request_body_bytes_in_flight_are_bounded(aiohttp_client):
     """Issue 29 item 3: bodies held at once (until their requests are answered) stay within
     --max-body-bytes-in-flight (8 MiB here: 6 MiB for bodies over 1 MiB); past it a body gets 503 + Retry-After in

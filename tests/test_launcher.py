@@ -545,3 +545,18 @@ def test_slurm_mode_reads_flags_written_with_an_equals_sign(tmp_path, monkeypatc
     assert submit(None, ["--model-path", "./missing"]) == 2
     assert "--model-path ./missing: no such file or directory" in capsys.readouterr().err
     assert not (tmp_path / "sbatch.args").exists()
+
+
+def test_load_weights_waits_at_most_its_answer_timeout(tmp_path):
+    """A review: `dllm-serve load-weights` waited for ever on a server that took the connection and never answered
+    (urlopen with no timeout); --answer-timeout bounds it (default an hour: an update loads every worker)."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()                      # the kernel takes the connection; nothing ever answers
+        t0 = time.monotonic()
+        r = subprocess.run(DLLM + ["load-weights", "--url", f"http://127.0.0.1:{s.getsockname()[1]}", "--model-path",
+                                   str(TINY_LLADA), "--answer-timeout", "1"], cwd=ROOT, capture_output=True,
+                           text=True, timeout=60)
+    assert r.returncode == 1 and "within --answer-timeout (1 s)" in r.stderr, r.stderr
+    assert time.monotonic() - t0 < 30
