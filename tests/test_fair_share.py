@@ -2,6 +2,7 @@
 (--max-request-cost), likelihood scoring in bounded chunks that stops when its client leaves, and a fair share of the
 device between rows (long rows hold at most --long-row-share of a batch and step in a group of their own, charged
 their forwards), so a small request is answered quickly while long ones run."""
+import collections
 import signal
 import threading
 import time
@@ -141,6 +142,38 @@ def test_long_rows_hold_at_most_their_share_of_a_batch_and_short_ones_overtake_t
     assert taken == [jobs[0], jobs[1], jobs[5], jobs[6]]          # two long (half of 4), then the short ones
     assert list(b.pending) == jobs[2:5]                            # the long ones wait, in order
     assert b._take(3, 0, 2) == [] and b._take(3, 0, 1) == [jobs[2]]
+
+
+def test_a_request_of_many_rows_takes_the_free_places_in_turn_with_later_requests(llada_engine):
+    """A review: one completion of 1,024 short prompts (well under every limit) held a 4-token request that came 2 s
+    later for 48 s, as the queue was taken in order, row by row. Rows are taken in turns now: each request's first
+    row, then each one's second, ..."""
+    import asyncio
+
+    from worker.scheduler import Job, RowScheduler
+    b = RowScheduler(llada_engine, batch_size=3, loop=asyncio.new_event_loop())
+    p = GenerationParams(gen_length=8, block_length=8)
+
+    class Run:                        # a request: its rows share its sink
+        def on_row(self, *a):
+            pass
+    big, small, other = Run(), Run(), Run()
+    rows = [Job([5], p, sink=big.on_row, index=i) for i in range(6)]
+    late = Job([5], p, sink=small.on_row, index=0)
+    pair = [Job([5], p, sink=other.on_row, index=i) for i in range(2)]
+    b.pending.extend(rows + [late] + pair)
+    first = b._take(0, 0, 0, first=True)
+    assert first == [rows[0], late, pair[0]]
+    b.running = list(first)
+    b.running.remove(late)                           # the small request is answered: a place is free
+    assert b._take(2, 0, 0) == [rows[1]]             # one row running each: the request that came first
+    b.running.append(rows[1])
+    b.running.remove(pair[0])
+    assert b._take(2, 0, 0) == [pair[1]]             # the request with fewer rows running goes first
+    assert list(b.pending) == rows[2:]                 # the big one's remaining rows, in their order
+    single = [Job([5], p, sink=Run().on_row) for _ in range(3)]
+    b.pending = collections.deque(single)            # requests of one row each: the order they came in
+    assert b._take(0, 0, 0, first=True) == single
 
 
 def test_many_forwards_over_a_tiny_canvas_are_not_nearly_free():

@@ -71,6 +71,25 @@ class Job:
     prefix_waited: bool = False       # it waited a round for a row computing that block (once at most)
 
 
+def _in_turns(pending, running=()) -> list[Job] | collections.deque:
+    """The queued rows in the order they are taken: by how many rows of their request are ahead of them (running,
+    or queued before them), fewest first, then in the order they came; so a request of many rows shares the free
+    places in turn with every request queued behind it instead of taking them all first (a review: one completion
+    of 1,024 short prompts held a 4-token request that came 2 s later for 48 s). A request's rows are those with its
+    sink (one Run's ``on_row``)."""
+    ahead: dict = {}
+    for j in running:
+        ahead[j.sink] = ahead.get(j.sink, 0) + 1
+    ranks = []
+    for j in pending:
+        r = ahead.get(j.sink, 0)
+        ahead[j.sink] = r + 1
+        ranks.append(r)
+    if all(a <= b for a, b in zip(ranks, ranks[1:])):     # already in that order (one request, one row each, ...)
+        return pending
+    return [j for _, _, j in sorted(zip(ranks, range(len(ranks)), pending), key=lambda t: (t[0], t[1]))]
+
+
 def canvas_tokens(job: Job) -> int:
     """A row's canvas in tokens (prompt + max_tokens in whole blocks): what it holds of the device's memory."""
     p = job.params
@@ -254,7 +273,7 @@ class RowScheduler:
         return bool(self.long_row_cost) and job.score is None and job.cost > self.long_row_cost
 
     def _take(self, rows: int, tokens: int, long: int, first: bool = False) -> list[Job]:
-        """Under the lock: queued rows, in order, that fit ``batch_size`` rows and ``max_batch_tokens`` beside
+        """Under the lock: queued rows, in turns (:func:`_in_turns`), that fit ``batch_size`` rows and ``max_batch_tokens`` beside
         ``rows`` / ``tokens`` running (``long`` of them long), removed from the queue. A long row past its share
         is passed over (shorter rows overtake it); a row past the token budget stops the taking (in order).
         A new batch (``first``) takes scoring rows too (they run first, apart: ``_run``); joining rows pass them
@@ -264,7 +283,7 @@ class RowScheduler:
         if self.continuous and getattr(self.engine, "prefix_cache", None) is not None:
             from worker.engine.prefix_cache import Admission
             share = Admission(self.engine)
-        for j in self.pending:
+        for j in _in_turns(self.pending, list(self.running)):
             if rows + len(taken) >= self.batch_size:
                 break
             if j.cancelled:
@@ -441,7 +460,7 @@ class _Feed:
             _call(fn, *args)
 
     def admit(self, rows: int, tokens: int) -> list[tuple[int, Request]]:
-        """Queued rows, in order, that fit ``batch_size`` rows and ``max_batch_tokens`` with the ``rows`` /
+        """Queued rows, in turns, that fit ``batch_size`` rows and ``max_batch_tokens`` with the ``rows`` /
         ``tokens`` running. Scoring rows never join (they run in batches of their own): they let generation rows
         join ahead of them for ``switch_wait`` seconds, then the batch takes no more and drains."""
         b = self.b
