@@ -318,3 +318,33 @@ def test_the_eviction_heap_stays_bounded_when_nothing_new_is_stored():
         found = pc.lookup(prompt, 4, 10)
         pc.insert(prompt, 4, len(found), 10, lambda j: (t, t))
     assert len(pc.entries) == 10 and len(pc._leaves) <= 2 * 10 + 64 + 1
+
+
+async def test_usage_reports_the_prompt_tokens_the_cache_served(aiohttp_client):
+    """A review: /v1/responses always said input_tokens_details.cached_tokens 0 (hard-coded) while the cache served
+    the prompt, and chat and completions said nothing. Now each prompt's tokens served from the cache for every one
+    of its choices: 0 the first time (its first choice computes them), every whole reusable block the next."""
+    from tests.conftest import TINY_LLADA, TINY_LLADA2
+    from tests.test_worker_app import wait_ready
+    from worker.app import WorkerConfig, make_app
+    client = await aiohttp_client(make_app(WorkerConfig(model_path=str(TINY_LLADA2), device="cpu",
+                                                        prefix_cache_gb=0.01)))
+    await wait_ready(client)
+    body = {"prompt": list(range(10, 36)), "max_tokens": 4, "block_length": 4, "n": 2}
+    seen = []
+    for _ in range(2):
+        r = await client.post("/v1/completions", json=body)
+        seen.append((await r.json())["usage"])
+    assert seen[0]["prompt_tokens"] == 26 and seen[0]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert seen[1]["prompt_tokens_details"] == {"cached_tokens": 24}, seen
+    text = {"input": "di vo sopopa nerici " * 8, "max_output_tokens": 4}
+    got = []
+    for _ in range(2):
+        r = await client.post("/v1/responses", json=text)
+        got.append((await r.json())["usage"])
+    assert got[0]["input_tokens_details"]["cached_tokens"] == 0
+    assert 0 < got[1]["input_tokens_details"]["cached_tokens"] < got[1]["input_tokens"], got
+    plain = await aiohttp_client(make_app(WorkerConfig(model_path=str(TINY_LLADA), device="cpu")))
+    await wait_ready(plain)
+    use = (await (await plain.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 2})).json())["usage"]
+    assert "prompt_tokens_details" not in use          # no prefix cache (LLaDA's prompt sees its answer)

@@ -42,9 +42,10 @@ class ResponsesEvents:
 
     def _usage(self) -> dict:
         u = self.usage or {"prompt_tokens": 0, "completion_tokens": 0}
+        cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens", 0)     # (the prefix cache's)
         return {"input_tokens": u["prompt_tokens"], "output_tokens": u["completion_tokens"],
                 "total_tokens": u["prompt_tokens"] + u["completion_tokens"],
-                "input_tokens_details": {"cached_tokens": 0}, "output_tokens_details": {"reasoning_tokens": 0}}
+                "input_tokens_details": {"cached_tokens": cached}, "output_tokens_details": {"reasoning_tokens": 0}}
 
     def _status(self) -> str:
         return "incomplete" if self.finish == "length" else "completed"

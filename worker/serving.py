@@ -497,6 +497,12 @@ class Run:
         self._answered()
         states = self.states
         use = usage(sum(len(p) for p in prep.prompts[::prep.req.n]), sum(len(s.token_ids) for s in states))
+        if getattr(serving.engine, "prefix_cache", None) is not None:
+            # each prompt's tokens that came from the cache for every one of its n choices (the first computes
+            # what the others then find): vLLM's and OpenAI's prompt_tokens_details
+            n = prep.req.n
+            use["prompt_tokens_details"] = {"cached_tokens": sum(min(s.cached_tokens for s in states[i:i + n])
+                                                                 for i in range(0, len(states), n))}
         if serving.on_tokens is not None:
             serving.on_tokens(use["completion_tokens"], sum(s.nfe for s in states))
         if stream:
@@ -605,6 +611,7 @@ class _Choice:
         self.stopped = False        # a stop string was found: text and token_ids are final
         self.finish_reason: str | None = None
         self.nfe = 0
+        self.cached_tokens = 0      # of its prompt, served from the prefix cache
         self.logprobs: list | None = None     # the engine's per-token entries (asked only)
         self.steps = 0                          # step streaming: steps reported, the last window and its settled part
         self.window: list[int] | None = None
@@ -677,6 +684,7 @@ class _Choice:
 
     def finish(self, result) -> str:
         self.nfe = result.nfe
+        self.cached_tokens = getattr(result, "cached_tokens", 0)
         self.logprobs = getattr(result, "logprobs", None)
         if not self.stopped:
             self._apply(result.token_ids)

@@ -40,6 +40,7 @@ class Result:
     nfe: int                      # forward passes (denoising steps) this row took part in
     canvas: list[int]             # the whole generated canvas when the row ended (masks where undecided)
     prompt_tokens: int
+    cached_tokens: int = 0        # prompt tokens served from the prefix cache (not computed for this row)
     logprobs: list | None = None  # per answer token (id, log-probability, [(id, log-probability)] top k): asked only
 
 
@@ -479,7 +480,7 @@ def result(r: Row) -> Result:
     lp = None
     if r.logprobs is not None:
         lp = r.logprobs.prefix(None if r.finish_reason == "cancelled" else len(r.tokens), r.tokens)
-    return Result(r.tokens, r.finish_reason or "length", r.nfe, r.canvas, r.plan.prompt_length, lp)
+    return Result(r.tokens, r.finish_reason or "length", r.nfe, r.canvas, r.plan.prompt_length, r.cached_tokens, lp)
 
 
 class Feed(Protocol):

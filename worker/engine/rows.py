@@ -109,6 +109,7 @@ class Row:
     min_block_steps: int = 1      # steps a block takes at least under a rule without a fixed schedule (cached.py)
     rule: object = None           # sampling.Rule: how this row's steps commit tokens (set by its algorithm)
     logprobs: TokenLogprobs | None = None     # set when the request asks for its tokens' log-probabilities
+    cached_tokens: int = 0        # prompt tokens the prefix cache gave it (usage's cached_tokens)
     state: object = None          # its algorithm's own per-row state: kept on the row, so it goes when the row
     #                               goes (a batch under steady load runs for ever: nothing per row may outlive it)
 

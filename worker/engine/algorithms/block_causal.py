@@ -164,6 +164,7 @@ class BlockBatch:
                 n = len(found) * bl
                 self.cache.k[:, b, :, :n] = torch.cat([e.kv[0] for e in found], dim=2).to(self.dev)
                 self.cache.v[:, b, :, :n] = torch.cat([e.kv[1] for e in found], dim=2).to(self.dev)
+                r.cached_tokens = n
                 self.reused(r, n)
 
     def share(self, b: int, first: int, blocks: int) -> None:

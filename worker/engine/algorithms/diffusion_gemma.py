@@ -121,7 +121,7 @@ def run(engine, rows: list[Row], fin: Finisher):
                 n = len(model.stack.layers)
                 cache.seed(b, [torch.cat([e.kv[i] for e in found], dim=1).to(dev) for i in range(n)],
                            [torch.cat([e.kv[n + i] for e in found], dim=1).to(dev) for i in range(n)])
-                s.reused = len(found) * G
+                s.reused = r.cached_tokens = len(found) * G
                 s.encode = list(r.prompt[s.reused:])
 
     def share(b: int, i: int, capture: list) -> None:
