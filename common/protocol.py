@@ -72,6 +72,27 @@ NEUTRAL_ONLY = {
     "functions": (_empty(list), "none"),
     "tool_choice": (lambda v: v is None or v == "none", "none"),
     "response_format": (lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"), '{"type": "text"}'),
+    # vLLM's extra sampling and output fields that would change the answer (a review: `top_k: 1` and `guided_json`
+    # were ignored, a 200 with the plain answer)
+    "top_k": (lambda v: v is None or (type(v) is int and v in (-1, 0)), "-1 or 0 (off)"),
+    "min_p": (_is(0), "0"),
+    "min_tokens": (_is(0), "0"),
+    "length_penalty": (_is(1), "1"),
+    "use_beam_search": (lambda v: v is None or v is False, "false"),
+    "allowed_token_ids": (_empty(list), "none"),
+    "bad_words": (_empty(list), "none"),
+    "guided_json": (lambda v: v is None, "null"),
+    "guided_regex": (lambda v: v is None, "null"),
+    "guided_choice": (lambda v: v is None, "null"),
+    "guided_grammar": (lambda v: v is None, "null"),
+    "structured_outputs": (lambda v: v is None, "null"),
+    "include_stop_str_in_output": (lambda v: v is None or v is False, "false"),
+    "skip_special_tokens": (lambda v: v is None or v is True, "true"),
+    "truncate_prompt_tokens": (lambda v: v is None, "null"),
+    "prompt_logprobs": (lambda v: v is None, "null"),
+    "return_tokens_as_token_ids": (lambda v: v is None or v is False, "false"),
+    "chat_template": (lambda v: v is None, "null: the model's own chat template is used"),
+    "documents": (_empty(list), "none"),
 }
 
 
@@ -210,6 +231,9 @@ class ScoreFields(BaseModel):
 
 class CompletionRequest(ScoreFields, CommonFields):
     prompt: Prompt
+    # vLLM's field (its default is true): a text prompt's tokens with the tokenizer's special tokens (a BOS) added.
+    # Ours is false: the text's own tokens, as the reference evaluation code encodes prompts
+    add_special_tokens: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -290,11 +314,30 @@ class TextPart(BaseModel):
     text: str
 
 
+# apply_chat_template's own parameters: not template variables (a request's chat_template_kwargs may not set them)
+TEMPLATE_PARAMETERS = frozenset({"conversation", "messages", "tools", "documents", "chat_template",
+                                 "add_generation_prompt", "continue_final_message", "tokenize", "padding", "truncation",
+                                 "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+                                 "tokenizer_kwargs", "processor_kwargs"})
+
+
+def template_kwargs(v: dict | None) -> dict | None:
+    if v is not None:
+        bad = sorted(set(v) & TEMPLATE_PARAMETERS)
+        if bad:
+            raise ValueError(f"{bad[0]} is a parameter of the chat template's call, not a template variable "
+                             f"(give it as its own field where this server takes it)")
+    return v
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
     role: Literal["system", "developer", "user", "assistant"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    # an assistant turn's reasoning, which templates with a thinking section render (vLLM passes it on)
+    reasoning_content: str | None = None
+    tool_calls: list | None = None        # refused unless empty: this server has no tools (as `tools`)
 
     _media = field_validator("content", mode="before")(classmethod(lambda cls, v: text_parts_only(v)))
 
@@ -305,6 +348,9 @@ class ChatMessage(BaseModel):
             raise ValueError(f"content: a {self.role} message needs its content")
         if isinstance(self.content, list) and not self.content:
             raise ValueError("content: an empty list of parts")
+        if self.tool_calls:
+            raise ValueError("tool_calls: this server has no tools (tools, tool messages and tool calls are not "
+                             "supported)")
         return self
 
     def text(self) -> str:
@@ -331,11 +377,14 @@ class ChatCompletionRequest(CommonFields):
     # vLLM's: the template's generation prompt, or the last (assistant) message continued instead of closed
     add_generation_prompt: bool = True
     continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None      # vLLM's: more variables for the chat template
 
     @model_validator(mode="before")
     @classmethod
     def _neutral_only(cls, data):
         return defaults_and_neutral(data, CHAT_NEUTRAL)
+
+    _template_kwargs = field_validator("chat_template_kwargs")(classmethod(lambda cls, v: template_kwargs(v)))
 
     @model_validator(mode="after")
     def _some_tokens(self):
@@ -444,6 +493,8 @@ RESPONSES_NEUTRAL = {
              '{"format": {"type": "text"}}'),
     "reasoning": (lambda v: v is None or (isinstance(v, dict) and all(x is None for x in v.values())), "null"),
     "prompt": (lambda v: v is None, "null (no stored prompt templates)"),
+    # (OpenAI's include adds output the answer would lack: logprobs, sources; none of it is served here)
+    "include": (_empty(list), "none"),
 }
 
 
@@ -504,6 +555,14 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     return_token_strs: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_template(cls, data):
+        return defaults_and_neutral(data, {"chat_template": NEUTRAL_ONLY["chat_template"]})
+
+    _template_kwargs = field_validator("chat_template_kwargs")(classmethod(lambda cls, v: template_kwargs(v)))
 
     @model_validator(mode="after")
     def _one_input(self):
@@ -594,7 +653,10 @@ def _validate(cls, data: dict, neutral: dict):
         return cls.model_validate(data)
     except ValidationError as e:
         errors = e.errors()
-        err = next((x for x in errors if x.get("type") == "value_error" and x.get("loc")), errors[0])
+        # a union's members each report an error; the deepest names what the client sent (a list's bad item, not
+        # "should be a valid string" for a list given where a string would also do: a review)
+        deepest = max(errors, key=lambda x: len(x.get("loc", ())))
+        err = next((x for x in errors if x.get("type") == "value_error" and x.get("loc")), deepest)
         loc = [str(x) for x in err.get("loc", ())]
         # union members appear in loc (e.g. prompt.str): keep the field path only
         param = ".".join(x for x in loc if x not in ("str", "int", "TextPart") and not x.startswith("list[")) or None

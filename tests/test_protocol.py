@@ -1,4 +1,5 @@
 """Request parsing: every bad field is a 400 naming the parameter."""
+import json
 import pytest
 
 from common.protocol import APIError, parse_request
@@ -177,3 +178,25 @@ def test_a_message_needs_content_unless_the_assistants():
             parse_request("chat", {"messages": msgs})
         assert e.value.status == 400 and e.value.param == "messages.0", msgs
     parse_request("chat", {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None}]})
+
+
+def test_a_bad_item_of_an_input_list_is_named_and_include_is_refused():
+    """A review: every malformed item of a Responses `input` list (a part without text, a misspelt part type, a
+    refusal part) got "input: Input should be a valid string", the string branch's error; and `include` (logprobs
+    on output_text) was accepted and ignored."""
+    import pytest as _pytest
+
+    from common.protocol import APIError, parse_request
+    ok = {"role": "user", "content": [{"type": "input_text", "text": "x"}]}
+    for items, where in (([{"role": "user", "content": [{"type": "input_text"}]}], "input.0.content.0"),
+                         ([ok, {"role": "user", "content": [{"type": "input_txt", "text": "y"}]}], "input.1"),
+                         ([{"role": "user", "content": 123}], "input.0.content")):
+        with _pytest.raises(APIError) as e:
+            parse_request("responses", json.dumps({"input": items}).encode())
+        assert e.value.status == 400 and (e.value.param or "").startswith(where), (items, e.value.param,
+                                                                                    e.value.message)
+        assert "valid string" not in e.value.message or "content" in (e.value.param or ""), e.value.message
+    with _pytest.raises(APIError) as e:
+        parse_request("responses", json.dumps({"input": "x", "include": ["message.output_text.logprobs"]}).encode())
+    assert e.value.status == 400 and e.value.param == "include"
+    assert parse_request("responses", json.dumps({"input": "x", "include": []}).encode()).input == "x"

@@ -637,3 +637,51 @@ async def test_detokenize_takes_at_most_the_models_context(aiohttp_client):
     r = await client.post("/detokenize", json={"tokens": [5] * 4097})
     err = (await r.json())["error"]
     assert r.status == 400 and err["param"] == "tokens" and "4096" in err["message"], err
+
+
+async def test_vllms_template_variables_reasoning_and_answer_changing_extras(aiohttp_client):
+    """A review, against vLLM: `chat_template_kwargs` (SDAR's template has `enable_thinking`) and a request's
+    `chat_template` were ignored; an assistant message's `reasoning_content` and `tool_calls` were dropped before the
+    template (a tool-call turn became an empty one); vLLM's `top_k: 1`, `guided_json`, `min_tokens`, ... gave the
+    plain answer with a 200; and a completion's `add_special_tokens` was ignored. Now the template gets the
+    variables and the reasoning (the tokens are the model's own apply_chat_template's), and the rest is a 400."""
+    from transformers import AutoTokenizer
+    from tests.conftest import TINY_SDAR
+    client = await aiohttp_client(make_app(WorkerConfig(model_path=str(TINY_SDAR), device="cpu")))
+    await wait_ready(client)
+    tok = AutoTokenizer.from_pretrained(TINY_SDAR)
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes", "reasoning_content": "think hard"},
+            {"role": "user", "content": "and?"}]
+    want = list(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, enable_thinking=False,
+                                        return_dict=False))
+    plain = list(tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False))
+    assert want != plain
+    body = {"messages": msgs, "chat_template_kwargs": {"enable_thinking": False}}
+    r = await client.post("/tokenize", json=body)
+    assert r.status == 200 and (await r.json())["tokens"] == want
+    r = await client.post("/v1/chat/completions", json={**body, "max_tokens": 2})
+    assert r.status == 200 and (await r.json())["usage"]["prompt_tokens"] == len(want)
+    r = await client.post("/tokenize", json={"messages": msgs})
+    assert (await r.json())["tokens"] == plain               # the reasoning is rendered either way
+    for extra, param in (({"chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs"),
+                         ({"chat_template_kwargs": "x"}, "chat_template_kwargs"), ({"chat_template": "{{ 'X' }}"}, None),
+                         ({"top_k": 1}, None), ({"guided_json": {"type": "object"}}, None), ({"min_tokens": 3}, None),
+                         ({"skip_special_tokens": False}, None),
+                         ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "c"}]},
+                                        {"role": "user", "content": "x"}]}, None)):
+        r = await client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2, **extra})
+        err = (await r.json())["error"]
+        assert r.status == 400 and err["type"] == "invalid_request_error", (extra, err)
+        assert param is None or param in (err["param"] or ""), (extra, err)
+        word = next(iter(extra))
+        assert word in err["message"] or "tool_calls" in err["message"], (extra, err)
+    for extra in ({"top_k": -1}, {"top_k": 0}, {"min_p": 0}, {"skip_special_tokens": True}):
+        r = await client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2, **extra})
+        assert r.status == 200, extra
+    r = await client.post("/tokenize", json={"messages": msgs, "chat_template": "{{ 'X' }}"})
+    assert r.status == 400
+    text = "di vo"
+    with_bos = tok(text, add_special_tokens=True)["input_ids"]
+    for flag, n in ((True, len(with_bos)), (False, len(tok(text, add_special_tokens=False)["input_ids"]))):
+        r = await client.post("/v1/completions", json={"prompt": text, "max_tokens": 2, "add_special_tokens": flag})
+        assert (await r.json())["usage"]["prompt_tokens"] == n

@@ -67,8 +67,15 @@ class Serving:
         """Chat messages as the template gets them: developer as system; text parts as a list for a template that
         reads parts, else joined by newlines (vLLM's and SGLang's rule)."""
         parts = takes_content_parts(self.tok)
-        return [{"role": "system" if m.role == "developer" else m.role, "content": m.template_content(parts)}
-                for m in messages]
+        out = []
+        for m in messages:
+            d = {"role": "system" if m.role == "developer" else m.role, "content": m.template_content(parts)}
+            if m.name is not None:
+                d["name"] = m.name
+            if m.reasoning_content is not None:       # (a template with a thinking section renders it)
+                d["reasoning_content"] = m.reasoning_content
+            out.append(d)
+        return out
 
     def check_version(self, wanted: str | None) -> None:
         """A request that requires weights (``model_version``: a hash) this worker does not hold: 409."""
@@ -118,7 +125,8 @@ class Serving:
             self._check_message_count(len(req.messages), "messages")
             msgs = self._messages(req.messages)
             try:
-                prompts = [apply_chat_template(self.tok, msgs, req.add_generation_prompt, req.continue_final_message)]
+                prompts = [apply_chat_template(self.tok, msgs, req.add_generation_prompt, req.continue_final_message,
+                                               req.chat_template_kwargs)]
             except Exception as e:   # jinja errors from the template (e.g. role order)
                 raise APIError(400, f"messages: the chat template rejected them: {e}", param="messages")
         else:
@@ -128,7 +136,8 @@ class Serving:
                                     f"request", param="n")
             prompts = []
             for p in given:     # each checked as it is encoded: a request of many long prompts fails at the first
-                ids = self.tok(p, add_special_tokens=False)["input_ids"] if isinstance(p, str) else list(p)
+                ids = (self.tok(p, add_special_tokens=req.add_special_tokens)["input_ids"] if isinstance(p, str)
+                       else list(p))
                 if not ids:
                     raise APIError(400, "prompt: the prompt encodes to no tokens", param="prompt")
                 if len(ids) > self.engine.max_sequence_length:
@@ -333,7 +342,8 @@ class Serving:
             self._check_message_count(len(req.messages), "messages", 4 * self.engine.max_sequence_length)
             msgs = self._messages(req.messages)
             try:
-                ids = apply_chat_template(self.tok, msgs, req.add_generation_prompt, req.continue_final_message)
+                ids = apply_chat_template(self.tok, msgs, req.add_generation_prompt, req.continue_final_message,
+                                          req.chat_template_kwargs)
             except Exception as e:
                 raise APIError(400, f"messages: the chat template rejected them: {e}", param="messages")
         return {"count": len(ids), "max_model_len": self.engine.max_sequence_length, "tokens": list(ids),

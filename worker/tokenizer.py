@@ -99,8 +99,10 @@ def takes_content_parts(tokenizer) -> bool:
 
 
 def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
-                        continue_final_message: bool = False) -> list[int]:
-    extra = {"continue_final_message": True} if continue_final_message else {}
+                        continue_final_message: bool = False, template_kwargs: dict | None = None) -> list[int]:
+    """The messages' token ids by the tokenizer's chat template; ``template_kwargs``: more template variables (a
+    request's ``chat_template_kwargs``, e.g. ``enable_thinking``)."""
+    extra = {**(template_kwargs or {}), **({"continue_final_message": True} if continue_final_message else {})}
     out = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True, **extra)
     if isinstance(out, dict) or hasattr(out, "input_ids"):
         out = out["input_ids"]
