@@ -80,8 +80,13 @@ def parse_line(n: int, raw: bytes, seen: set[str]) -> Line:
             cid = orjson.loads(found.group(1)) if found else None
         except orjson.JSONDecodeError:
             cid = None
+        cid = cid if isinstance(cid, str) and cid else None
+        if cid is not None and cid in seen:
+            return bad("duplicate_custom_id", f"custom_id {cid!r} was used by an earlier line", cid)
+        if cid is not None:
+            seen.add(cid)
         return bad("request_too_large", f"the line is {len(raw)} bytes; a request body may be at most "
-                                        f"{MAX_BODY_BYTES}", cid if isinstance(cid, str) else None)
+                                        f"{MAX_BODY_BYTES}", cid)
     try:
         obj = orjson.loads(raw)
     except orjson.JSONDecodeError as e:

@@ -31,22 +31,29 @@ class _Commands(click.Group):
     a command's own failure (click.ClickException) is one line, its exit code (1). No traceback, no usage dump."""
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
-        try:
-            rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
-        except click.UsageError as e:
-            if type(e).__name__ == "NoArgsIsHelpError":     # a bare group: its help (click >= 8.2), exit 2
-                click.echo(e.format_message(), err=True)
-                sys.exit(e.exit_code)
-            path = e.ctx.command_path if e.ctx is not None else "dllm-serve"
-            click.echo(f"{path}: error: {e.format_message()} (see '{path} --help')", err=True)
+        one_line_errors(lambda: super(_Commands, self).main(args, prog_name, complete_var, standalone_mode=False,
+                                                            **extra))
+
+
+def one_line_errors(run) -> None:
+    """``run()`` (a click command's main, standalone_mode=False) with its errors as one line each (_Commands);
+    exits with its code."""
+    try:
+        rv = run()
+    except click.UsageError as e:
+        if type(e).__name__ == "NoArgsIsHelpError":     # a bare group: its help (click >= 8.2), exit 2
+            click.echo(e.format_message(), err=True)
             sys.exit(e.exit_code)
-        except click.ClickException as e:
-            click.echo(f"dllm-serve: error: {e.format_message()}", err=True)
-            sys.exit(e.exit_code)
-        except click.Abort:
-            click.echo("dllm-serve: aborted", err=True)
-            sys.exit(1)
-        sys.exit(rv if isinstance(rv, int) else 0)
+        path = e.ctx.command_path if e.ctx is not None else "dllm-serve"
+        click.echo(f"{path}: error: {e.format_message()} (see '{path} --help')", err=True)
+        sys.exit(e.exit_code)
+    except click.ClickException as e:
+        click.echo(f"dllm-serve: error: {e.format_message()}", err=True)
+        sys.exit(e.exit_code)
+    except click.Abort:
+        click.echo("dllm-serve: aborted", err=True)
+        sys.exit(1)
+    sys.exit(rv if isinstance(rv, int) else 0)
 
 
 @click.group(cls=_Commands, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})

@@ -8,8 +8,8 @@ import sys
 
 import _venv  # noqa: F401  (re-runs this script with the project's .venv)
 
-from dllm_serve.cli import status  # noqa: E402
+from dllm_serve.cli import one_line_errors, status  # noqa: E402
 
 if __name__ == "__main__":
-    status.main(sys.argv[1:], prog_name="check_worker_status.py", help_option_names=["-h", "--help"],
-                max_content_width=110)
+    one_line_errors(lambda: status.main(sys.argv[1:], prog_name="check_worker_status.py", standalone_mode=False,
+                                        help_option_names=["-h", "--help"], max_content_width=110))

@@ -4,6 +4,7 @@ import socket
 import time
 
 import orjson
+import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
 
@@ -277,6 +278,7 @@ async def test_a_compressed_body_counts_what_it_decodes_to(aiohttp_client):
     assert budget.used == 0
 
 
+@pytest.mark.slow          # (8 s): the fast tier stays under 3 minutes
 async def test_request_body_bytes_in_flight_are_bounded(aiohttp_client):
     """Issue 29 item 3: bodies held at once (until their requests are answered) stay within
     --max-body-bytes-in-flight (8 MiB here: 6 MiB for bodies over 1 MiB); past it a body gets 503 + Retry-After in

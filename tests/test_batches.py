@@ -568,6 +568,17 @@ async def test_a_batchs_input_is_kept_lines_too_large_are_refused_unread_and_lin
         assert cur["status"] == "finalizing" and cur["cancelling_at"] is None
 
 
+def test_a_line_too_large_keeps_its_custom_id_and_still_counts_for_duplicates(monkeypatch):
+    from common import batchfile
+    monkeypatch.setattr(batchfile, "MAX_LINE_BYTES", 100)
+    seen: set = set()
+    big = json.dumps({"custom_id": "a", "url": "/v1/completions", "body": {"prompt": "x" * 200}}).encode()
+    first = batchfile.parse_line(1, big, seen)
+    assert first.error["code"] == "request_too_large" and first.custom_id == "a"
+    again = batchfile.parse_line(2, json.dumps({"custom_id": "a", "url": "/v1/completions", "body": {}}).encode(), seen)
+    assert again.error["code"] == "duplicate_custom_id"          # (a review: it was sent, two results for "a")
+
+
 async def test_a_running_batch_holds_a_chunk_of_its_lines_not_its_input(aiohttp_client, tmp_path, monkeypatch):
     """A batch's lines are parsed as they are sent, a chunk at a time (32 lines here): while 800 lines run, the
     balancer holds at most a chunk of them and those in flight (a review: every line parsed at once, about 6x the input file, so a

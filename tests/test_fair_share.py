@@ -42,9 +42,17 @@ async def test_costly_requests_are_refused_naming_the_limit(aiohttp_client):
     r = await client.post("/v1/chat/completions", json=many)
     err = (await r.json())["error"]
     assert r.status == 400 and err["code"] == "request_too_costly" and err["param"] == "top_logprobs", err
-    assert "log-probability entries" in err["message"]
+    assert "top logprobs alternatives" in err["message"]
     r = await client.post("/v1/chat/completions", json={**many, "logprobs": False, "top_logprobs": None})
     assert r.status == 200          # (the same request without them: 553,000 token-forwards)
+    from dataclasses import replace
+
+    from worker.app import STATE
+    from worker.engine.params import logprobs_cost     # the chosen tokens' own log-probabilities add nothing (RL)
+    engine = client.server.app[STATE].serving.engine
+    pl = engine.plan([5] * 8, GenerationParams(gen_length=64, block_length=64, logprobs=0))
+    assert logprobs_cost(pl) == 0
+    assert logprobs_cost(replace(pl, params=replace(pl.params, logprobs=2))) == 64 * 2 * 128
     client, _ = await ready_client(aiohttp_client, max_request_cost=1000)     # the limit is the operator's
     r = await client.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 64})
     assert r.status == 400 and "--max-request-cost 1,000" in (await r.json())["error"]["message"]

@@ -515,6 +515,7 @@ async def _slow_clients_are_let_go(port: int, body_timeout: float, keepalive: fl
     assert keepalive - 0.1 < idle < keepalive + 2 and keepalive - 0.1 < trickled < keepalive + 2, (idle, trickled)
 
 
+@pytest.mark.slow          # (6 s): the fast tier stays under 3 minutes
 async def test_slow_clients_get_408_and_idle_connections_are_closed(tmp_path):
     """A client that stops sending its body midway held its connection, its handler and its share of
     --max-body-bytes-in-flight until it disconnected; one that trickled its headers was kept for an hour (aiohttp's

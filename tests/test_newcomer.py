@@ -153,6 +153,12 @@ def test_scripts_run_with_the_project_venv_from_any_python(tmp_path):
     r = subprocess.run([str(bare / "bin" / "python3"), str(ROOT / "scripts" / "check_worker_status.py"), "--url",
                         "http://127.0.0.1:9", "--json"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "unreachable" in r.stdout, r.stdout + r.stderr
+    # its usage errors are one line naming it (a review: its usage named `check_worker_status.py status`, a command
+    # it does not take)
+    r = subprocess.run([str(ROOT / "scripts" / "check_worker_status.py"), "--bogus"], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 2 and r.stderr.strip() == ("check_worker_status.py: error: No such option '--bogus'. "
+                                                      "(see 'check_worker_status.py --help')"), r.stderr
 
 
 def test_version():

@@ -320,6 +320,7 @@ def test_the_eviction_heap_stays_bounded_when_nothing_new_is_stored():
     assert len(pc.entries) == 10 and len(pc._leaves) <= 2 * 10 + 64 + 1
 
 
+@pytest.mark.slow          # (two models): the fast tier stays under 3 minutes
 async def test_usage_reports_the_prompt_tokens_the_cache_served(aiohttp_client):
     """A review: /v1/responses always said input_tokens_details.cached_tokens 0 (hard-coded) while the cache served
     the prompt, and chat and completions said nothing. Now each prompt's tokens served from the cache for every one

@@ -639,6 +639,7 @@ async def test_detokenize_takes_at_most_the_models_context(aiohttp_client):
     assert r.status == 400 and err["param"] == "tokens" and "4096" in err["message"], err
 
 
+@pytest.mark.slow          # (SDAR): the fast tier stays under 3 minutes
 async def test_vllms_template_variables_reasoning_and_answer_changing_extras(aiohttp_client):
     """A review, against vLLM: `chat_template_kwargs` (SDAR's template has `enable_thinking`) and a request's
     `chat_template` were ignored; an assistant message's `reasoning_content` and `tool_calls` were dropped before the

@@ -283,6 +283,8 @@ class RowScheduler:
         if self.continuous and getattr(self.engine, "prefix_cache", None) is not None:
             from worker.engine.prefix_cache import Admission
             share = Admission(self.engine)
+        if rows >= self.batch_size or not self.pending:
+            return []                     # (full: the queue is not even ordered, a step's cost stays O(1))
         for j in _in_turns(self.pending, list(self.running)):
             if rows + len(taken) >= self.batch_size:
                 break

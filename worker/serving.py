@@ -157,8 +157,8 @@ class Serving:
                       for j in range(n)]
         if entries and sum(costs) <= self.defaults.max_request_cost < sum(costs) + entries:
             self._check_cost(sum(costs) + entries, "top_logprobs" if kind == "chat" else "logprobs",
-                             f"max_tokens x n x (1 + top logprobs) log-probability entries at {LOGPROB_ENTRY_COST} "
-                             f"each, with its prompt length + max_tokens, steps, n and cfg_scale")
+                             f"max_tokens x n x top logprobs alternatives at {LOGPROB_ENTRY_COST} each, with its "
+                             f"prompt length + max_tokens, steps, n and cfg_scale")
         self._check_cost(sum(costs) + entries, "max_tokens", "prompt length + max_tokens, steps, n, cfg_scale and "
                                                              "logprobs")
         prompts = [ids for ids in prompts for _ in range(n)]

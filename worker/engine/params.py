@@ -118,19 +118,20 @@ def row_cost(pl: Plan) -> int:
     return forwards * tokens * (2 if pl.params.cfg_scale > 0 else 1)
 
 
-# One log-probability entry (a generated token's, or one of its top alternatives') in token-forwards: the worker
-# finds each entry's text in context and writes it out, the balancer reads and writes it again, host work of a few
-# microseconds an entry that a GPU's forward of a token does not come near. Without it a request of n=128 choices of
-# 256 tokens with top_logprobs 20 (688,000 entries, 70 MB of JSON) cost 553,000 token-forwards, 2% of the default
-# limit, and stopped its worker's event loop for tens of seconds (a review): now 88 M, refused.
+# One top alternative of a generated token's log-probability, in token-forwards: the worker finds its text in
+# context and writes it out, the balancer reads and writes it again, host work of a few microseconds that a GPU's
+# forward of a token does not come near. Without it a request of n=128 choices of 256 tokens with top_logprobs 20
+# (655,000 alternatives, 70 MB of JSON) cost 553,000 token-forwards, 2% of the default limit, and stopped its
+# worker's event loop for tens of seconds (a review): now 84 M, refused. The chosen token's own entry costs nothing
+# more: its text is decoded for the answer anyway (an RL rollout's logprobs of 16 x 1,024 tokens cost what they did).
 LOGPROB_ENTRY_COST = 128
 
 
 def logprobs_cost(pl: Plan) -> int:
-    """A row's log-probability entries (max_tokens x (1 + top alternatives), when it asks for logprobs) at
+    """A row's top log-probability alternatives (max_tokens x top_logprobs, when it asks for logprobs) at
     LOGPROB_ENTRY_COST token-forwards each: added to its cost at admission (--max-request-cost)."""
     k = pl.params.logprobs
-    return 0 if k is None else pl.gen_length * (1 + k) * LOGPROB_ENTRY_COST
+    return 0 if not k else pl.gen_length * k * LOGPROB_ENTRY_COST
 
 
 def with_seed(pl: Plan, seed: int) -> Plan:
