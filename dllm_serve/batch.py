@@ -25,7 +25,8 @@ RETRY_WAIT_MAX = 10.0      # seconds at most between two tries of a line the ser
 
 async def send(lines, out_path: Path, url: str, api_key: str | None, concurrency: int, timeout: float,
                progress, retry_wait_max: float = RETRY_WAIT_MAX) -> dict:
-    """Send ``lines`` (common.batchfile.Line) to ``url``, at most ``concurrency`` at once, appending one result line
+    """Send ``lines`` (common.batchfile.Line; an iterable taken as it is sent) to ``url``, at most ``concurrency`` at
+    once, appending one result line
     each to ``out_path``; ``progress(n)`` after each. A 429 or 503 (the server busy) is sent again after its
     Retry-After (else a doubling wait), at most ``retry_wait_max`` s, until ``timeout`` s have passed since the first
     try.
@@ -87,7 +88,12 @@ async def send(lines, out_path: Path, url: str, api_key: str | None, concurrency
                                                                                             f"{e}"}))
                         tally["unsent"] += 1
                 progress(1)
-            await asyncio.gather(*(one(line) for line in lines))
+            todo = iter(lines)
+
+            async def lane() -> None:       # ``concurrency`` of these take the lines in order, as they are read
+                for line in todo:
+                    await one(line)
+            await asyncio.gather(*(lane() for _ in range(concurrency)))
     return tally
 
 
@@ -134,11 +140,18 @@ def run(input_path: str, output_path: str, url: str | None, model_path: str | No
     out = Path(output_path)
     if not out.parent.is_dir():
         raise RuntimeError(f"--output {output_path}: no such directory {str(out.parent)!r}")
-    lines = list(read_lines(input_path))
-    done = resume(out, {line.key for line in lines})
-    todo = [line for line in lines if line.key not in done]
-    echo(f"dllm-serve run-batch: {len(lines)} requests in {input_path}; {len(lines) - len(todo)} already done in "
-         f"{output_path}; {len(todo)} to send")
+    # the input is read twice, a line at a time: once for the keys (what resuming needs), then as it is sent; every
+    # line parsed at once, and a task for each, held about 23x the file (a review: 528 MB for 23 MB)
+    keys, total = set(), 0
+    for line in read_lines(input_path):
+        keys.add(line.key)
+        total += 1
+    done = resume(out, keys)
+    pending = total - len(done)
+    del keys
+    todo = (line for line in read_lines(input_path) if line.key not in done)
+    echo(f"dllm-serve run-batch: {total} requests in {input_path}; {total - pending} already done in "
+         f"{output_path}; {pending} to send")
     server = None
     tmp = None
     tally = None
@@ -147,7 +160,7 @@ def run(input_path: str, output_path: str, url: str | None, model_path: str | No
         raise SystemExit(128 + signum)
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGHUP)}
     try:
-        if model_path is not None and todo:
+        if model_path is not None and pending:
             tmp = tempfile.mkdtemp(prefix="dllm-run-batch-")
             port = _free_ports(1)
             url = f"http://127.0.0.1:{port}"
@@ -169,7 +182,7 @@ def run(input_path: str, output_path: str, url: str | None, model_path: str | No
         url = (url or "http://127.0.0.1:8000").rstrip("/")
         with Progress(TextColumn("[bold]run-batch"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                       disable=not sys.stderr.isatty()) as bar:
-            task = bar.add_task("requests", total=len(todo))
+            task = bar.add_task("requests", total=pending)
             tally = asyncio.run(send(todo, out, url, api_key, concurrency, timeout,
                                      lambda n: bar.advance(task, n), retry_wait_max))
     finally:

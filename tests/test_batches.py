@@ -568,6 +568,29 @@ async def test_a_batchs_input_is_kept_lines_too_large_are_refused_unread_and_lin
         assert cur["status"] == "finalizing" and cur["cancelling_at"] is None
 
 
+async def test_run_batch_takes_its_lines_as_it_sends_them(tmp_path):
+    """A review: run-batch parsed every line and made a task for each at once, about 23x its input file (528 MB for
+    200,000 lines, 23 MB); now at most --concurrency lines are taken ahead of their answers (resident 85 MB for that
+    file). A URL nothing listens on answers every line at once (no answer)."""
+    from common.batchfile import parse_line
+    from dllm_serve.batch import send
+    taken, answered, ahead = [0], [0], []
+    seen: set = set()
+
+    def lines():
+        for i in range(300):
+            taken[0] += 1
+            ahead.append(taken[0] - answered[0])
+            yield parse_line(i + 1, json.dumps({"custom_id": f"r{i}", "url": "/v1/completions",
+                                                "body": {"prompt": "x"}}).encode(), seen)
+
+    def progress(n):
+        answered[0] += n
+    tally = await send(lines(), tmp_path / "out.jsonl", f"http://127.0.0.1:{free_port()}", None, 4, 5, progress)
+    assert tally["unsent"] == 300 and answered[0] == 300
+    assert max(ahead) <= 4 + 1, max(ahead)
+
+
 def test_a_line_too_large_keeps_its_custom_id_and_still_counts_for_duplicates(monkeypatch):
     from common import batchfile
     monkeypatch.setattr(batchfile, "MAX_LINE_BYTES", 100)
