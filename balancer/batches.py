@@ -365,9 +365,11 @@ class BatchJobs:
 
     async def list_batches(self, request: web.Request) -> web.Response:
         try:
-            limit = max(1, min(100, int(request.query.get("limit", 20))))
+            limit = int(request.query.get("limit", 20))
         except ValueError:
             raise APIError(400, "limit must be an integer", param="limit")
+        if not 1 <= limit <= 100:         # (OpenAI's range; as /v1/files refuses its own)
+            raise APIError(400, f"limit must be between 1 and 100, got {limit}", param="limit")
         page, more = await self._page(self.batches_dir, self._batches, request.query.get("after"), True, limit)
         page = [public(b) for b in page]
         return json_response({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,

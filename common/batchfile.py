@@ -139,6 +139,11 @@ def server_refused(status: int, body) -> bool:
     if status != 404:
         return False
     err = body.get("error", body) if isinstance(body, dict) else body
+    if isinstance(err, dict):           # an OpenAI-shaped error says which (ours, vLLM's by its param or message)
+        if err.get("code") == "model_not_found" or err.get("param") == "model":
+            return False
+        if err.get("code") in ("unknown_url", "unsupported_endpoint"):
+            return True                 # (its message lists the endpoints served, /v1/models among them)
     about = orjson.dumps(err).decode().lower() if isinstance(err, (dict, list)) else str(err).lower()
     return "model" not in about
 

@@ -47,8 +47,8 @@ class WorkerConfig:
                                    type=click.FloatRange(0))
     max_queue: int = setting(1024, "Rows waiting beyond which requests get 429 (a request of more rows, prompts x "
                                    "n, than this: 400).", type=click.IntRange(1))
-    continuous_batching: bool = setting(True, "Rows join the running batch between denoising steps (FIFO, same "
-                                              "algorithm, within --batch-size and --max-batch-tokens) and leave it "
+    continuous_batching: bool = setting(True, "Rows join the running batch between denoising steps (in turns by "
+                                              "request, within --batch-size and --max-batch-tokens) and leave it "
                                               "when done; off: a batch runs to its end before the next starts.")
     max_batch_tokens: int = setting(0, "Canvas tokens (prompt + max_tokens in whole blocks) of the rows in a batch, "
                                        "at most (0: no limit beyond --batch-size); bounds device memory.",
@@ -60,7 +60,8 @@ class WorkerConfig:
                                              "naming it (0: no limit). A row's nominal cost: its schedule's forwards "
                                              "x (prompt + canvas tokens, at least 64), x2 with cfg_scale; a scoring request's: "
                                              "(splits x mc_num + greedy-check forwards) x its tokens "
-                                             "(at least 64) (docs/reliability.md).", type=click.IntRange(0))
+                                             "(at least 64); plus 128 for each top log-probability alternative "
+                                             "asked for (docs/reliability.md).", type=click.IntRange(0))
     long_row_cost: int = setting(1 << 20, "Rows above this nominal cost (token-forwards) are long: they hold at "
                                           "most --long-row-share of a batch's rows, so short rows are never held "
                                           "behind them (0: no distinction).", type=click.IntRange(0))
