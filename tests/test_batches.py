@@ -499,6 +499,16 @@ async def test_listing_reads_its_page_only_and_survives_deleting_what_it_listed(
         r = await client.get("/v1/files?after=file-000000000000000000000000")
         assert (await r.json())["data"] == []                    # an id never listed: nothing after it
         assert [b async for b in api.batches.list(limit=2)] == []
+        clock = iter(range(2_000_000_000, 2_000_000_100))
+        monkeypatch.setattr(batches, "_now", lambda: next(clock))
+        fid = (await api.files.create(file=("in.jsonl", _lines(1).encode()), purpose="batch")).id
+        made = [(await api.batches.create(input_file_id=fid, endpoint="/v1/completions",
+                                          completion_window="24h")).id for _ in range(3)]
+        page = (await client.get("/v1/batches?limit=3"))
+        page = await page.json()
+        assert [b["id"] for b in page["data"]] == made[::-1] and page["has_more"] is False   # newest first, listed
+        page = await (await client.get("/v1/batches?limit=2")).json()                        # at once
+        assert page["has_more"] is True and page["last_id"] == made[1]
         await api.close()
 
 
@@ -592,7 +602,7 @@ async def test_run_batch_takes_its_lines_as_it_sends_them(tmp_path):
         answered[0] += n
     tally = await send(lines(), tmp_path / "out.jsonl", f"http://127.0.0.1:{free_port()}", None, 4, 5, progress)
     assert tally["unsent"] == 300 and answered[0] == 300
-    assert max(ahead) <= 4 + 1, max(ahead)
+    assert 4 <= max(ahead) <= 4 + 1, max(ahead)          # --concurrency lines at once, not more (nor fewer)
 
 
 def test_a_line_too_large_keeps_its_custom_id_and_still_counts_for_duplicates(monkeypatch):
@@ -604,6 +614,9 @@ def test_a_line_too_large_keeps_its_custom_id_and_still_counts_for_duplicates(mo
     assert first.error["code"] == "request_too_large" and first.custom_id == "a"
     again = batchfile.parse_line(2, json.dumps({"custom_id": "a", "url": "/v1/completions", "body": {}}).encode(), seen)
     assert again.error["code"] == "duplicate_custom_id"          # (a review: it was sent, two results for "a")
+    assert batchfile.parse_line(3, json.dumps({"custom_id": "b", "url": "/v1/completions", "body": {}}).encode(),
+                                seen).error is None
+    assert batchfile.parse_line(4, big.replace(b'"a"', b'"b"'), seen).error["code"] == "duplicate_custom_id"
 
 
 async def test_a_running_batch_holds_a_chunk_of_its_lines_not_its_input(aiohttp_client, tmp_path, monkeypatch):

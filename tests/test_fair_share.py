@@ -43,6 +43,10 @@ async def test_costly_requests_are_refused_naming_the_limit(aiohttp_client):
     err = (await r.json())["error"]
     assert r.status == 400 and err["code"] == "request_too_costly" and err["param"] == "top_logprobs", err
     assert "top logprobs alternatives" in err["message"]
+    r = await client.post("/v1/completions", json={"prompt": [5] * 8, "n": 128, "max_tokens": 256,
+                                                   "block_length": 256, "steps": 16, "logprobs": 20})
+    err = (await r.json())["error"]
+    assert r.status == 400 and err["param"] == "logprobs", err          # (completions name their own field)
     r = await client.post("/v1/chat/completions", json={**many, "logprobs": False, "top_logprobs": None})
     assert r.status == 200          # (the same request without them: 553,000 token-forwards)
     from dataclasses import replace

@@ -217,6 +217,12 @@ def test_sigterm_while_converting_leaves_no_converter_and_the_next_launch_clears
     r = subprocess.run(DLLM + ["convert-dcp", "--dcp-path", str(tmp_path / "ckpt"), "--base-model", str(TINY_LLADA)],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 1 and "cannot read the DCP checkpoint" in r.stderr and "EOFError" in r.stderr, r.stderr
+    info = tmp_path / "info.env"             # a launch on it fails (exit 1), and its server-info file says so
+    r = subprocess.run(DLLM + ["serve", "--local", "--dcp-path", str(tmp_path / "ckpt"), "--base-model",
+                               str(TINY_LLADA), "--server-info-file", str(info), "--port", str(free_port())],
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1 and 'SERVER_STATUS="failed"' in info.read_text(), (r.stderr, info.read_text())
+    assert "EOFError" in info.read_text()
 
 
 def test_serve_dcp_usage_errors_are_exit_2_as_model_path_ones(tmp_path):

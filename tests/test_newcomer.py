@@ -284,6 +284,8 @@ def test_slurm_mode_asks_for_cores_refuses_gpu_ids_and_prints_the_users_info_fil
 
     r, args, job = submit("--gpus", "8")
     assert r.returncode == 0 and "--cpus-per-task=34" in args and "--gres=gpu:8" in args, (r.stderr, args)
+    r, args, job = submit("--workers", "4")
+    assert "--cpus-per-task=18" in args and not any(a.startswith("--gres") for a in args), args
     r, args, job = submit("--workers", "2", "--nodes", "2", "--slurm-cpus=5")
     assert r.returncode == 0 and "--cpus-per-task=5" in args and "--nodes=2" in args, (r.stderr, args)
     assert job == "--workers 2"

@@ -200,3 +200,19 @@ def test_a_bad_item_of_an_input_list_is_named_and_include_is_refused():
         parse_request("responses", json.dumps({"input": "x", "include": ["message.output_text.logprobs"]}).encode())
     assert e.value.status == 400 and e.value.param == "include"
     assert parse_request("responses", json.dumps({"input": "x", "include": []}).encode()).input == "x"
+
+
+@pytest.mark.parametrize("field, value", [("top_k", 1), ("min_p", 0.1), ("min_tokens", 2), ("length_penalty", 0.5),
+                                          ("use_beam_search", True), ("allowed_token_ids", [1]), ("bad_words", ["x"]),
+                                          ("guided_json", {}), ("guided_regex", "a+"), ("guided_choice", ["a"]),
+                                          ("guided_grammar", "g"), ("structured_outputs", {"json": {}}),
+                                          ("include_stop_str_in_output", True), ("skip_special_tokens", False),
+                                          ("truncate_prompt_tokens", 5), ("prompt_logprobs", 1),
+                                          ("return_tokens_as_token_ids", True), ("chat_template", "{{ 'x' }}"),
+                                          ("documents", [{"text": "d"}])])
+def test_vllms_answer_changing_extras_are_refused_on_both_endpoints(field, value):
+    """A review: these vLLM fields were ignored (a 200 with the plain answer); each is a 400 naming it unless off."""
+    for kind, body in (("completion", {"prompt": "x"}), ("chat", {"messages": [{"role": "user", "content": "x"}]})):
+        with pytest.raises(APIError) as e:
+            parse_request(kind, json.dumps({**body, field: value}).encode())
+        assert e.value.status == 400 and e.value.param == field and field in e.value.message, (kind, e.value.message)

@@ -681,8 +681,10 @@ async def test_vllms_template_variables_reasoning_and_answer_changing_extras(aio
         assert r.status == 200, extra
     r = await client.post("/tokenize", json={"messages": msgs, "chat_template": "{{ 'X' }}"})
     assert r.status == 400
-    text = "di vo"
-    with_bos = tok(text, add_special_tokens=True)["input_ids"]
-    for flag, n in ((True, len(with_bos)), (False, len(tok(text, add_special_tokens=False)["input_ids"]))):
-        r = await client.post("/v1/completions", json={"prompt": text, "max_tokens": 2, "add_special_tokens": flag})
-        assert (await r.json())["usage"]["prompt_tokens"] == n
+    from tests.conftest import fixture_path              # a tokenizer that adds a <bos>: DiffusionGemma's
+    dg = await aiohttp_client(make_app(WorkerConfig(model_path=str(fixture_path("tiny-diffusion-gemma")),
+                                                    device="cpu")))
+    await wait_ready(dg)
+    for extra, n in (({"add_special_tokens": True}, 6), ({"add_special_tokens": False}, 5), ({}, 5)):
+        r = await dg.post("/v1/completions", json={"prompt": "di vo", "max_tokens": 2, **extra})
+        assert (await r.json())["usage"]["prompt_tokens"] == n, extra
