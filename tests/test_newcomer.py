@@ -236,17 +236,23 @@ async def test_the_monitor_prints_plain_lines_into_a_pipe(aiohttp_server):
         assert "w0=busy/requests:4/served:7/errors:0 w1=unhealthy/requests:0/served:0/errors:3" in line, line
 
 
-def test_serve_nodes_submits_the_multi_node_script_and_is_refused_with_local(tmp_path):
-    """`serve --nodes N` (SLURM mode) submits slurm/serve_multi_node.sbatch with sbatch --nodes=N and
-    --gres=gpu:G from --gpus, and --nodes is not passed on to the job's `serve --local`; a fake sbatch records the
-    call. With --local, --nodes is a one-line usage error."""
+def _fake_sbatch(tmp_path) -> dict:
+    """An environment whose `sbatch` records its arguments (tmp_path/args) and the job's flags (args.env) and
+    answers job id 42."""
     bindir = tmp_path / "bin"
     bindir.mkdir()
     (bindir / "sbatch").write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$SBATCH_ARGS"\n'
                                    'printf "%s" "$DLLM_SERVE_ARGS" > "$SBATCH_ARGS.env"\necho 42\n')
     (bindir / "sbatch").chmod(0o755)
-    env = dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}", SBATCH_ARGS=str(tmp_path / "args"),
-               DLLM_SERVER_INFO_DIR=str(tmp_path / "info"))
+    return dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}", SBATCH_ARGS=str(tmp_path / "args"),
+                DLLM_SERVER_INFO_DIR=str(tmp_path / "info"))
+
+
+def test_serve_nodes_submits_the_multi_node_script_and_is_refused_with_local(tmp_path):
+    """`serve --nodes N` (SLURM mode) submits slurm/serve_multi_node.sbatch with sbatch --nodes=N and
+    --gres=gpu:G from --gpus, and --nodes is not passed on to the job's `serve --local`; a fake sbatch records the
+    call. With --local, --nodes is a one-line usage error."""
+    env = _fake_sbatch(tmp_path)
     model = tmp_path / "models" / "x"          # (a local model path must exist: refused before submitting if not)
     model.mkdir(parents=True)
     r = subprocess.run([*DLLM, "serve", "--nodes", "2", "--gpus", "4", "--model-path", str(model)], cwd=ROOT,
@@ -270,13 +276,7 @@ def test_slurm_mode_asks_for_cores_refuses_gpu_ids_and_prints_the_users_info_fil
     job to its cores (now 4 a worker plus 2, or --slurm-cpus, which the job's serve never sees); --gpu-ids (this
     machine's GPUs) was passed to a job whose node numbers its own, where serve refused it; and the server-info
     file printed was the default one where --server-info-file named another."""
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    (bindir / "sbatch").write_text('#!/bin/sh\nprintf "%s\\n" "$@" > "$SBATCH_ARGS"\n'
-                                   'printf "%s" "$DLLM_SERVE_ARGS" > "$SBATCH_ARGS.env"\necho 42\n')
-    (bindir / "sbatch").chmod(0o755)
-    env = dict(os.environ, PATH=f"{bindir}:{os.environ['PATH']}", SBATCH_ARGS=str(tmp_path / "args"),
-               DLLM_SERVER_INFO_DIR=str(tmp_path / "info"))
+    env = _fake_sbatch(tmp_path)
 
     def submit(*flags):
         r = subprocess.run([*DLLM, "serve", *flags], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
