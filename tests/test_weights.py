@@ -296,6 +296,7 @@ def test_load_weights_from_a_dcp_converts_it_once(tmp_path, monkeypatch):
         c.stop()
 
 
+@pytest.mark.slow          # (5 s: the fast tier stays under 3 minutes)
 async def test_a_refused_update_stops_nothing_and_a_pinned_request_waits_for_the_incoming_weights(aiohttp_client):
     """The balancer has a worker check the checkpoint before any worker leaves the routing (a refused one answered
     400 only after the batches in flight had drained: seconds of a paused fleet), and knows the incoming weights'
@@ -400,6 +401,7 @@ def test_a_pin_to_weights_no_routable_worker_holds_is_refused_not_kept_waiting()
     assert updates.servable("OLD")
 
 
+@pytest.mark.slow          # (5 s: the fast tier stays under 3 minutes)
 async def test_a_worker_that_did_not_answer_its_load_in_time_is_put_back_once_it_has_loaded(aiohttp_client):
     """A review: past --weight-load-timeout the balancer answered 502 and left the worker to finish its load on the
     new weights (the fleet mixed, a failed update said to change nothing). It now waits for the worker to settle and

@@ -291,6 +291,7 @@ async def test_a_batch_past_the_request_timeout_ends_its_stream_with_504_lines(a
     assert "--request-timeout" in ends["long"]["data"]["error"]["message"]
 
 
+@pytest.mark.slow          # (5 s: the fast tier stays under 3 minutes)
 async def test_a_responses_stream_past_the_timeout_ends_with_openais_error_event(aiohttp_client):
     """A Responses stream that fails once open ends with `event: error` and a typed error (it was an unnamed data
     line holding the chat streams' error body), then `response.failed`, as OpenAI's: the response the stream showed,
