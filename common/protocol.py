@@ -112,9 +112,10 @@ def defaults_and_neutral(data, neutral: dict):
     if isinstance(data, dict):
         if None in data.values():
             data = {k: v for k, v in data.items() if v is not None}
-        for name, (ok, accepted) in neutral.items():
-            if name in data and not ok(data[name]):
-                raise ValueError(f"{name} is not supported by this server (accepted: {accepted})")
+        if not neutral.keys().isdisjoint(data):         # (a body's few keys, not the ~30 fields, on the hot path)
+            for name, (ok, accepted) in neutral.items():
+                if name in data and not ok(data[name]):
+                    raise ValueError(f"{name} is not supported by this server (accepted: {accepted})")
     return data
 
 
