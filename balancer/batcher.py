@@ -6,7 +6,8 @@ so batches grow under load. Worker state (load, errors, health) is the pool's: t
 
 Failover: when a worker dies, stalls or its connection breaks mid-batch, every request of that batch that has not
 yet sent bytes to its client goes back to the front of the queue (bounded retries, the failed worker excluded while
-others are healthy); a streaming request that already sent bytes ends with an error event. Events carry the attempt
+others are healthy); a streaming request that already sent bytes ends with an error event. A batch whose connection
+the worker refused never reached it: its requests go back without using a retry (the worker is down from then on). Events carry the attempt
 number they belong to, so a request is never answered twice.
 
 Row isolation: a worker answers each row of a batch on its own (a row it rejects gets its own 4xx event). A 4xx for
@@ -420,7 +421,7 @@ class CentralBatcher:
             p.wire = p.id if p.attempt == 1 else f"{p.id}.{p.attempt}"
             attempts[p.wire] = p.attempt
         open_ = {p.wire: p for p in batch}
-        failure = None
+        failure, delivered = None, True
         try:
             if batch:
                 failure = await self._send(d, batch, open_, attempts)
@@ -430,7 +431,9 @@ class CentralBatcher:
             failure = f"worker {d.aborted}" if d.aborted else "dispatch cancelled"
         except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError, ValueError) as e:
             failure = f"{type(e).__name__}: {e}"
-            self.pool.batch_failed(w, failure, consecutive=True, refused=isinstance(e, aiohttp.ClientConnectorError))
+            # a connection that could not be made (refused: the worker died since its last probe) carried nothing
+            delivered = not isinstance(e, aiohttp.ClientConnectorError)
+            self.pool.batch_failed(w, failure, consecutive=True, refused=not delivered)
         except Exception as e:           # a malformed stream (or a bug) must fail over, not leave rows hanging
             log.exception("batch on worker %d: unexpected error", w.index)
             failure = f"bad batch stream: {type(e).__name__}: {e}"
@@ -438,7 +441,12 @@ class CentralBatcher:
         finally:
             self.pool.batch_ended(w, len(d.batch) - d.answered)
         if failure and open_ and not d.ended_early:
-            self._failover(w, list(open_.values()), attempts, failure)
+            if delivered:
+                self._failover(w, list(open_.values()), attempts, failure)
+            else:      # the worker never got them: not a failure of the requests, no retry used (it is down now)
+                log.warning("batch for worker %d not delivered (%s): %d requests back in the queue", w.index,
+                            failure, len(open_))
+                self._put_back(list(open_.values()))
         self._dispatch_ready()              # the freed place takes the next batch now
         self._wake.set()
 

@@ -901,3 +901,32 @@ async def test_a_cancel_closes_the_dispatch_a_refused_request_was_sent_again_in(
                     assert time.monotonic() - t < 0.5        # closed at once, not when the worker answered
                 finally:
                     await b.close()
+
+
+async def test_a_refused_connection_uses_no_retry_the_request_goes_to_a_live_worker(aiohttp_client):
+    """A worker that died between its last probe and a dispatch refuses the connection: the batch never reached it,
+    so its requests go back to the queue without using a retry (with max_retries 0 they got a 502 "failed on 1
+    workers"; a chaos run saw killed workers burn all three tries in milliseconds while another was healthy)."""
+    seen = []
+    dead, live = TestServer(fake_worker("ok", seen)), TestServer(fake_worker("ok", seen))
+    await dead.start_server()
+    await live.start_server()
+    try:
+        urls = [str(dead.make_url("")).rstrip("/"), str(live.make_url("")).rstrip("/")]
+        cfg = BalancerConfig(worker_urls=urls, batch=BatchConfig(batch_size=8, wait_time=0.01, max_retries=0),
+                             health=HealthConfig(interval=30, timeout=1))       # no probe after the first
+        client = await aiohttp_client(make_app(cfg))
+        for _ in range(200):
+            if (await (await client.get("/health")).json())["healthy_workers"] == 2:
+                break
+            await asyncio.sleep(0.02)
+        await dead.close()                        # the first in the ranking, still healthy to the balancer
+        r = await client.post("/v1/completions", json={"prompt": "a"})
+        assert r.status == 200, await r.text()
+        assert (await r.json())["choices"][0]["text"] == "ok-completion" and len(seen) == 1
+        ws = await (await client.get("/worker-status")).json()
+        assert [w["status"] for w in ws["workers"]] == ["unhealthy", "idle"]
+        stats = await (await client.get("/stats")).json()
+        assert stats["redispatched_requests"] == 0
+    finally:
+        await live.close()
