@@ -481,6 +481,12 @@ class ResponsesInputItem(BaseModel):
         return [{"type": "text", "text": p.text} for p in self.content]
 
 
+# Responses ``include`` values whose output this server never has (no reasoning items, tools or images)
+INCLUDE_NOTHING_HERE = frozenset({
+    "reasoning.encrypted_content", "code_interpreter_call.outputs", "computer_call_output.output.image_url",
+    "file_search_call.results", "message.input_image.image_url", "web_search_call.action.sources",
+    "web_search_call.results"})
+
 # Responses fields accepted only at their neutral value (text in, text out, nothing stored or chained)
 RESPONSES_NEUTRAL = {
     "tools": (_empty(list), "none"),
@@ -494,8 +500,12 @@ RESPONSES_NEUTRAL = {
              '{"format": {"type": "text"}}'),
     "reasoning": (lambda v: v is None or (isinstance(v, dict) and all(x is None for x in v.values())), "null"),
     "prompt": (lambda v: v is None, "null (no stored prompt templates)"),
-    # (OpenAI's include adds output the answer would lack: logprobs, sources; none of it is served here)
-    "include": (_empty(list), "none"),
+    # OpenAI's include asks for extra output: logprobs would change the answer (not served here); the others name
+    # output items this server never makes (reasoning, tool calls, images), so they add nothing (inspect-ai's openai
+    # provider sends reasoning.encrypted_content with every request)
+    "include": (lambda v: v is None or (type(v) is list and all(type(x) is str and x in INCLUDE_NOTHING_HERE
+                                                                 for x in v)),
+                "values that add nothing here: " + ", ".join(sorted(INCLUDE_NOTHING_HERE))),
 }
 
 

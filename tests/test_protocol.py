@@ -200,6 +200,14 @@ def test_a_bad_item_of_an_input_list_is_named_and_include_is_refused():
         parse_request("responses", json.dumps({"input": "x", "include": ["message.output_text.logprobs"]}).encode())
     assert e.value.status == 400 and e.value.param == "include"
     assert parse_request("responses", json.dumps({"input": "x", "include": []}).encode()).input == "x"
+    # values naming output this server never makes add nothing: accepted (inspect-ai's openai provider sends the
+    # first with every request); an unknown value, or one among them that asks for logprobs, is refused
+    ok = ["reasoning.encrypted_content", "file_search_call.results", "message.input_image.image_url"]
+    assert parse_request("responses", json.dumps({"input": "x", "include": ok}).encode()).input == "x"
+    for bad in (["reasoning.encrypted_content", "message.output_text.logprobs"], ["reasoning"], "reasoning.encrypted_content", [1], [{}], [[1]]):
+        with _pytest.raises(APIError) as e:
+            parse_request("responses", json.dumps({"input": "x", "include": bad}).encode())
+        assert e.value.status == 400 and e.value.param == "include", bad
 
 
 @pytest.mark.parametrize("field, value", [("top_k", 1), ("min_p", 0.1), ("min_tokens", 2), ("length_penalty", 0.5),
