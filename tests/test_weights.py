@@ -146,6 +146,27 @@ def test_a_read_that_fails_half_way_puts_the_old_weights_back(engine, monkeypatc
     assert engine.version == version and _outputs(engine, cases) == before
 
 
+def test_weights_put_back_from_a_directory_rewritten_since_their_load_carry_their_own_hash(tmp_path):
+    """An RL run writing each step into one directory: a failed update puts back what that directory holds now, so
+    the worker must say so (it kept the old hash over other weights: a chaos run's same-hash workers answered
+    differently)."""
+    cases = _cases(2)
+    latest = shutil.copytree(A, tmp_path / "latest")
+    e = Engine.from_pretrained(latest, device="cpu")
+    loaded = e.version
+    for f in B.glob("*.safetensors"):       # the next step written over the served one
+        shutil.copy(f, latest / f.name)
+    broken = shutil.copytree(B, tmp_path / "broken")
+    weights = next(broken.glob("*.safetensors"))
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(Exception):
+        e.reload_weights(broken)
+    assert e.version["hash"] != loaded["hash"]
+    assert e.version == checkpoint.model_version(latest)
+    assert e.version["hash"] == checkpoint.model_version(B)["hash"]      # (the hash is of the content)
+    assert _outputs(e, cases) == _outputs(Engine.from_pretrained(B, device="cpu"), cases)
+
+
 def test_the_served_checkpoint_may_be_deleted_before_the_next_update(tmp_path):
     """An RL run keeps only its last step: with the served directory gone, every later update was refused ("model
     path '.../step_1' is not a directory": the check read the served config again from disk). The served configs

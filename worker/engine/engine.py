@@ -224,13 +224,19 @@ class Engine:
         return version
 
     def _put_back(self, path: Path, error: Exception) -> None:
-        """The weights of ``self.path`` back into the model after ``path`` failed half-way; RuntimeError (the engine
-        must not serve) if even that fails."""
+        """The weights of ``self.path`` back into the model after ``path`` failed half-way, and their version as
+        read again (a directory rewritten in place since its load gives other weights: they are served under their
+        own hash, never the old one); RuntimeError (the engine must not serve) if even that fails."""
         try:
             reload_native(self.model, self.path, FAMILIES[self.family].title)
+            version = model_version(self.path)
         except Exception as e2:
             raise RuntimeError(f"reloading {path} failed ({error}) and the previous weights could not be put back "
                                f"({e2})") from e2
+        if version != self.version:
+            log.warning("the weights put back from %s changed on disk since their load: serving them as %s (was %s)",
+                        self.path, version.get("hash"), (self.version or {}).get("hash"))
+            self.version = version
 
     @property
     def tensor_parallel(self) -> int:
