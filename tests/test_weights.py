@@ -122,8 +122,13 @@ def test_a_load_that_cannot_replace_the_weights_changes_nothing(engine, tmp_path
            "garbage weights": (_variant(tmp_path, "garbage", lambda d: (d / "model.safetensors").write_bytes(
                b"garbage\n")), "corrupt or truncated safetensors header"),
            "a config that is a list": (_variant(tmp_path, "list", lambda d: (d / "config.json").write_text("[1]")),
-                                       "not a JSON object")}
+                                       "not a JSON object"),
+           # (a copy still being written: it passed the check and failed half-way through the load, a chaos run)
+           "a truncated file": (_variant(tmp_path, "cut", lambda d: (d / "model.safetensors").write_bytes(
+               (d / "model.safetensors").read_bytes()[:-1])), "truncated")}
     for what, (path, says) in bad.items():
+        with pytest.raises(CheckpointError, match=says):
+            engine.check_weights(path)         # the check alone (the balancer's check_only) refuses it: nothing stops
         with pytest.raises(CheckpointError, match=says):
             engine.reload_weights(path)
         assert engine.version == version, what
@@ -146,7 +151,7 @@ def test_a_read_that_fails_half_way_puts_the_old_weights_back(engine, monkeypatc
     assert engine.version == version and _outputs(engine, cases) == before
 
 
-def test_weights_put_back_from_a_directory_rewritten_since_their_load_carry_their_own_hash(tmp_path):
+def test_weights_put_back_from_a_directory_rewritten_since_their_load_carry_their_own_hash(tmp_path, monkeypatch):
     """An RL run writing each step into one directory: a failed update puts back what that directory holds now, so
     the worker must say so (it kept the old hash over other weights: a chaos run's same-hash workers answered
     differently)."""
@@ -156,11 +161,16 @@ def test_weights_put_back_from_a_directory_rewritten_since_their_load_carry_thei
     loaded = e.version
     for f in B.glob("*.safetensors"):       # the next step written over the served one
         shutil.copy(f, latest / f.name)
-    broken = shutil.copytree(B, tmp_path / "broken")
-    weights = next(broken.glob("*.safetensors"))
-    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
-    with pytest.raises(Exception):
-        e.reload_weights(broken)
+    real, calls = checkpoint._read_into, []
+
+    def broken(*a):           # the update's fourth read fails (an I/O error half-way), once
+        calls.append(1)
+        if len(calls) == 4:
+            raise OSError("simulated read error")
+        return real(*a)
+    monkeypatch.setattr(checkpoint, "_read_into", broken)
+    with pytest.raises(OSError, match="simulated"):
+        e.reload_weights(shutil.copytree(A, tmp_path / "next"))
     assert e.version["hash"] != loaded["hash"]
     assert e.version == checkpoint.model_version(latest)
     assert e.version["hash"] == checkpoint.model_version(B)["hash"]      # (the hash is of the content)

@@ -98,16 +98,23 @@ def weight_files(path: str | os.PathLike) -> list[Path]:
 def safetensors_header(file: Path) -> tuple[dict, int]:
     """(header without __metadata__, offset of the data section)."""
     with open(file, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
         try:
             (n,) = struct.unpack("<Q", f.read(8))
-            if n > os.fstat(f.fileno()).st_size - 8:       # (garbage: read it and a length of 2**63 is a MemoryError)
-                raise ValueError(f"a header of {n} bytes in a file of {os.fstat(f.fileno()).st_size}")
+            if n > size - 8:       # (garbage: read it and a length of 2**63 is a MemoryError)
+                raise ValueError(f"a header of {n} bytes in a file of {size}")
             header = json.loads(f.read(n))
             if not isinstance(header, dict):
                 raise ValueError("the header is not a JSON object")
         except (struct.error, ValueError) as e:
             raise CheckpointError(f"{file.name}: corrupt or truncated safetensors header ({e})")
     header.pop("__metadata__", None)
+    try:
+        end = max((int(v["data_offsets"][1]) for v in header.values()), default=0)
+    except (KeyError, TypeError, IndexError, ValueError) as e:
+        raise CheckpointError(f"{file.name}: corrupt safetensors header (a tensor without data_offsets: {e!r})")
+    if 8 + n + end > size:      # a file cut short (a copy still being written): refused before any tensor is read
+        raise CheckpointError(f"{file.name}: truncated: its header describes {8 + n + end} bytes, the file has {size}")
     return header, 8 + n
 
 
