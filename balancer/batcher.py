@@ -621,7 +621,8 @@ class CentralBatcher:
                 self.failed_midstream += 1
                 p.fail(502, f"the worker serving this stream failed ({why}); the stream cannot be resumed")
             elif p.tries > self.cfg.max_retries:
-                p.fail(502, f"failed on {p.tries} workers; last failure: {why}")
+                n = len(p.excluded | {w.index})
+                p.fail(502, f"failed {p.tries} times (on {n} worker{'s' if n > 1 else ''}); last failure: {why}")
             else:
                 p.excluded.add(w.index)
                 p.attempt += 1          # whatever the failed attempt already queued for the handler is now stale

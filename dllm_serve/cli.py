@@ -379,8 +379,9 @@ SERVE_WORKER = ("default_algorithm", "default_max_tokens", "dtype", "score_mc_nu
               help="N CPU workers. Without --gpus/--gpu-ids/--workers: one worker per visible GPU, or one CPU worker "
                    "when there is no GPU.")
 @options(ServeConfig, only=("host", "port", "worker_host", "worker_base_port"))
-@options(BatchConfig, only=("batch_size", "wait_time", "max_queue", "call_timeout"), overrides={
-    "batch_size": {"help": "Balancer batch size (each worker takes twice that: two batches in flight)."},
+@options(BatchConfig, overrides={
+    "batch_size": {"help": "Balancer batch size (each worker takes --max-inflight-per-worker times that: two "
+                           "batches in flight by default)."},
     "wait_time": {"help": "Balancer batch wait time in seconds.", "flags": ("--max-wait-time", "--batch-wait-time")}})
 @options(WorkerConfig, only=SERVE_WORKER, prefix="worker_", overrides={
     "default_algorithm": {"help": "Default generation algorithm (default: the model family's)."},
@@ -401,7 +402,8 @@ SERVE_WORKER = ("default_algorithm", "default_max_tokens", "dtype", "score_mc_nu
                                   "its last component, e.g. demo_model, is accepted too; with --dcp-path, the DCP "
                                   "directory's name). Several names: repeat the option or separate them with commas; "
                                   "the first is reported."}})
-@options(BalancerConfig, only=("http_processes", "front_timeout", "api_key"), overrides={
+@options(BalancerConfig, only=("http_processes", "front_timeout", "front_startup_timeout", "front_restart_backoff",
+                               "front_restart_backoff_max", "api_key"), overrides={
     "api_key": {"help": "Clients must send this Bearer key on /v1 (status endpoints stay open); the workers then get "
                         "a generated key of their own unless --worker-api-key is given."}})
 @options(ServeConfig, only=("worker_api_key", "log_dir", "server_info_file", "stagger", "min_workers",
@@ -411,9 +413,9 @@ SERVE_WORKER = ("default_algorithm", "default_max_tokens", "dtype", "score_mc_nu
 @options(BalancerConfig, only=("request_timeout", "max_body_bytes_in_flight", "body_timeout", "keepalive_timeout",
                                "send_timeout",
                                "files_dir", "max_file_bytes",
-                               "batch_concurrency", "weight_load_timeout", "weight_sync_retry",
-                               "weight_sync_retry_max"))
-@options(HealthConfig, only=("stall_timeout", "stall_steps", "stall_floor", "interval"))
+                               "batch_concurrency", "batch_retry_max", "weight_load_timeout", "weight_sync_retry",
+                               "weight_sync_retry_max", "models_cache_ttl"))
+@options(HealthConfig)
 @options(BalancerConfig, only=("drain_timeout",))
 @options(ServeConfig, only=("extra_worker_urls", "no_balancer"))
 @click.option("--slurm-script", default=None, help="sbatch script for SLURM mode (default: "

@@ -87,7 +87,7 @@ async def test_retries_are_bounded(aiohttp_client):
     try:
         client = await _balancer(aiohttp_client, [str(s.make_url("")) for s in servers], max_retries=2)
         r = await client.post("/v1/completions", json={"prompt": "b"})
-        assert r.status == 502 and "failed on 3 workers" in (await r.json())["error"]["message"]
+        assert r.status == 502 and "failed 3 times (on 2 workers)" in (await r.json())["error"]["message"]
         assert len(log) == 3
     finally:
         for s in servers:
@@ -451,7 +451,7 @@ async def test_a_409_without_the_workers_weights_is_a_failure_not_a_loop(aiohttp
     async with workers(_scripted_worker([conflict], seen)) as urls:
         client = await _balancer(aiohttp_client, urls, max_retries=2, idle_dispatch=True)
         r = await client.post("/v1/completions", json={"prompt": "a"})
-        assert r.status == 502 and "failed on 3 workers" in (await r.json())["error"]["message"]
+        assert r.status == 502 and "failed 3 times (on 1 worker)" in (await r.json())["error"]["message"]
         assert len(seen) == 3
 
 

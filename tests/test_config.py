@@ -44,7 +44,8 @@ def test_balancer_command_builds_the_nested_configs():
 
 
 def test_serve_derives_the_worker_command_from_the_balancer_config():
-    """The policy between components lives in ServeConfig, not the CLI: two balancer batches per worker."""
+    """The policy between components lives in ServeConfig, not the CLI: a worker takes the balancer's batches in
+    flight (two by default)."""
     cfg = ServeConfig(model_path="/models/LLaDA-8B", balancer=BalancerConfig([], batch=BatchConfig(batch_size=12)),
                       worker={"dtype": "bf16", "score_window": 4, "compile": True, "default_max_tokens": None},
                       log_level="debug")
@@ -58,6 +59,20 @@ def test_serve_derives_the_worker_command_from_the_balancer_config():
     assert build(WorkerConfig, parse(worker_cmd, ["--model-path", "x", *named.worker_command()])
                  ).served_model_name == "llada-8b-instruct,x"
     assert ServeConfig(model_path="m", port=8123).log_dir.name == "port-8123"
+    three = ServeConfig(model_path="/m", balancer=BalancerConfig([], batch=BatchConfig(batch_size=12,
+                                                                                       max_inflight_per_worker=3)))
+    assert build(WorkerConfig, parse(worker_cmd, ["--model-path", "x", *three.worker_command()])).batch_size == 36
+
+
+def test_serve_takes_every_balancer_limit_and_timeout():
+    """Every timeout and limit of the balancer is a flag of serve too (--max-retries, --no-worker-grace, the health
+    thresholds... were the standalone balancer's only)."""
+    from dllm_serve.cli import balancer as balancer_command, serve as serve_command
+
+    def flags(cmd):
+        return {f for p in cmd.params for f in p.opts if f.startswith("--")}
+    missing = flags(balancer_command) - flags(serve_command) - {"--worker-urls"}     # (serve starts its workers)
+    assert not missing, sorted(missing)
 
 
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
