@@ -7,8 +7,8 @@ so batches grow under load. Worker state (load, errors, health) is the pool's: t
 Failover: when a worker dies, stalls or its connection breaks mid-batch, every request of that batch that has not
 yet sent bytes to its client goes back to the front of the queue (bounded retries, the failed worker excluded while
 others are healthy); a streaming request that already sent bytes ends with an error event. A batch whose connection
-the worker refused never reached it: its requests go back without using a retry (the worker is down from then on). Events carry the attempt
-number they belong to, so a request is never answered twice.
+the worker refused never reached it: its requests go back without using a retry (the worker is down from then on).
+Events carry the attempt number they belong to, so a request is never answered twice.
 
 Row isolation: a worker answers each row of a batch on its own (a row it rejects gets its own 4xx event). A 4xx for
 the whole batch (a body the worker could not read: a balancer bug, since both parse with common/protocol.py) is
