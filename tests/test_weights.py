@@ -135,17 +135,22 @@ def test_a_load_that_cannot_replace_the_weights_changes_nothing(engine, tmp_path
     assert _outputs(engine, cases) == before
 
 
-def test_a_read_that_fails_half_way_puts_the_old_weights_back(engine, monkeypatch):
-    cases = _cases(2)
-    before, version = _outputs(engine, cases), engine.version
+def _fourth_read_fails(monkeypatch) -> None:
+    """The next reload's fourth read fails (an I/O error half-way through the new weights), once."""
     real, calls = checkpoint._read_into, []
 
-    def broken(*a):           # the fourth read fails (an I/O error half-way through the new weights), once
+    def broken(*a):
         calls.append(1)
         if len(calls) == 4:
             raise OSError("simulated read error")
         return real(*a)
     monkeypatch.setattr(checkpoint, "_read_into", broken)
+
+
+def test_a_read_that_fails_half_way_puts_the_old_weights_back(engine, monkeypatch):
+    cases = _cases(2)
+    before, version = _outputs(engine, cases), engine.version
+    _fourth_read_fails(monkeypatch)
     with pytest.raises(OSError, match="simulated"):
         engine.reload_weights(B)
     assert engine.version == version and _outputs(engine, cases) == before
@@ -161,14 +166,7 @@ def test_weights_put_back_from_a_directory_rewritten_since_their_load_carry_thei
     loaded = e.version
     for f in B.glob("*.safetensors"):       # the next step written over the served one
         shutil.copy(f, latest / f.name)
-    real, calls = checkpoint._read_into, []
-
-    def broken(*a):           # the update's fourth read fails (an I/O error half-way), once
-        calls.append(1)
-        if len(calls) == 4:
-            raise OSError("simulated read error")
-        return real(*a)
-    monkeypatch.setattr(checkpoint, "_read_into", broken)
+    _fourth_read_fails(monkeypatch)
     with pytest.raises(OSError, match="simulated"):
         e.reload_weights(shutil.copytree(A, tmp_path / "next"))
     assert e.version["hash"] != loaded["hash"]
