@@ -89,12 +89,12 @@ class ServeConfig:
 
     def worker_command(self) -> list[str]:
         """The `dllm-serve worker` arguments every worker gets (but its host and port): the balancer's batches in
-        flight (the worker takes --max-inflight-per-worker times its batch size, without its own wait), a queue
-        for eight, the
-        checkpoint directory's absolute path and name as the served names unless given (common.resolve.served_names),
-        then the pass-through settings."""
+        flight (the worker takes --max-inflight-per-worker times its batch size, without its own wait), a queue for
+        eight, the checkpoint directory's absolute path and name as the served names unless given
+        (common.resolve.served_names), then the pass-through settings."""
         batch = self.balancer.batch if self.balancer is not None else BatchConfig()
-        values = {"batch_size": batch.batch_size * batch.max_inflight_per_worker, "max_wait_time": 0, "max_queue": max(1024, batch.batch_size * 8),
+        values = {"batch_size": batch.batch_size * batch.max_inflight_per_worker, "max_wait_time": 0,
+                  "max_queue": max(1024, batch.batch_size * 8),
                   "served_model_name": ",".join(served_names(self.model_path)), **self.worker}
         return to_args(WorkerConfig, values) + ["--log-level", self.log_level] + self.worker_args
 
