@@ -4,8 +4,10 @@ stream-chunk builders, and the OpenAI error body. No torch.
 Field policy (documented in docs/api.md):
 - honoured: model, prompt/messages, max_tokens, max_completion_tokens, temperature, stop, seed, stream,
   stream_options.include_usage, n (1 to MAX_N), user, ignore_eos, and the diffusion fields;
+- the sampling filters top_p, top_k, min_p: taken by an algorithm that has them, else accepted at temperature 0
+  only (where they change nothing), by the worker (CommonFields.filters);
 - null is accepted for every field, as OpenAI accepts it, and means the field's default;
-- accepted only at their neutral value, else a 400 naming the field: top_p (1), frequency_penalty (0),
+- accepted only at their neutral value, else a 400 naming the field: frequency_penalty (0),
   presence_penalty (0), logprobs (null/false), top_logprobs (null/0), echo (false), best_of (1), logit_bias (empty),
   suffix (null), tools/functions (none), response_format ({"type": "text"});
 - any other field is ignored (clients such as lm-eval and vllm bench send extras);
@@ -58,7 +60,6 @@ def _empty(kind: type):
 
 # Fields of the OpenAI API we accept only at their neutral value: name -> (is_neutral(value), what we accept).
 NEUTRAL_ONLY = {
-    "top_p": (_is(1), "1"),
     "frequency_penalty": (_is(0), "0"),
     "presence_penalty": (_is(0), "0"),
     "repetition_penalty": (_is(1), "1"),
@@ -72,10 +73,8 @@ NEUTRAL_ONLY = {
     "functions": (_empty(list), "none"),
     "tool_choice": (lambda v: v is None or v == "none", "none"),
     "response_format": (lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"), '{"type": "text"}'),
-    # vLLM's extra sampling and output fields that would change the answer (a review: `top_k: 1` and `guided_json`
-    # were ignored, a 200 with the plain answer)
-    "top_k": (lambda v: v is None or (type(v) is int and v in (-1, 0)), "-1 or 0 (off)"),
-    "min_p": (_is(0), "0"),
+    # vLLM's extra sampling and output fields that would change the answer (a review: `guided_json` was ignored, a
+    # 200 with the plain answer)
     "min_tokens": (_is(0), "0"),
     "length_penalty": (_is(1), "1"),
     "use_beam_search": (lambda v: v is None or v is False, "false"),
@@ -87,7 +86,6 @@ NEUTRAL_ONLY = {
     "guided_grammar": (lambda v: v is None, "null"),
     "structured_outputs": (lambda v: v is None, "null"),
     "include_stop_str_in_output": (lambda v: v is None or v is False, "false"),
-    "skip_special_tokens": (lambda v: v is None or v is True, "true"),
     "truncate_prompt_tokens": (lambda v: v is None, "null"),
     "prompt_logprobs": (lambda v: v is None, "null"),
     "return_tokens_as_token_ids": (lambda v: v is None or v is False, "false"),
@@ -153,10 +151,17 @@ class CommonFields(DiffusionFields):
     max_tokens: int | None = Field(None, ge=0)        # 0 only for scoring (echo + logprobs)
     max_completion_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
+    # sampling filters (OpenAI's top_p, vLLM's top_k and min_p): an algorithm with that parameter of its own takes
+    # it, else they change nothing at temperature 0 (greedy, as vLLM ignores them there) and are refused when
+    # sampling (worker.engine.algorithms.Algorithm.take_filters)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=-1, le=1 << 30)
+    min_p: float | None = Field(None, ge=0, le=1)
     stop: str | list[str] | None = Field(None, validate_default=True)
     seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64)
     stream: bool = False
     stream_options: StreamOptions | None = None
+    skip_special_tokens: bool = True       # vLLM's: false keeps the special tokens' text in the answer
     n: int = Field(1, ge=1, le=MAX_N)
     user: str | None = Field(None, max_length=512)
     # step streaming (ours): "steps" adds an event per denoising step (docs/api.md "Streaming the steps")
@@ -187,6 +192,18 @@ class CommonFields(DiffusionFields):
     @classmethod
     def _neutral_only(cls, data):
         return defaults_and_neutral(data, NEUTRAL_ONLY)
+
+    @property
+    def filters(self) -> dict:
+        """The sampling filters asked for, those not at their neutral value (top_p 1, top_k -1 or 0, min_p 0)."""
+        out = {}
+        if self.top_p is not None and self.top_p != 1:
+            out["top_p"] = self.top_p
+        if self.top_k is not None and self.top_k > 0:
+            out["top_k"] = self.top_k
+        if self.min_p:
+            out["min_p"] = self.min_p
+        return out
 
     @property
     def max_new_tokens(self) -> int | None:
@@ -493,7 +510,6 @@ RESPONSES_NEUTRAL = {
     "tool_choice": (lambda v: v is None or v in ("none", "auto"), "none"),
     "previous_response_id": (lambda v: v is None, "null (no stored conversations)"),
     "conversation": (lambda v: v is None, "null (no stored conversations)"),
-    "top_p": (_is(1), "1"),
     "top_logprobs": (_is(0), "null or 0"),
     "background": (lambda v: v is None or v is False, "false"),
     "text": (lambda v: v is None or (isinstance(v, dict) and v.get("format") in (None, {"type": "text"})),
@@ -516,6 +532,7 @@ class ResponsesRequest(DiffusionFields):
     instructions: str | None = None
     max_output_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)          # as a chat completion's
     seed: int | None = Field(None, ge=-(1 << 63), lt=1 << 64)
     stream: bool = False
     user: str | None = Field(None, max_length=512)
@@ -549,7 +566,8 @@ class ResponsesRequest(DiffusionFields):
             msgs += [{"role": m.role, "content": m.chat_content()} for m in self.input]
         body = self.model_dump(include=set(DiffusionFields.model_fields), exclude_none=True)
         body.update(messages=msgs, stream=self.stream, stream_options={"include_usage": True} if self.stream else None)
-        for ours, theirs in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("seed", "seed"),
+        for ours, theirs in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
+                             ("seed", "seed"),
                              ("model", "model"), ("user", "user")):
             if getattr(self, ours) is not None:
                 body[theirs] = getattr(self, ours)

@@ -75,8 +75,8 @@ async def test_no_healthy_worker_is_503_with_retry_after(aiohttp_client):
     assert (await client.get("/health")).status == 503
     ws = await (await client.get("/worker-status")).json()
     assert ws["system_status"] == "down" and ws["workers"][0]["status"] == "starting"
-    r = await client.post("/v1/completions", json={"prompt": "a", "top_p": 0.2})
-    assert r.status == 400 and (await r.json())["error"]["param"] == "top_p"
+    r = await client.post("/v1/completions", json={"prompt": "a", "frequency_penalty": 0.2})
+    assert r.status == 400 and (await r.json())["error"]["param"] == "frequency_penalty"
 
 
 async def test_retries_are_bounded(aiohttp_client):

@@ -92,9 +92,9 @@ async def test_fronts_share_the_port_and_the_one_queue():
         assert len(seen) == 48 and len({rid for _, rid in seen}) == 48       # each dispatched once
 
         # errors are answered where the request arrived, in the OpenAI shape, with the central's statuses
-        bad = await asyncio.gather(*(post(base, "/v1/completions", {"prompt": "a", "top_p": 0.5}, headers=auth)
-                                     for _ in range(12)))
-        assert all(s == 400 and b["error"]["param"] == "top_p" for s, b in bad)
+        bad = await asyncio.gather(*(post(base, "/v1/completions", {"prompt": "a", "presence_penalty": 0.5},
+                                          headers=auth) for _ in range(12)))
+        assert all(s == 400 and b["error"]["param"] == "presence_penalty" for s, b in bad)
         unauth = await asyncio.gather(*(post(base, "/v1/completions", {"prompt": "a"}) for _ in range(12)))
         assert all(s == 401 and b["error"]["code"] == "invalid_api_key" for s, b in unauth)
         missing = await asyncio.gather(*(post(base, "/v1/nothing", {}, headers=auth) for _ in range(12)))

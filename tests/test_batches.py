@@ -25,7 +25,7 @@ def _lines(n: int, extra: list[str] = ()) -> str:
 
 
 BAD = ["{not json", json.dumps({"custom_id": "r1", "url": "/v1/completions", "body": {"prompt": "x"}}),
-       json.dumps({"custom_id": "top", "url": "/v1/completions", "body": {"prompt": "x", "top_p": 0.5}}),
+       json.dumps({"custom_id": "top", "url": "/v1/completions", "body": {"prompt": "x", "frequency_penalty": 0.5}}),
        json.dumps({"custom_id": "get", "method": "GET", "url": "/v1/models", "body": {}})]
 
 
@@ -87,7 +87,7 @@ def test_run_batch_resumes_and_accounts_for_every_line(tmp_path):
     for i in range(24):
         body = res[f"r{i}"]["response"]["body"]
         assert res[f"r{i}"]["response"]["status_code"] == 200 and body["choices"][0]["finish_reason"] == "length"
-    assert res["top"]["response"]["status_code"] == 400 and res["top"]["response"]["body"]["error"]["param"] == "top_p"
+    assert res["top"]["response"]["status_code"] == 400 and res["top"]["response"]["body"]["error"]["param"] == "frequency_penalty"
 
 
 def test_run_batch_retries_a_busy_server_and_exits_1_while_lines_lack_a_final_result(tmp_path):

@@ -204,6 +204,9 @@ def test_worker_and_balancer_serve_the_family(tmp_path, dream_golden):
             else:
                 b.update(generation_algorithm="dream",
                          algorithm_params={k: c[k] for k in EXTRA if c.get(k) is not None})
+                if c["steps"] % 2:           # half of them send top_p / top_k at the top level, as OpenAI / vLLM
+                    b.update({k: b["algorithm_params"].pop(k) for k in ("top_p", "top_k")
+                              if k in b["algorithm_params"]})
             return b
         cases = dream_golden["cases"]
         with ThreadPoolExecutor(16) as ex:
@@ -221,6 +224,33 @@ def test_worker_and_balancer_serve_the_family(tmp_path, dream_golden):
         assert status == 400 and "dream" in r["error"]["message"]
     finally:
         cl.stop()
+
+
+def test_top_level_top_p_and_top_k_are_dreams_own(dream_engine, dream_golden):
+    """OpenAI's ``top_p`` and vLLM's ``top_k`` at the top level of a body are Dream's own parameters: every golden
+    case that sets them, sent that way, gives the reference's tokens (greedy ones too: Dream's reference filters
+    before its confidences at temperature 0 as well). The same value in ``algorithm_params`` too is fine; another
+    one is a 400 naming the field."""
+    cases = [c for c in whole(dream_golden) if c.get("top_p") is not None or c.get("top_k") is not None]
+    assert len(cases) == 16 and any(not c.get("temperature") and c.get("top_p") for c in cases)
+    for c in cases:
+        filters = {k: c[k] for k in ("top_p", "top_k") if c.get(k) is not None}
+        p = GenerationParams(gen_length=c["gen"], steps=c["steps"], algorithm="dream",
+                             temperature=c.get("temperature", 0.0), seed=c.get("seed"),
+                             extra={k: c[k] for k in ("alg", "alg_temp") if c.get(k) is not None}, filters=filters)
+        r = dream_engine.generate([Request(c["prompt"], p)], early_exit=False)[0]
+        assert r.canvas == c["output"] and r.nfe == c["nfe"], c
+        assert dream_engine.plan(c["prompt"], p) == dream_engine.plan(c["prompt"], params(c))
+    p = GenerationParams(gen_length=8, steps=8, algorithm="dream", extra={"top_p": 0.9}, filters={"top_p": 0.9})
+    assert dream_engine.plan([5, 6], p).params.extra["top_p"] == 0.9
+    with pytest.raises(ParamError) as e:
+        dream_engine.plan([5, 6], GenerationParams(gen_length=8, steps=8, algorithm="dream", extra={"top_p": 0.8},
+                                                   filters={"top_p": 0.9}))
+    assert e.value.param == "top_p" and "algorithm_params" in e.value.message
+    with pytest.raises(ParamError) as e:        # no min_p in Dream's reference: refused when sampling
+        dream_engine.plan([5, 6], GenerationParams(gen_length=8, steps=8, algorithm="dream", temperature=0.5,
+                                                   filters={"min_p": 0.1}))
+    assert e.value.param == "min_p"
 
 
 def test_the_schedules_transfer_counts_computed_on_the_host_are_the_references():

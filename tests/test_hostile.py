@@ -56,7 +56,7 @@ NASTY = st.sampled_from([
 ])
 FIELDS = ["prompt", "messages", "max_tokens", "max_completion_tokens", "temperature", "stop", "seed", "stream",
           "stream_options", "n", "steps", "block_length", "remasking", "generation_algorithm", "threshold", "factor",
-          "cfg_scale", "algorithm_params", "model", "top_p", "logprobs", "echo", "best_of", "user", "ignore_eos",
+          "cfg_scale", "algorithm_params", "model", "top_p", "top_k", "min_p", "logprobs", "echo", "best_of", "user", "ignore_eos",
           "return_token_ids", "x_extra", ""]
 SMALL = st.recursive(st.none() | st.booleans() | st.integers(-5, 5) | st.text(max_size=5) | NASTY,
                      lambda c: st.lists(c, max_size=3) | st.dictionaries(st.sampled_from(FIELDS), c, max_size=3),
@@ -102,7 +102,7 @@ def corpus(kind: str) -> list[tuple[bytes, str, int]]:
         (j(x_extra=Raw("NaN")), 400), (j(x_extra=Raw("Infinity")), 400), (j(x_extra=Raw("1e400")), 400),
         (j(max_tokens=10 ** 9), 400), (j(max_tokens=-1), 400), (j(max_tokens=Raw("NaN")), 400),
         (j(temperature=Raw("-Infinity")), 400), (j(x=Raw('"\\ud800"')), 400), (j(seed=2 ** 64), 400),
-        (j(n=0), 400), (j(n=10 ** 9), 400), (j(top_p=0.5), 400), (j(stream="yes"), 400),
+        (j(n=0), 400), (j(n=10 ** 9), 400), (j(top_p=0.5, temperature=0.5), 400), (j(stream="yes"), 400),
         (j(top_p=True), 400), (j(best_of=True), 400), (j(frequency_penalty=False), 400),     # not 1 or 0 (issue 29)
         (j(model="another-model"), 404),
         (j(generation_algorithm="warp"), 400), (j(steps=0), 400), (j(block_length=2 ** 40), 400),

@@ -6,7 +6,11 @@ from common.protocol import APIError, parse_request
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"prompt": "x", "top_p": 0.5}, "top_p"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "top_p": 1.5}, "top_p"),
+    ({"prompt": "x", "top_k": -2}, "top_k"),
+    ({"prompt": "x", "min_p": 1.5}, "min_p"),
+    ({"prompt": "x", "frequency_penalty": 0.5}, "frequency_penalty"),
     ({"prompt": "x", "logprobs": 21}, "logprobs"),
     ({"prompt": "x", "logprobs": -1}, "logprobs"),
     ({"prompt": "x", "n": 0}, "n"),
@@ -210,11 +214,11 @@ def test_a_bad_item_of_an_input_list_is_named_and_include_is_refused():
         assert e.value.status == 400 and e.value.param == "include", bad
 
 
-@pytest.mark.parametrize("field, value", [("top_k", 1), ("min_p", 0.1), ("min_tokens", 2), ("length_penalty", 0.5),
+@pytest.mark.parametrize("field, value", [("min_tokens", 2), ("length_penalty", 0.5),
                                           ("use_beam_search", True), ("allowed_token_ids", [1]), ("bad_words", ["x"]),
                                           ("guided_json", {}), ("guided_regex", "a+"), ("guided_choice", ["a"]),
                                           ("guided_grammar", "g"), ("structured_outputs", {"json": {}}),
-                                          ("include_stop_str_in_output", True), ("skip_special_tokens", False),
+                                          ("include_stop_str_in_output", True),
                                           ("truncate_prompt_tokens", 5), ("prompt_logprobs", 1),
                                           ("return_tokens_as_token_ids", True), ("chat_template", "{{ 'x' }}"),
                                           ("documents", [{"text": "d"}])])

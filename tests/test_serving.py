@@ -40,6 +40,31 @@ def test_default_max_tokens_is_whole_blocks_that_fit(serving, engine):
     assert e.value.status == 400 and e.value.param == "prompt"
 
 
+def test_sampling_filters_change_nothing_when_greedy_and_are_refused_when_sampling(serving):
+    """NeMo-Skills sends ``top_p: 0.95`` with ``temperature: 0`` by default (and ``min_p: 0``, ``top_k`` -1): LLaDA's
+    algorithms have no nucleus filter, and greedy decoding takes the argmax whatever it keeps, so the request is
+    the same as without them (vLLM ignores them when greedy too). Sampling with one is a 400 naming it: the
+    reference samples without it."""
+    base = {"prompt": [5, 6, 7], "max_tokens": 8, "seed": 3}
+    plain = serving.prepare("completion", base).params[0]
+    for extra in ({"top_p": 0.95, "top_k": -1, "min_p": 0.0}, {"top_p": 0.5, "top_k": 3, "min_p": 0.2}):
+        got = serving.prepare("completion", {**base, **extra, "temperature": 0}).params[0]
+        assert got == plain, extra
+        chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 8, **extra}
+        assert serving.prepare("chat", chat).params[0].extra == {}
+    for field, value in (("top_p", 0.95), ("top_k", 3), ("min_p", 0.2)):
+        for kind, body in (("completion", base), ("chat", {"messages": [{"role": "user", "content": "x"}]}),
+                           ("responses", {"input": "x"})):
+            if kind == "responses" and field != "top_p":
+                continue
+            with pytest.raises(APIError) as e:
+                serving.prepare(kind, {**body, field: value, "temperature": 0.7})
+            assert e.value.status == 400 and e.value.param == field and "temperature 0" in e.value.message
+    # at their neutral values they are no filter at all, sampling or not
+    assert serving.prepare("completion", {**base, "temperature": 0.7, "top_p": 1, "top_k": 0,
+                                          "min_p": 0}).params[0].temperature == 0.7
+
+
 def test_n_choices_are_rows_with_their_own_seeds(serving):
     prep = serving.prepare("completion", {"prompt": [[5, 6], [7]], "n": 3, "seed": 10, "max_tokens": 4})
     assert len(prep.prompts) == len(prep.params) == 6
@@ -279,7 +304,7 @@ def test_logprob_tokens_are_their_text_in_context(fixture, demo_tokenizer):
         assert b"".join(p.encode() for p in pieces) == decode(ids).encode()
     # through Serving.logprobs, both shapes
     srv = SimpleNamespace(decode=decode, token_text=lambda t: tok.decode([t]), tok=tok)
-    st = SimpleNamespace(token_ids=ids, logprobs=[(t, -0.5, [(t, -0.5), (ids[0], -2.0)]) for t in ids])
+    st = SimpleNamespace(decode=decode, token_ids=ids, logprobs=[(t, -0.5, [(t, -0.5), (ids[0], -2.0)]) for t in ids])
     out = Serving.logprobs(srv, "completion", st)
     assert "".join(out["tokens"]) == decode(ids)
     assert [decode(ids)[o:o + len(s)] for o, s in zip(out["text_offset"], out["tokens"])] == out["tokens"]

@@ -689,3 +689,31 @@ async def test_vllms_template_variables_reasoning_and_answer_changing_extras(aio
     for extra, n in (({"add_special_tokens": True}, 6), ({"add_special_tokens": False}, 5), ({}, 5)):
         r = await dg.post("/v1/completions", json={"prompt": "di vo", "max_tokens": 2, **extra})
         assert (await r.json())["usage"]["prompt_tokens"] == n, extra
+
+
+async def test_skip_special_tokens_false_keeps_their_text(aiohttp_client):
+    """vLLM's skip_special_tokens (NeMo-Skills sends false with every text completion; it was a 400): false keeps
+    the special tokens' text in the answer, streamed or not; the default skips it. (A simulated device, whose answer
+    repeats the prompt's tokens: one of them the tiny tokenizer's special <|start_header_id|>.)"""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(str(TINY_LLADA))
+    special = tok.convert_tokens_to_ids("<|start_header_id|>")
+    client = await aiohttp_client(make_app(WorkerConfig(model_path=str(TINY_LLADA), device="cpu",
+                                                        simulate_device=(0.0, 0.0))))
+    await wait_ready(client)
+    body = {"prompt": [special, 5, 6], "max_tokens": 3, "return_token_ids": True}
+    texts = {}
+    for keep in (None, True, False):
+        extra = {} if keep is None else {"skip_special_tokens": keep}
+        r = await client.post("/v1/completions", json={**body, **extra})
+        choice = (await r.json())["choices"][0]
+        assert r.status == 200 and choice["token_ids"] == [special, 5, 6]
+        texts[keep] = choice["text"]
+        r = await client.post("/v1/completions", json={**body, **extra, "stream": True})
+        streamed = "".join(orjson.loads(line[6:])["choices"][0]["text"] for line in (await r.text()).splitlines()
+                           if line.startswith("data: {"))
+        assert streamed == texts[keep]
+    assert texts[None] == texts[True] == tok.decode([special, 5, 6], skip_special_tokens=True)
+    assert texts[False] == tok.decode([special, 5, 6], skip_special_tokens=False) and "<|start_header_id|>" in texts[False]
+    r = await client.post("/v1/completions", json={**body, "skip_special_tokens": "no"})
+    assert r.status == 400 and (await r.json())["error"]["param"] == "skip_special_tokens"

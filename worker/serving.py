@@ -58,6 +58,7 @@ class Serving:
         self.names = {model_name, *aliases}
         self.tok = engine.tokenizer
         self.decode = text_decoder(self.tok)
+        self.decode_special = text_decoder(self.tok, skip_special_tokens=False)   # skip_special_tokens: false
         self._token_texts: dict[int, str] = {}      # id -> its text alone (logprobs)
         # A text longer than this cannot fit the context whatever it holds: refused before the tokenizer spends
         # seconds on it (4x margin for normalisation that merges characters).
@@ -242,6 +243,7 @@ class Serving:
             cfg_scale=req.cfg_scale or 0.0, threshold=req.threshold, factor=req.factor,
             seed=None if req.seed is None else req.seed % (1 << 63),
             ignore_eos=req.ignore_eos, stop_token_ids=stops, extra=dict(req.algorithm_params or {}),
+            filters=req.filters,
             logprobs=req.token_logprobs)
         try:
             pl = self.engine.plan(ids, p)
@@ -291,7 +293,7 @@ class Serving:
         if entries is None or len(entries) < len(st.token_ids):
             return None
         entries = entries[:len(st.token_ids)]
-        pieces, alts = token_pieces(self.decode, [t for t, _, _ in entries], [[a for a, _ in top]
+        pieces, alts = token_pieces(st.decode, [t for t, _, _ in entries], [[a for a, _ in top]
                                                                                for _, _, top in entries])
         # the chosen token among its alternatives has its own string (a byte that only begins a character: "",
         # where its text alone would be U+FFFD: a review found it listed twice, under two strings)
@@ -443,7 +445,8 @@ class Run:
 
     def start(self) -> None:
         prep = self.prep
-        self.states = [_Choice(self.serving.decode, prep.req.stop) for _ in self.jobs]
+        decode = self.serving.decode if prep.req.skip_special_tokens else self.serving.decode_special
+        self.states = [_Choice(decode, prep.req.stop) for _ in self.jobs]
         self.remaining = len(self.jobs)
         if prep.req.stream and prep.kind == "chat":
             for i in range(len(self.jobs)):
@@ -611,7 +614,7 @@ class _Choice:
     """Text state of one choice: incremental detokenisation, stop strings, and what was already streamed."""
 
     def __init__(self, decode, stops: list[str]):
-        self._decode = decode       # ids -> text (special tokens skipped)
+        self.decode = decode        # ids -> text (special tokens skipped unless the request keeps them)
         self.cleans_up = getattr(decode, "cleans_up", False)     # worker.tokenizer.text_decoder says
         self.stops = stops
         self.hold = max((len(s) for s in stops), default=1) - 1
@@ -647,7 +650,7 @@ class _Choice:
         return n
 
     def _apply(self, ids: list[int], final: bool = True) -> None:
-        text = self._decode(ids)
+        text = self.decode(ids)
         # while tokens still come, a stop string counts only where the text is settled (a review: a stop string
         # matched two U+FFFD that the next token turned into one character, and the answer was cut there); the
         # clean-up only removes spaces, so a stop string without one counts before the last word settles too
@@ -671,7 +674,7 @@ class _Choice:
         lo, hi = 1, len(ids)
         while lo < hi:
             mid = (lo + hi) // 2
-            if len(self._decode(ids[:mid])) >= nchars:
+            if len(self.decode(ids[:mid])) >= nchars:
                 hi = mid
             else:
                 lo = mid + 1

@@ -57,7 +57,7 @@ class SimulatedEngine:
         return "llada" in algorithm.families      # requests are validated as for a LLaDA model
 
     def plan(self, prompt_ids: list[int], params: GenerationParams) -> Plan:
-        algorithms.get(params.algorithm, "llada")
+        params = algorithms.get(params.algorithm, "llada").take_filters(params)
         return plan(params, len(prompt_ids), self.max_sequence_length)
 
     def _answer(self, req: Request, p: Plan) -> Result:

@@ -109,8 +109,9 @@ def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: 
     return list(out)
 
 
-def text_decoder(tokenizer):
-    """``decode(ids) -> str``, the same text as ``tokenizer.decode(ids, skip_special_tokens=True)``.
+def text_decoder(tokenizer, skip_special_tokens: bool = True):
+    """``decode(ids) -> str``, the same text as ``tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)``
+    (a request's ``skip_special_tokens``, vLLM's field: true by default).
 
     For a plain fast tokenizer (no decode override, no clean-up of tokenization spaces) it calls the Rust tokenizer
     directly: transformers' wrapper costs more than the decoding itself for short texts, and the worker decodes
@@ -127,10 +128,10 @@ def text_decoder(tokenizer):
             and cls._decode is TokenizersBackend._decode and cls.decode is PreTrainedTokenizerBase.decode
             and not tokenizer.clean_up_tokenization_spaces):
         fast = backend.decode
-        return lambda ids: fast(ids, skip_special_tokens=True)
+        return lambda ids: fast(ids, skip_special_tokens=skip_special_tokens)
 
     def decode(ids):
-        return tokenizer.decode(ids, skip_special_tokens=True)
+        return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
     # the text of a longer prefix may rewrite the end of a shorter one's (streaming holds that end back)
     decode.cleans_up = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False))
     return decode

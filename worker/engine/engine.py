@@ -274,6 +274,7 @@ class Engine:
     def plan(self, prompt_ids: list[int], params: GenerationParams) -> Plan:
         """Validate a request and apply its algorithm's defaults; raises ParamError naming the parameter."""
         alg = algorithms.get(params.algorithm, self.family)
+        params = alg.take_filters(params)
         own = self.algorithm_defaults.get(alg.name)
         if own:
             params = replace(params, extra={**own, **params.extra})

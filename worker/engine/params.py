@@ -36,6 +36,9 @@ class GenerationParams:
     stop_token_ids: frozenset = frozenset()   # the request's own stop tokens (vLLM's), beside the model's
     logprobs: int | None = None       # None: none; k >= 0: each generated token's log-probability and the top k
     extra: dict = field(default_factory=dict)  # algorithm-specific parameters
+    # the request's sampling filters (top_p, top_k, min_p) not at their neutral value, before its algorithm takes
+    # them (Algorithm.take_filters)
+    filters: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -92,6 +92,35 @@ class Algorithm:
         """The families that list this algorithm (in worker/models' order)."""
         return tuple(name for name, f in FAMILIES.items() if self.name in f.algorithms)
 
+    def take_filters(self, p: GenerationParams) -> GenerationParams:
+        """The request's sampling filters (``top_p``, ``top_k``, ``min_p`` at the top level of the body): an
+        ``algorithm_params`` entry of the same name takes each (the same value given there too is fine, another one
+        is a 400); an algorithm without it that takes the argmax (temperature 0, no sampling of its own) gives the
+        same tokens whatever a filter keeps, so it is ignored there (vLLM ignores them when greedy too), and one that
+        samples refuses it. Before the checkpoint's own defaults are merged, so only the request's own
+        ``algorithm_params`` can conflict."""
+        if not p.filters:
+            return p
+        known = {i.name: i for i in self.extra_params}
+        extra = dict(p.extra)
+        samples = bool(p.temperature) or (self.stochastic is not None and self.stochastic(p))
+        for name, value in p.filters.items():
+            info = known.get(name)
+            if info is None:
+                if samples:
+                    raise ParamError(name, f"{self.name} samples without {name} filtering (its reference has none): "
+                                           f"leave {name} at its default" +
+                                           (", or decode greedily (temperature 0)" if p.temperature else ""))
+                continue
+            why = _bad_value(info, value)
+            if why is not None:
+                raise ParamError(name, f"{self.name}: {name} must be {why}, got {value!r}")
+            if name in extra and extra[name] != value:
+                raise ParamError(name, f"{name} {value!r} and algorithm_params.{name} {extra[name]!r} differ: "
+                                       f"give one")
+            extra[name] = value
+        return replace(p, extra=extra, filters={})
+
     def normalize(self, p: GenerationParams) -> GenerationParams:
         """Apply this algorithm's defaults and check its parameters (raises ParamError)."""
         if p.cfg_scale and not self.cfg:
