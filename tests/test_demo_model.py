@@ -54,6 +54,7 @@ def test_documented_accuracy_on_a_held_out_sample(demo, seen):
         assert n / 30 >= documented["basic_steps16"][task] - 0.1, (task, right)
 
 
+@pytest.mark.xdist_group("demo_training")          # (with the test above: one load of the model)
 def test_the_demo_answers_the_readme_example(demo):
     from worker.engine import GenerationParams, Request
     from worker.tokenizer import apply_chat_template
