@@ -48,8 +48,9 @@ def test_sampling_filters_change_nothing_when_greedy_and_are_refused_when_sampli
     base = {"prompt": [5, 6, 7], "max_tokens": 8, "seed": 3}
     plain = serving.prepare("completion", base).params[0]
     for extra in ({"top_p": 0.95, "top_k": -1, "min_p": 0.0}, {"top_p": 0.5, "top_k": 3, "min_p": 0.2}):
-        got = serving.prepare("completion", {**base, **extra, "temperature": 0}).params[0]
-        assert got == plain, extra
+        for greedy in (0, 1e-6):                        # (a temperature below 1e-5 is greedy, vLLM's rule)
+            got = serving.prepare("completion", {**base, **extra, "temperature": greedy}).params[0]
+            assert got == plain, (extra, greedy)
         chat = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 8, **extra}
         assert serving.prepare("chat", chat).params[0].extra == {}
     for field, value in (("top_p", 0.95), ("top_k", 3), ("min_p", 0.2)):

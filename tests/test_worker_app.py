@@ -667,8 +667,8 @@ async def test_vllms_template_variables_reasoning_and_answer_changing_extras(aio
     assert (await r.json())["tokens"] == plain               # the reasoning is rendered either way
     for extra, param in (({"chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs"),
                          ({"chat_template_kwargs": "x"}, "chat_template_kwargs"), ({"chat_template": "{{ 'X' }}"}, None),
-                         ({"top_k": 1}, None), ({"guided_json": {"type": "object"}}, None), ({"min_tokens": 3}, None),
-                         ({"skip_special_tokens": False}, None),
+                         ({"min_p": 0.1, "temperature": 0.5}, "min_p"), ({"guided_json": {"type": "object"}}, None),
+                         ({"min_tokens": 3}, None),
                          ({"messages": [{"role": "assistant", "content": None, "tool_calls": [{"id": "c"}]},
                                         {"role": "user", "content": "x"}]}, None)):
         r = await client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2, **extra})
@@ -677,7 +677,8 @@ async def test_vllms_template_variables_reasoning_and_answer_changing_extras(aio
         assert param is None or param in (err["param"] or ""), (extra, err)
         word = next(iter(extra))
         assert word in err["message"] or "tool_calls" in err["message"], (extra, err)
-    for extra in ({"top_k": -1}, {"top_k": 0}, {"min_p": 0}, {"skip_special_tokens": True}):
+    for extra in ({"top_k": -1}, {"top_k": 0}, {"min_p": 0}, {"skip_special_tokens": True}, {"top_k": 1},
+                  {"top_p": 0.5, "min_p": 0.1}, {"skip_special_tokens": False}):      # (greedy: no filter matters)
         r = await client.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2, **extra})
         assert r.status == 200, extra
     r = await client.post("/tokenize", json={"messages": msgs, "chat_template": "{{ 'X' }}"})

@@ -126,7 +126,7 @@ def test_stop_strings(client):
 @pytest.mark.parametrize("kw, exc, param", [
     (dict(max_tokens=5, extra_body={"steps": 0}), openai.BadRequestError, "steps"),
     (dict(max_tokens=5, n=0), openai.BadRequestError, "n"),
-    (dict(max_tokens=5, top_p=0.3), openai.BadRequestError, "top_p"),
+    (dict(max_tokens=5, top_p=0.3, temperature=0.5), openai.BadRequestError, "top_p"),   # (LLaDA samples without)
     (dict(max_tokens=5000), openai.BadRequestError, "max_tokens"),
     (dict(max_tokens=5, extra_body={"generation_algorithm": "nope"}), openai.BadRequestError, "generation_algorithm"),
     (dict(max_tokens=5, model="gpt-4"), openai.NotFoundError, "model"),

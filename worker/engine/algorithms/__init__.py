@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Callable, Iterator
 
 from ...models import FAMILIES
-from ..params import GenerationParams, ParamError
+from ..params import MIN_TEMPERATURE, GenerationParams, ParamError
 
 if TYPE_CHECKING:
     from ..engine import Engine
@@ -72,6 +72,7 @@ class Algorithm:
     cfg: bool = True                                                     # supports cfg_scale > 0
     check: Callable[[GenerationParams], GenerationParams] | None = None  # the algorithm's own rules, after defaults
     stochastic: Callable[[GenerationParams], bool] | None = None         # draws random numbers beyond temperature
+    samples_always: bool = False     # samples its tokens whatever ``temperature`` says (its own temperature schedule)
     check_plan: Callable | None = None                                   # (plan, max positions): its own length rule
     check_model: Callable | None = None                                  # (plan, model): rules the checkpoint sets
     cost: Callable | None = None                                         # (plan) -> nominal token-forwards, if not
@@ -95,15 +96,15 @@ class Algorithm:
     def take_filters(self, p: GenerationParams) -> GenerationParams:
         """The request's sampling filters (``top_p``, ``top_k``, ``min_p`` at the top level of the body): an
         ``algorithm_params`` entry of the same name takes each (the same value given there too is fine, another one
-        is a 400); an algorithm without it that takes the argmax (temperature 0, no sampling of its own) gives the
-        same tokens whatever a filter keeps, so it is ignored there (vLLM ignores them when greedy too), and one that
+        is a 400); an algorithm without it that takes the argmax (temperature 0, unless it samples by a schedule of
+        its own) gives the same tokens whatever a filter keeps, so it is ignored there (vLLM ignores them when greedy too), and one that
         samples refuses it. Before the checkpoint's own defaults are merged, so only the request's own
         ``algorithm_params`` can conflict."""
         if not p.filters:
             return p
         known = {i.name: i for i in self.extra_params}
         extra = dict(p.extra)
-        samples = bool(p.temperature) or (self.stochastic is not None and self.stochastic(p))
+        samples = p.temperature >= MIN_TEMPERATURE or self.samples_always      # (below it plan() makes it greedy)
         for name, value in p.filters.items():
             info = known.get(name)
             if info is None:

@@ -359,7 +359,7 @@ register(Algorithm(
                 "schedule, entropy-bound acceptance, renoising and adaptive stopping, its argmax appended to the "
                 "cache",
     exact=True, run=run, cfg=False, check=check, check_model=check_model,
-    stochastic=lambda p: True, cost=cost, prefix_blocks=prefix_blocks,
+    stochastic=lambda p: True, samples_always=True, cost=cost, prefix_blocks=prefix_blocks,
     params=(
         ParamInfo("block_length", None, "the checkpoint's canvas_length (fixed)"),
         ParamInfo("seed", None, "per-request seed for the canvases, sampling and renoising"),
