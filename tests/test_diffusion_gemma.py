@@ -200,7 +200,7 @@ def test_parameter_errors_name_the_field(engine):
     for name, value in (("top_p", 0.95), ("top_k", 5), ("min_p", 0.1)):
         param, message = err(filters={name: value})
         assert param == name and "samples without" in message and "temperature 0" not in message
-    with pytest.raises(ParamError, match="maximum sequence length"):       # 500 + whole canvases > 512 positions
+    with pytest.raises(ParamError, match="maximum context length"):       # 500 + whole canvases > 512 positions
         engine.plan([5] * 500, GenerationParams(gen_length=9, block_length=8, algorithm="diffusion_gemma"))
     pl = engine.plan([5, 6], GenerationParams(gen_length=3, block_length=8, algorithm="diffusion_gemma",
                                               extra={"t_max": 2}))

@@ -101,7 +101,7 @@ def test_parameter_errors(sdar_engine):
     assert err(extra={"remasking_strategy": "entropy_bounded"}) == "algorithm_params"
     assert err(extra={"top_p": 0}) == "algorithm_params"
     assert err(cfg_scale=1.0) == "cfg_scale"
-    with pytest.raises(ParamError, match="maximum sequence length"):
+    with pytest.raises(ParamError, match="maximum context length"):
         sdar_engine.plan([1] * 500, GenerationParams(gen_length=10, block_length=8, algorithm="sdar"))
     pl = sdar_engine.plan([1, 2, 3], GenerationParams(gen_length=2, block_length=4, algorithm="sdar"))
     assert pl.params.threshold == 0.85 and pl.params.extra["denoising_steps"] == 4

@@ -66,6 +66,30 @@ def test_sampling_filters_change_nothing_when_greedy_and_are_refused_when_sampli
                                           "min_p": 0}).params[0].temperature == 0.7
 
 
+def test_a_request_past_the_context_says_so_in_openais_words(serving, engine):
+    """Clients retry a request longer than the context with fewer tokens by parsing OpenAI's / vLLM's message
+    (litellm maps "This model's maximum context length is" to its ContextWindowExceededError; NeMo-Skills' soft
+    fail reads the numbers with these patterns): prompt + max_tokens, and a prompt that fills the context alone."""
+    import re
+    L = engine.max_sequence_length
+    with pytest.raises(APIError) as e:
+        serving.prepare("completion", {"prompt": [5] * (L - 20), "max_tokens": 64})
+    m = re.search(r"maximum context length is (\d+) tokens.*?you requested (\d+) tokens.*?(\d+) in the messages, "
+                  r"(\d+) in the completion", e.value.message, re.DOTALL)
+    assert e.value.status == 400 and e.value.param == "max_tokens" and e.value.code == "context_length_exceeded"
+    assert m and [int(g) for g in m.groups()] == [L, L + 44, L - 20, 64], e.value.message
+    assert e.value.message.startswith("This model's maximum context length is")
+    with pytest.raises(APIError) as e:          # the canvas is whole blocks: the message counts what it needs
+        serving.prepare("completion", {"prompt": [5] * (L - 12), "max_tokens": 10, "block_length": 8})
+    assert "16 in the completion: max_tokens 10 rounded up to a multiple of block_length 8" in e.value.message
+    for n in (L, L + 5):            # a prompt that fills the context, or is longer than it
+        with pytest.raises(APIError) as e:
+            serving.prepare("completion", {"prompt": [5] * n})
+        m = re.search(r"maximum context length is (\d+) tokens.*?request has (\d+) input tokens", e.value.message)
+        assert e.value.param == "prompt" and e.value.code == "context_length_exceeded" and m
+        assert [int(g) for g in m.groups()] == [L, n]
+
+
 def test_n_choices_are_rows_with_their_own_seeds(serving):
     prep = serving.prepare("completion", {"prompt": [[5, 6], [7]], "n": 3, "seed": 10, "max_tokens": 4})
     assert len(prep.prompts) == len(prep.params) == 6

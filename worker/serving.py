@@ -14,7 +14,7 @@ from common.protocol import (MAX_ROWS, APIError, ChatCompletionRequest, Completi
 from common.openai_http import Event, EventBox
 from worker.engine import Engine, GenerationParams, ParamError
 from worker.engine.likelihood import cost as score_cost
-from worker.engine.params import LOGPROB_ENTRY_COST, Plan, logprobs_cost, row_cost, with_seed
+from worker.engine.params import LOGPROB_ENTRY_COST, Plan, context_exceeded, logprobs_cost, row_cost, with_seed
 from worker.responses import ResponsesEvents
 from worker.scheduler import Job, RowScheduler
 from worker.tokenizer import apply_chat_template, max_token_chars, takes_content_parts, text_decoder, token_pieces
@@ -142,8 +142,8 @@ class Serving:
                 if not ids:
                     raise APIError(400, "prompt: the prompt encodes to no tokens", param="prompt")
                 if len(ids) > self.engine.max_sequence_length:
-                    raise APIError(400, f"the prompt ({len(ids)} tokens) is longer than the model's context "
-                                        f"({self.engine.max_sequence_length} tokens)", param="prompt")
+                    raise APIError(400, context_exceeded(self.engine.max_sequence_length, len(ids)), param="prompt",
+                                   code="context_length_exceeded")
                 prompts.append(ids)
         if kind == "completion" and req.scoring:
             return self._prepare_scoring(req, prompts)
@@ -228,8 +228,8 @@ class Serving:
                                param="stop_token_ids")
         if max_new is None:
             if limit < 1:
-                raise APIError(400, f"the prompt ({len(ids)} tokens) fills the model's context "
-                                    f"({self.engine.max_sequence_length} tokens)", param=prompt_param)
+                raise APIError(400, context_exceeded(self.engine.max_sequence_length, len(ids)), param=prompt_param,
+                               code="context_length_exceeded")
             # the default: as long as allowed and whole blocks that fit the context (a shorter single block when
             # not even one full block fits), never a length the context cannot hold
             max_new = min(d.max_tokens, limit)
@@ -258,12 +258,13 @@ class Serving:
                         return self.engine.plan(ids, replace(p, gen_length=whole))
                     except ParamError:
                         pass
-                raise APIError(400, f"the prompt ({len(ids)} tokens) leaves no room for a generation in the model's "
-                                    f"context ({self.engine.max_sequence_length} tokens; {e.message})",
-                               param=prompt_param)
+                raise APIError(400, context_exceeded(self.engine.max_sequence_length, len(ids),
+                                                     note=f", which leave no room for a whole block of {block} "
+                                                          f"tokens to generate"),
+                               param=prompt_param, code="context_length_exceeded")
             if param == "max_tokens" and req.max_completion_tokens is not None:
                 param = "max_completion_tokens"
-            raise APIError(400, e.message, param=param)
+            raise APIError(400, e.message, param=param, code=e.code)
         return pl
 
     def _check_cost(self, cost: int, param: str, what: str) -> None:

@@ -8,10 +8,24 @@ from dataclasses import dataclass, field, replace
 class ParamError(ValueError):
     """A request parameter is invalid. ``param`` names it (OpenAI error body's ``param``)."""
 
-    def __init__(self, param: str | None, message: str):
+    def __init__(self, param: str | None, message: str, code: str | None = None):
         super().__init__(message)
         self.param = param
         self.message = message
+        self.code = code            # the OpenAI error body's ``code`` (``context_length_exceeded``)
+
+
+def context_exceeded(max_sequence_length: int, prompt_tokens: int, completion_tokens: int | None = None,
+                     note: str = "") -> str:
+    """The message of a request longer than the model's context, in OpenAI's and vLLM's words, which clients parse
+    to retry with fewer tokens (litellm's ContextWindowExceededError, NeMo-Skills' soft fail): the prompt's and the
+    generation's tokens, or the prompt alone when it leaves no room."""
+    if completion_tokens is None:
+        return (f"This model's maximum context length is {max_sequence_length} tokens. However, your request has "
+                f"{prompt_tokens} input tokens{note}. Please reduce the length of the input messages.")
+    return (f"This model's maximum context length is {max_sequence_length} tokens. However, you requested "
+            f"{prompt_tokens + completion_tokens} tokens ({prompt_tokens} in the messages, {completion_tokens} in the "
+            f"completion{note}). Please reduce the length of the messages or completion.")
 
 
 REMASKING = ("low_confidence", "random")
@@ -89,12 +103,10 @@ def plan(params: GenerationParams, prompt_length: int, max_sequence_length: int)
     num_blocks = -(-p.gen_length // block)
     canvas = num_blocks * block
     if prompt_length + canvas > max_sequence_length:
-        raise ParamError(
-            "max_tokens",
-            f"prompt ({prompt_length} tokens) + generation ({canvas} tokens"
-            + (f", max_tokens {p.gen_length} rounded up to a multiple of block_length {block}" if canvas != p.gen_length else "")
-            + f") exceeds the model's maximum sequence length {max_sequence_length}",
-        )
+        note = (f": max_tokens {p.gen_length} rounded up to a multiple of block_length {block}"
+                if canvas != p.gen_length else "")
+        raise ParamError("max_tokens", context_exceeded(max_sequence_length, prompt_length, canvas, note),
+                         code="context_length_exceeded")
     steps = p.gen_length if p.steps is None else p.steps
     spb = min(max(1, -(-steps // num_blocks)), block)
     return Plan(p, prompt_length, p.gen_length, block, canvas, num_blocks, spb)
