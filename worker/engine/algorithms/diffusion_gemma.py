@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from ...models.layers import upload
-from ..params import MIN_FORWARD_TOKENS, GenerationParams, ParamError, Plan
+from ..params import MIN_FORWARD_TOKENS, GenerationParams, ParamError, Plan, context_exceeded
 from ..rows import Finisher, Row, read_with
 from ..sampling import PROBABILITIES_INVALID, multinomial_rows
 from . import Algorithm, ParamInfo, register
@@ -335,9 +335,9 @@ def check_model(pl: Plan, model) -> None:
                                          f"canvas_length); block_length cannot be {pl.params.block_length}")
     total = pl.prompt_length + -(-pl.gen_length // L) * L
     if total > model.max_sequence_length:
-        raise ParamError("max_tokens", f"prompt ({pl.prompt_length} tokens) + generation ({pl.gen_length}) in whole "
-                                       f"canvases of {L} ({total} positions) exceeds the model's maximum sequence "
-                                       f"length {model.max_sequence_length}")
+        raise ParamError("max_tokens", context_exceeded(
+            model.max_sequence_length, pl.prompt_length, total - pl.prompt_length,
+            f": max_tokens {pl.gen_length} in whole canvases of {L}"), code="context_length_exceeded")
 
 
 def cost(pl: Plan) -> int:

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ...models.layers import upload
-from ..params import GenerationParams, ParamError, Plan
+from ..params import GenerationParams, ParamError, Plan, context_exceeded
 from ..rows import Finisher, Row, read_with, record_block_logprobs
 from ..sampling import PROBABILITIES_INVALID, check_probabilities, multinomial_rows, probabilities_ok
 from . import Algorithm, ParamInfo, register
@@ -221,9 +221,10 @@ def check_plan(pl: Plan, max_positions: int) -> None:
     bl = pl.params.block_length
     total = -(-(pl.prompt_length + pl.gen_length) // bl) * bl
     if total > max_positions:
-        raise ParamError("max_tokens", f"prompt ({pl.prompt_length} tokens) + generation ({pl.gen_length}) in whole "
-                         f"blocks of {bl} ({total} positions) exceeds the model's maximum sequence "
-                         f"length {max_positions}")
+        raise ParamError("max_tokens", context_exceeded(
+            max_positions, pl.prompt_length, total - pl.prompt_length,
+            f": max_tokens {pl.gen_length} in whole blocks of {bl} counted from the prompt's first token"),
+            code="context_length_exceeded")
 
 
 def prefix_blocks(plan, cache) -> tuple[int, int]:
