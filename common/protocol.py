@@ -567,8 +567,7 @@ class ResponsesRequest(DiffusionFields):
         body = self.model_dump(include=set(DiffusionFields.model_fields), exclude_none=True)
         body.update(messages=msgs, stream=self.stream, stream_options={"include_usage": True} if self.stream else None)
         for ours, theirs in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
-                             ("seed", "seed"),
-                             ("model", "model"), ("user", "user")):
+                             ("seed", "seed"), ("model", "model"), ("user", "user")):
             if getattr(self, ours) is not None:
                 body[theirs] = getattr(self, ours)
         return {k: v for k, v in body.items() if v is not None}

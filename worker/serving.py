@@ -295,7 +295,7 @@ class Serving:
             return None
         entries = entries[:len(st.token_ids)]
         pieces, alts = token_pieces(st.decode, [t for t, _, _ in entries], [[a for a, _ in top]
-                                                                               for _, _, top in entries])
+                                                                             for _, _, top in entries])
         # the chosen token among its alternatives has its own string (a byte that only begins a character: "",
         # where its text alone would be U+FFFD: a review found it listed twice, under two strings)
         alts = [[s if a == t else p or self.token_text(a) for p, (a, _) in zip(row, top)]

@@ -96,10 +96,10 @@ class Algorithm:
     def take_filters(self, p: GenerationParams) -> GenerationParams:
         """The request's sampling filters (``top_p``, ``top_k``, ``min_p`` at the top level of the body): an
         ``algorithm_params`` entry of the same name takes each (the same value given there too is fine, another one
-        is a 400); an algorithm without it that takes the argmax (temperature 0, unless it samples by a schedule of
-        its own) gives the same tokens whatever a filter keeps, so it is ignored there (vLLM ignores them when greedy too), and one that
-        samples refuses it. Before the checkpoint's own defaults are merged, so only the request's own
-        ``algorithm_params`` can conflict."""
+        is a 400). An algorithm without it that takes the argmax (temperature 0, unless it samples by a schedule of
+        its own) gives the same tokens whatever a filter keeps, so it is ignored there (as vLLM ignores them when
+        greedy); one that samples refuses it. Runs before the checkpoint's own defaults are merged, so only the
+        request's own ``algorithm_params`` can conflict."""
         if not p.filters:
             return p
         known = {i.name: i for i in self.extra_params}
