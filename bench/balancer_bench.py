@@ -8,6 +8,8 @@ device (`--simulate-device BASE,PER_ROW`: no model, each batch sleeps BASE + PER
   python bench/balancer_bench.py proxy --compare-tree /tmp/before --http-processes 1 --nginx-processes 1 --rounds 6
   # (a'') the same balancer run by another interpreter too (a venv with the dependencies except torch)
   python bench/balancer_bench.py proxy --http-processes 1 --nginx-processes 1 --balancer-python /tmp/py312/bin/python
+  # (a''') the same beside a bare batching proxy (bench/bare_balancer.py: the batching alone, a bound)
+  python bench/balancer_bench.py proxy --http-processes 1 --nginx-processes 1 --bare --rounds 5
   # (b) scaling over 1, 2, 4, 8 workers at saturation on a simulated device (40 ms + 3 ms x rows)
   python bench/balancer_bench.py scaling --counts 1,2,4,8 --cost 0.04,0.003 --batch-size 16
   # (c) the latency the balancer adds (its default settings): open-loop arrivals at fixed rates over 256
@@ -243,6 +245,13 @@ def proxy_bench(args) -> None:
                 url = start_balancer(procs, urls, batching(args.batch_size, args.batch_wait, args.inflight)
                                      + shlex.split(a))
                 rows.append((f"balancer {a}", url, [pid()], wpids))
+            if args.bare:
+                port = free_port()
+                procs.start([sys.executable, str(ROOT / "bench" / "bare_balancer.py"), "--worker-urls", ",".join(urls),
+                             "--port", str(port), "--batch-size", str(args.batch_size), "--batch-wait-time",
+                             str(args.batch_wait), "--max-inflight-per-worker", str(args.inflight)], "bare")
+                wait_http(f"http://127.0.0.1:{port}/health")
+                rows.append(("bare batching proxy (bound)", f"http://127.0.0.1:{port}", [pid()], wpids))
             for py in args.balancer_python:
                 version = subprocess.run([py, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
                                          capture_output=True, text=True, check=True).stdout.strip()
@@ -513,6 +522,9 @@ def main() -> None:
                    help="another balancer (one HTTP process) with these options added (e.g. --also=--no-idle-dispatch)")
     p.add_argument("--compare-tree", help="another checkout of this project (e.g. a git worktree of an older commit): "
                    "its own workers and balancer join the same interleaved rounds")
+    p.add_argument("--bare", action="store_true", help="also bench/bare_balancer.py: a batching proxy with nothing "
+                   "but the batching (no validation, statistics, timeouts or failover), the most one aiohttp process "
+                   "of this design could reach")
     p.add_argument("--balancer-python", action="append", default=[], metavar="PYTHON",
                    help="another balancer (one HTTP process) run by this interpreter, e.g. a venv of Python 3.12 with "
                         "the project's dependencies except torch (the balancer never imports it)")
