@@ -20,6 +20,10 @@ def fixture_path(name: str) -> Path:
 # off, whose bfloat16 matmuls would otherwise use the CPU's own instructions (docs/models.md, "bfloat16 on CPU").
 # They run only where tests/test_bf16_kernels.py runs them, once per kernel set, with this variable set.
 BF16_ENV = "DLLM_SERVE_BF16_KERNELS"
+# ... and with MKL held to the instructions of the machine that made the goldens (an AMD EPYC with AVX-512): MKL picks
+# its kernels by the CPU itself, whatever ATen's set, and on a Xeon with AMX the reference's own bfloat16
+# DiffusionGemma tokens differ from the goldens without this (tests/fixtures/README.md)
+BF16_MKL = "AVX512"
 BF16_DRIVER = "tests/test_bf16_kernels.py"
 
 
@@ -59,7 +63,8 @@ def pytest_report_header(config):
     if os.environ.get(BF16_ENV):
         import torch
         return (f"bf16 kernels: {torch.backends.cpu.get_cpu_capability()} "
-                f"(ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', '')})")
+                f"(ATEN_CPU_CAPABILITY={os.environ.get('ATEN_CPU_CAPABILITY', '')}, "
+                f"MKL_ENABLE_INSTRUCTIONS={os.environ.get('MKL_ENABLE_INSTRUCTIONS', '')})")
 
 
 @pytest.fixture(autouse=True)
@@ -81,6 +86,8 @@ def bf16_golden(case: dict) -> dict:
     """A `bf16_cases` entry's reference result (``output``, ``nfe``) for this process's ATen CPU kernel set."""
     import torch
     assert not torch.backends.mkldnn.enabled, "bfloat16 goldens hold oneDNN-off results: mark the test bf16"
+    assert os.environ.get("MKL_ENABLE_INSTRUCTIONS") == BF16_MKL, \
+        f"bfloat16 goldens hold MKL_ENABLE_INSTRUCTIONS={BF16_MKL} results: set it before the process starts"
     cap = torch.backends.cpu.get_cpu_capability()
     if cap not in case["kernels"]:
         pytest.skip(f"no bfloat16 golden for the CPU kernel set {cap} (goldens: {', '.join(case['kernels'])})")

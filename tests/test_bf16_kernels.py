@@ -7,8 +7,11 @@ set torch reports (the goldens hold one per set, tests/fixtures/README.md). Each
 runs `pytest -m bf16` in a subprocess per set (the sets' processes at once, at the lowest CPU priority, started as soon
 as the tests are collected; the test is marked `alone` and runs last, so scripts/test.sh runs it in its last stage,
 where they use what the SLURM tests leave idle), with one thread as the goldens were made, checks that it passed and that the kernel set it ran is the one asked for
-whenever this CPU has it. Elsewhere the `bf16` tests are skipped. By hand:
-`DLLM_SERVE_BF16_KERNELS=1 ATEN_CPU_CAPABILITY=avx2 .venv/bin/python -m pytest -m bf16 tests/test_llada2.py`."""
+whenever this CPU has it. Elsewhere the `bf16` tests are skipped. MKL picks its own kernels by the CPU, whatever
+ATen's set (on a Xeon with AMX it gives the reference itself other DiffusionGemma tokens than the goldens' AMD EPYC):
+the processes cap it at the goldens' machine's instructions, `MKL_ENABLE_INSTRUCTIONS=AVX512` (tests/fixtures/README.md).
+By hand: `DLLM_SERVE_BF16_KERNELS=1 MKL_ENABLE_INSTRUCTIONS=AVX512 ATEN_CPU_CAPABILITY=avx2 .venv/bin/python -m pytest
+-m bf16 tests/test_llada2.py`."""
 import functools
 import os
 import re
@@ -18,7 +21,7 @@ import time
 
 import pytest
 
-from tests.conftest import BF16_ENV, ROOT
+from tests.conftest import BF16_ENV, BF16_MKL, ROOT
 
 # the files with `bf16` tests (test_every_bf16_test_is_driven keeps this list complete)
 FILES = ["tests/test_llada2.py", "tests/test_llada_moe.py", "tests/test_llada_model.py", "tests/test_diffusion_gemma.py"]
@@ -26,7 +29,8 @@ ORDER = ["DEFAULT", "AVX2", "AVX512"]
 
 
 def _env(capability: str | None) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("ATEN_CPU_CAPABILITY", BF16_ENV, "PYTEST_ADDOPTS")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("ATEN_CPU_CAPABILITY", BF16_ENV, "PYTEST_ADDOPTS", "MKL_ENABLE_INSTRUCTIONS")}
     if capability is not None:
         env["ATEN_CPU_CAPABILITY"] = capability
     return env
@@ -51,7 +55,7 @@ WAIT_S = 270
 
 def _start(capability: str) -> subprocess.Popen:
     """At the lowest CPU priority: the suite's tests (some timing a server's answers) go first."""
-    env = {**_env(capability), BF16_ENV: "1", "OMP_NUM_THREADS": "1"}
+    env = {**_env(capability), BF16_ENV: "1", "OMP_NUM_THREADS": "1", "MKL_ENABLE_INSTRUCTIONS": BF16_MKL}
     return subprocess.Popen([sys.executable, "-m", "pytest", "-m", "bf16", "-p", "no:cacheprovider",
                              "-rs", *FILES], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, preexec_fn=lambda: os.nice(19))
