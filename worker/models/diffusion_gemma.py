@@ -31,7 +31,7 @@ from torch import nn
 from . import parallel
 from .checkpoint import CheckpointError, generation_defaults, load_native
 from .family import Family
-from .layers import SwiGLU, rotate_half, upload
+from .layers import SwiGLU, grouped_kv, rotate_half, upload
 
 SOFTCAP_DEFAULT = 30.0
 
@@ -184,15 +184,14 @@ class Attention(nn.Module):
 
     def attend(self, q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
         """SDPA with scale 1.0 as the reference calls it: grouped-query by ``enable_gqa`` without a mask, by repeating
-        the kv heads with one (transformers' sdpa_attention_forward); then ``o_proj``."""
+        the kv heads with one (transformers' sdpa_attention_forward; on the CPU by ``enable_gqa`` too, the same
+        results: :func:`~worker.models.layers.grouped_kv`); then ``o_proj``."""
         B, _, T, _ = q.shape
-        g = self.heads // self.kv
         if mask is None:
-            a = F.scaled_dot_product_attention(q, k, v, scale=1.0, enable_gqa=g > 1)
+            a = F.scaled_dot_product_attention(q, k, v, scale=1.0, enable_gqa=self.heads > self.kv)
         else:
-            if g > 1:
-                k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0)
+            k, v, gqa = grouped_kv(q, k, v)
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0, enable_gqa=gqa)
         return parallel.row_linear(self.tp, a.transpose(1, 2).reshape(B, T, -1), self.o_proj)
 
 

@@ -170,14 +170,26 @@ def apply_partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ro
     return torch.cat((apply_rope(x[..., :rotary_dim], cos, sin, fp32=False), x[..., rotary_dim:]), dim=-1)
 
 
+def grouped_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """Keys and values of fewer heads than ``q`` ([B, Hkv, L, D], kv head j serving query heads j*g .. j*g+g-1) made
+    ready for SDPA, and its ``enable_gqa``: on a GPU each kv head is repeated g times, as Hugging Face's SDPA
+    attention does (the CUDA kernels that take a mask do not take grouped heads); on the CPU they go as they are with
+    ``enable_gqa``, whose kernel gives the same results to the bit with or without a mask (every kernel set:
+    tests/test_layers.py) without copying every cached key and value g times a step."""
+    g = q.shape[1] // k.shape[1]
+    if g == 1:
+        return k, v, False
+    if q.device.type == "cpu":
+        return k, v, True
+    return k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1), False
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """Bidirectional attention. q: [B, Hq, Lq, D]; k, v: [B, Hkv, Lk, D] with Hq a multiple of Hkv (kv head j
-    serves query heads j*g .. j*g+g-1); mask: bool [B, 1, 1 or Lq, Lk], True where a key may be attended, or None."""
-    if k.shape[1] != q.shape[1]:
-        g = q.shape[1] // k.shape[1]
-        k = k.repeat_interleave(g, dim=1)
-        v = v.repeat_interleave(g, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    serves query heads j*g .. j*g+g-1: :func:`grouped_kv`); mask: bool [B, 1, 1 or Lq, Lk], True where a key may be
+    attended, or None."""
+    k, v, gqa = grouped_kv(q, k, v)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 class KVCache:

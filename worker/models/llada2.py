@@ -26,7 +26,7 @@ from torch import nn
 from .checkpoint import CheckpointError, load_native, read_config, tensor_shapes
 from . import parallel
 from .family import Family
-from .layers import DecoderLM, RMSNorm, SwiGLU, apply_partial_rope
+from .layers import DecoderLM, RMSNorm, SwiGLU, apply_partial_rope, grouped_kv
 from .llada_moe import expert_mlp, local_experts, run_experts
 
 
@@ -186,10 +186,8 @@ class Attention(nn.Module):
         k = apply_partial_rope(k, cos, sin, self.rotary_dim)
         if kv is not None:
             k, v = kv(k, v)
-        g = self.n_heads // self.n_kv
-        if g > 1:
-            k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling)
+        k, v, gqa = grouped_kv(q, k, v)
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling, enable_gqa=gqa)
         return parallel.row_linear(self.tp, a.transpose(1, 2).reshape(B, L, -1), self.dense)
 
 
