@@ -67,7 +67,9 @@ def test_the_first_committed_token_has_the_first_forwards_distribution(engines):
     lp = torch.log_softmax(logits.float(), -1)
     first = int(torch.softmax(logits, -1).max(-1).values.argmax())     # the step's most confident position
     tok, value, top = res.logprobs[first]
-    assert tok == int(lp[first].argmax()) and value == pytest.approx(float(lp[first, tok]), abs=1e-6)
+    # (within 1e-5: the engine's forward and this one may round differently, by the kernels the CPU picks for their
+    # shapes: 1.4e-6 apart under ATen's and MKL's AVX2 kernels; the next step's distribution differs by far more)
+    assert tok == int(lp[first].argmax()) and value == pytest.approx(float(lp[first, tok]), abs=1e-5)
     assert [i for i, _ in top] == lp[first].topk(5).indices.tolist()
 
 

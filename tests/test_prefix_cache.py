@@ -59,9 +59,14 @@ def test_goldens_with_the_cache_equal_the_cache_off(family):
 def test_shared_prefixes_hit_join_and_survive_evictions(family):
     """Prompts sharing 24 tokens (6 blocks): later rows and rows joining a running batch take the shared blocks
     from the cache; under a budget of 5 blocks, with two groups of prompts whose shared heads compete for it, blocks
-    are evicted and answers stay those of the cache off."""
+    are evicted and answers stay those of the cache off.
+
+    A row's result can change with its batch at a near-tie (a matmul's rounding depends on its row count and on the
+    kernels the CPU picks: docs/engine.md "Batching"): with seed 0, one sampled LLaDA2 row did so under ATen's AVX2
+    kernels, with the cache off too (batched against alone). Seeds 10 and 11 have no such row for any family under
+    ATen's DEFAULT, AVX2 and AVX512 kernels each with MKL at AVX2, AVX-512 and the CPU's own (AMX) instructions."""
     off, on, _ = engines(family, 0.01)
-    reqs = shared_prefix_requests(off, 10, 24)
+    reqs = shared_prefix_requests(off, 10, 24, seed=10)
     want = outcome(off.generate(reqs))
     assert outcome(on.generate(reqs[:2])) == want[:2]
     before = on.prefix_cache.tokens_hit
@@ -73,7 +78,7 @@ def test_shared_prefixes_hit_join_and_survive_evictions(family):
     per_block = on.prefix_cache.entries[next(iter(on.prefix_cache.entries))].nbytes
     tiny = Engine.from_pretrained(cases(family)[0], device="cpu", dtype="float32", prefix_cache_gb=0)
     tiny.prefix_cache = PrefixCache(5 * per_block, block=on.prefix_cache.block)
-    other = shared_prefix_requests(off, 4, 24, seed=1)          # another shared head: the two chains compete
+    other = shared_prefix_requests(off, 4, 24, seed=11)         # another shared head: the two chains compete
     want_other = outcome(off.generate(other))
     for _ in range(2):
         assert outcome(tiny.generate(reqs)) == want

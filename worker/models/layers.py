@@ -89,22 +89,43 @@ def no_compile_when_parallel(model) -> bool:
 class Compiled:
     """``fn`` through ``torch.compile`` (dynamic shapes: batch, window and cache widths vary), with ``fn`` itself as
     the fallback: if compiling or running the compiled code fails (no compiler for the backend, an unsupported op),
-    a warning is logged once and the eager function is used from then on. Out-of-memory errors are not swallowed."""
+    a warning is logged once and the eager function is used from then on. Out-of-memory errors are not swallowed.
+
+    The compiled code's first :attr:`CHECKS` results are also compared with ``fn``'s (a pure function) on the same
+    arguments: one that is not finite or strays past :attr:`TOLERANCE` of the largest value (float sums reassociated
+    and bfloat16 rounding stay far below it) means a miscompiled kernel, and ``fn`` serves from then on, starting
+    with that call. Seen with torch 2.13's inductor under ATen's AVX2 kernels on an AVX-512 CPU: NaNs, then values
+    off by a third (docs/reliability.md)."""
+    CHECKS = 3
+    TOLERANCE = 0.05
 
     def __init__(self, fn, **options):
         self.fn = fn
         self.compiled = torch.compile(fn, dynamic=True, **options)
         self.failed: str | None = None
+        self.checks_left = self.CHECKS
 
     def __call__(self, *args):
         if self.failed is None:
             try:
-                return self.compiled(*args)
+                out = self.compiled(*args)
             except torch.OutOfMemoryError:
                 raise
             except Exception as e:     # noqa: BLE001  (any compiler failure: fall back, once, loudly)
                 self.failed = f"{type(e).__name__}: {str(e)[:300]}"
                 log.warning("torch.compile failed for %s, using the eager path: %s", self.fn.__name__, self.failed)
+            else:
+                if not self.checks_left:
+                    return out
+                self.checks_left -= 1
+                want = self.fn(*args)
+                err, scale = (out.float() - want.float()).abs().max(), want.float().abs().max()
+                if bool(err <= self.TOLERANCE * scale):        # (NaN compares false)
+                    return out
+                self.failed = f"compiled results differ from eager: max difference {err:.3g} where values reach {scale:.3g}"
+                log.warning("torch.compile gave wrong results for %s, using the eager path: %s", self.fn.__name__,
+                            self.failed)
+                return want
         return self.fn(*args)
 
 
