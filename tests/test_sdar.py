@@ -44,7 +44,10 @@ def test_forward_matches_reference_logits(sdar_golden):
     ids = torch.tensor([sdar_golden["logits_input"]])
     with torch.inference_mode():
         got = m.logits(m(ids, torch.arange(ids.shape[1])[None]))[0]
-    assert (got - torch.tensor(sdar_golden["logits"])).abs().max() < 1e-5
+    want = torch.tensor(sdar_golden["logits"])
+    # float32 to a few dozen ulps: sums in another order (ATen's DEFAULT kernels, MKL's AVX2 ones) moved the largest
+    # logits (up to 29) by 1.1-1.5e-5 from the reference's (its AVX-512 run: 1e-6)
+    assert ((got - want).abs() <= 1e-5 + 4e-6 * want.abs()).all()
 
 
 def test_every_golden_case_is_exact_alone_and_batched(sdar_engine, sdar_golden):
