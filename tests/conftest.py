@@ -82,16 +82,29 @@ def _bf16_without_onednn(request):
         torch.backends.mkldnn.enabled = was
 
 
+def mkl_instructions() -> str:
+    """The instructions MKL runs in this process: those of MKL_ENABLE_INSTRUCTIONS (AVX512 or AVX2: the latter, by
+    hand, as on a CPU without AVX-512) that the CPU has."""
+    import torch
+    asked = os.environ.get("MKL_ENABLE_INSTRUCTIONS")
+    assert asked in ("AVX512", "AVX2"), \
+        f"bfloat16 goldens hold MKL_ENABLE_INSTRUCTIONS={BF16_MKL} results: set it before the process starts"
+    return "AVX512" if asked == "AVX512" and torch.cpu._is_avx512_supported() else "AVX2"
+
+
 def bf16_golden(case: dict) -> dict:
-    """A `bf16_cases` entry's reference result (``output``, ``nfe``) for this process's ATen CPU kernel set."""
+    """A `bf16_cases` entry's reference result (``output``, ``nfe``) for this process's ATen CPU kernel set, and
+    for MKL's instructions where the case holds results for both (``kernels_mkl_avx2``: DiffusionGemma's, whose
+    tokens depend on them; the other families' are the same under either)."""
     import torch
     assert not torch.backends.mkldnn.enabled, "bfloat16 goldens hold oneDNN-off results: mark the test bf16"
-    assert os.environ.get("MKL_ENABLE_INSTRUCTIONS") == BF16_MKL, \
-        f"bfloat16 goldens hold MKL_ENABLE_INSTRUCTIONS={BF16_MKL} results: set it before the process starts"
+    table = case["kernels"]
+    if mkl_instructions() == "AVX2" and "kernels_mkl_avx2" in case:
+        table = case["kernels_mkl_avx2"]
     cap = torch.backends.cpu.get_cpu_capability()
-    if cap not in case["kernels"]:
-        pytest.skip(f"no bfloat16 golden for the CPU kernel set {cap} (goldens: {', '.join(case['kernels'])})")
-    return case["kernels"][cap]
+    if cap not in table:
+        pytest.skip(f"no bfloat16 golden for the CPU kernel set {cap} (goldens: {', '.join(table)})")
+    return table[cap]
 
 
 TINY_LLADA = fixture_path("tiny-llada")

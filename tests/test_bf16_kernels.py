@@ -9,7 +9,8 @@ as the tests are collected; the test is marked `alone` and runs last, so scripts
 where they use what the SLURM tests leave idle), with one thread as the goldens were made, checks that it passed and that the kernel set it ran is the one asked for
 whenever this CPU has it. Elsewhere the `bf16` tests are skipped. MKL picks its own kernels by the CPU, whatever
 ATen's set (on a Xeon with AMX it gives the reference itself other DiffusionGemma tokens than the goldens' AMD EPYC):
-the processes cap it at the goldens' machine's instructions, `MKL_ENABLE_INSTRUCTIONS=AVX512` (tests/fixtures/README.md).
+the processes cap it at the goldens' machine's instructions, `MKL_ENABLE_INSTRUCTIONS=AVX512`, and a CPU without AVX-512
+(MKL's AVX2 kernels) is compared with the goldens of those where they differ (tests/fixtures/README.md).
 By hand: `DLLM_SERVE_BF16_KERNELS=1 MKL_ENABLE_INSTRUCTIONS=AVX512 ATEN_CPU_CAPABILITY=avx2 .venv/bin/python -m pytest
 -m bf16 tests/test_llada2.py`."""
 import functools
