@@ -719,7 +719,8 @@ def test_run_batch_stopped_by_sigterm_stops_the_server_it_started(tmp_path):
                                                  for i in range(40)) + "\n")
     p = subprocess.Popen([*DLLM, "run-batch", "-i", str(tmp_path / "in.jsonl"), "-o", str(tmp_path / "out.jsonl"),
                           "--model-path", str(TINY_LLADA), "--concurrency", "2"], cwd=ROOT, stderr=subprocess.PIPE,
-                         text=True, env={**os.environ, "DLLM_CACHE": str(tmp_path / "c")})
+                         text=True, env={**os.environ, "DLLM_CACHE": str(tmp_path / "c"),
+                                                      "TMPDIR": str(tmp_path)})   # the logs it keeps
     try:
         url = None
         for line in p.stderr:
@@ -741,6 +742,7 @@ def test_run_batch_stopped_by_sigterm_stops_the_server_it_started(tmp_path):
             time.sleep(0.2)
         else:
             raise AssertionError(f"the server run-batch started still answers on {url}")
+        assert list(tmp_path.glob("dllm-run-batch-*/serve.log"))     # a stopped run's server logs are kept to read
     finally:
         if p.poll() is None:
             p.kill()
