@@ -15,6 +15,7 @@ device (`--simulate-device BASE,PER_ROW`: no model, each batch sleeps BASE + PER
   # (c) the latency the balancer adds (its default settings): open-loop arrivals at fixed rates over 256
   #     connections, through the balancer, through nginx, and straight to the workers (round robin)
   python bench/balancer_bench.py latency --rates 200,1000,3000 --duration 10
+  #     (--bare: also the bare batching proxy, the latency an aiohttp hop of this design adds at least)
   # (d) /stats answer times while the balancer is loaded (its one-minute window fills)
   python bench/balancer_bench.py stats --duration 30 --every 2 --compare-tree /tmp/before
   # (e) memory over a long mixed run (plain, streamed, n=2, malformed, clients leaving mid-stream)
@@ -125,6 +126,16 @@ def start_balancer(procs: Procs, urls: list[str], settings: list[str] = (), tree
     wait_http(url + "/health", check=lambda d: d.get("healthy_workers") == len(urls))
     wait_http(url + "/stats", check=lambda d: all(p["status"] == "ready" for p in d["http_processes"]))
     return url
+
+
+def start_bare(procs: Procs, urls: list[str], batch_size: int = 16, wait: float = 0.02, inflight: int = 2) -> str:
+    """bench/bare_balancer.py over ``urls`` (the batching alone: a bound; its defaults are the balancer's)."""
+    port = free_port()
+    procs.start([sys.executable, str(ROOT / "bench" / "bare_balancer.py"), "--worker-urls", ",".join(urls),
+                 "--port", str(port), "--batch-size", str(batch_size), "--batch-wait-time", str(wait),
+                 "--max-inflight-per-worker", str(inflight)], "bare")
+    wait_http(f"http://127.0.0.1:{port}/health")
+    return f"http://127.0.0.1:{port}"
 
 
 def start_nginx(procs: Procs, urls: list[str], tmp: Path, processes: int = 1) -> str:
@@ -246,12 +257,8 @@ def proxy_bench(args) -> None:
                                      + shlex.split(a))
                 rows.append((f"balancer {a}", url, [pid()], wpids))
             if args.bare:
-                port = free_port()
-                procs.start([sys.executable, str(ROOT / "bench" / "bare_balancer.py"), "--worker-urls", ",".join(urls),
-                             "--port", str(port), "--batch-size", str(args.batch_size), "--batch-wait-time",
-                             str(args.batch_wait), "--max-inflight-per-worker", str(args.inflight)], "bare")
-                wait_http(f"http://127.0.0.1:{port}/health")
-                rows.append(("bare batching proxy (bound)", f"http://127.0.0.1:{port}", [pid()], wpids))
+                rows.append(("bare batching proxy (bound)", start_bare(procs, urls, args.batch_size, args.batch_wait,
+                                                                       args.inflight), [pid()], wpids))
             for py in args.balancer_python:
                 version = subprocess.run([py, "-c", "import sys; print('%d.%d' % sys.version_info[:2])"],
                                          capture_output=True, text=True, check=True).stdout.strip()
@@ -349,6 +356,8 @@ def latency_bench(args) -> None:
             targets = [("workers direct", urls)]
             for name, extra in [("balancer (defaults)", [])] + [(f"balancer {a}", shlex.split(a)) for a in args.also]:
                 targets.append((name, [start_balancer(procs, urls, extra)]))
+            if args.bare:
+                targets.append(("bare batching proxy (bound)", [start_bare(procs, urls)]))
             if shutil.which("nginx") or Path("/usr/sbin/nginx").exists():
                 targets.append(("nginx, 1 process", [start_nginx(procs, urls, tmp, 1)]))
             print(f"{args.workers} instant workers (--simulate-device 0, batch 32, no wait); balancer with its default "
@@ -543,6 +552,8 @@ def main() -> None:
     lt.add_argument("--duration", type=float, default=10)
     lt.add_argument("--also", action="append", default=[], metavar="ARGS",
                     help="another balancer with these options beside the default one (e.g. --also=--no-idle-dispatch)")
+    lt.add_argument("--bare", action="store_true", help="also bench/bare_balancer.py with the balancer's default "
+                    "batching: the latency one aiohttp hop of this design adds with nothing else (a bound)")
     st = sub.add_parser("stats")
     st.add_argument("--connections", type=int, default=256)
     st.add_argument("--duration", type=float, default=30)
