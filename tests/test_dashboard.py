@@ -105,7 +105,8 @@ def test_the_dashboard_in_chromium(chromium, tmp_path):
         browser = subprocess.Popen([chromium, "--headless=new", "--no-sandbox", "--disable-gpu",
                                     "--disable-dev-shm-usage", "--no-first-run", "--remote-debugging-port=0",
                                     f"--user-data-dir={profile}", "--window-size=1400,1100", "about:blank"],
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                                   env={**os.environ, "TMPDIR": str(tmp_path)})    # (its singleton socket's folder)
         deadline = time.monotonic() + 60
         while not (profile / "DevToolsActivePort").exists() or not (profile / "DevToolsActivePort").read_text():
             assert time.monotonic() < deadline and browser.poll() is None, "Chromium did not start"

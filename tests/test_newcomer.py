@@ -220,8 +220,13 @@ async def test_the_monitor_prints_plain_lines_into_a_pipe(aiohttp_server):
     stats = {"queue_depth": 2, "in_flight": 4, "last_minute": {"requests": 7, "requests_per_second": 0.117,
                                                                "latency_p50": 0.4, "latency_p99": 1.2}}
     app = web.Application()
-    app.router.add_get("/worker-status", lambda r: web.json_response(ws))
-    app.router.add_get("/stats", lambda r: web.json_response(stats))
+    async def worker_status(request):
+        return web.json_response(ws)
+
+    async def stats_page(request):
+        return web.json_response(stats)
+    app.router.add_get("/worker-status", worker_status)
+    app.router.add_get("/stats", stats_page)
     server = await aiohttp_server(app)
     proc = await asyncio.create_subprocess_exec(
         *DLLM, "status", "--monitor", "--interval", "0.2", "--url", str(server.make_url("")).rstrip("/"),
