@@ -83,7 +83,8 @@ class BalancerConfig:
     http_processes: int = setting(1, "Processes accepting client connections on --port (SO_REUSEPORT): the balancer "
                                      "itself plus N-1 front processes that read and validate requests and hand them "
                                      "to its one queue over a Unix socket. Raise it when one core of HTTP work is "
-                                     "the limit (thousands of requests/s; docs/balancer.md).", type=click.IntRange(1))
+                                     "the limit (thousands of requests/s) and cores are free: a front's request "
+                                     "costs more CPU in all (docs/balancer.md).", type=click.IntRange(1))
     front_timeout: float = setting(10.0, "With --http-processes > 1: seconds a front process may leave pings "
                                          "unanswered before it is killed and restarted.", type=click.FloatRange(0.1))
     front_startup_timeout: float = setting(60.0, "With --http-processes > 1: seconds a starting front process may "
