@@ -25,33 +25,36 @@ class Bare:
     def __init__(self, urls: list[str], batch_size: int, wait: float, inflight: int):
         self.urls, self.batch_size, self.wait, self.inflight = urls, batch_size, wait, inflight
         self.busy = dict.fromkeys(urls, 0)          # batches in flight per worker
-        self.queue: list[tuple[bytes, asyncio.Future]] = []
+        self.queue: list[tuple[bytes, asyncio.Future, float]] = []     # (body, answer, queued at)
         self.ids = itertools.count()
         self.timer: asyncio.TimerHandle | None = None
         self.session: aiohttp.ClientSession | None = None
 
-    def dispatch_ready(self, waited: bool = False) -> None:
+    def dispatch_ready(self) -> None:
         """Send what the queue holds while a worker has a place: a full batch, or any batch once a worker is idle
         or the first queued request has waited ``--batch-wait-time``."""
         while self.queue:
             w = min(self.urls, key=self.busy.__getitem__)
             if self.busy[w] >= self.inflight:
                 return
-            if len(self.queue) < self.batch_size and self.busy[w] and not waited:
-                if self.timer is None:
-                    self.timer = asyncio.get_running_loop().call_later(self.wait, self.waited)
-                return
+            if len(self.queue) < self.batch_size and self.busy[w]:
+                first = self.queue[0][2]          # (a request that has waited its time goes at the next place)
+                left = first + self.wait - asyncio.get_running_loop().time()
+                if left > 0:
+                    if self.timer is None:
+                        self.timer = asyncio.get_running_loop().call_later(left, self.waited)
+                    return
             batch, self.queue = self.queue[:self.batch_size], self.queue[self.batch_size:]
             self.busy[w] += 1
             asyncio.ensure_future(self.send(w, batch))
 
     def waited(self) -> None:
         self.timer = None
-        self.dispatch_ready(waited=True)
+        self.dispatch_ready()
 
     async def send(self, worker: str, batch: list) -> None:
         futures, parts = {}, [b'{"requests":[']
-        for i, (body, fut) in enumerate(batch):
+        for i, (body, fut, _) in enumerate(batch):
             rid = str(next(self.ids))
             futures[rid] = fut
             parts += (b',{"id":"' if i else b'{"id":"', rid.encode(), b'","kind":"completion","body":', body, b"}")
@@ -89,7 +92,7 @@ class Bare:
         except ValueError:
             return web.Response(status=400)
         fut = asyncio.get_running_loop().create_future()
-        self.queue.append((body, fut))
+        self.queue.append((body, fut, asyncio.get_running_loop().time()))
         self.dispatch_ready()
         status, data = await fut
         return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
