@@ -671,6 +671,7 @@ def as_responses_error(e: APIError) -> APIError:
         return e
     new = _RESPONSES_NAMES[head] + ("." + rest if rest and head != "messages" else "")
     message = e.message
+    message = re.sub(r"\binput messages\b", "input", message)      # (the context's words: not "input input")
     for old, name in _RESPONSES_NAMES.items():
         message = re.sub(rf"\b{old}\b", name, message)
     return APIError(e.status, message, param=new, type=e.type, code=e.code, headers=e.headers)

@@ -194,8 +194,8 @@ def test_parameter_errors(llada2_engine):
     assert err(extra={"minimal_topk": 0}) == "algorithm_params"
     assert err(extra={"remasking_strategy": "sequential"}) == "algorithm_params"
     assert err(cfg_scale=1.0) == "cfg_scale"
-    with pytest.raises(ParamError, match="maximum context length"):
-        llada2_engine.plan([1] * 500, GenerationParams(gen_length=10, block_length=8, algorithm="llada2"))
+    with pytest.raises(ParamError, match="maximum context length"):      # 505 + 10 in whole blocks of 8: 520
+        llada2_engine.plan([1] * 505, GenerationParams(gen_length=10, block_length=8, algorithm="llada2"))
     pl = llada2_engine.plan([1, 2, 3], GenerationParams(gen_length=6, block_length=8, algorithm="llada2"))
     assert pl.params.threshold == 0.95 and pl.params.extra["denoising_steps"] == 6      # min(block, gen // 1)
 

@@ -104,8 +104,10 @@ def test_parameter_errors(sdar_engine):
     assert err(extra={"remasking_strategy": "entropy_bounded"}) == "algorithm_params"
     assert err(extra={"top_p": 0}) == "algorithm_params"
     assert err(cfg_scale=1.0) == "cfg_scale"
-    with pytest.raises(ParamError, match="maximum context length"):
-        sdar_engine.plan([1] * 500, GenerationParams(gen_length=10, block_length=8, algorithm="sdar"))
+    with pytest.raises(ParamError, match="maximum context length") as e:      # 505 + 10 in whole blocks: 520
+        sdar_engine.plan([1] * 505, GenerationParams(gen_length=10, block_length=8, algorithm="sdar"))
+    assert "you requested 520 tokens (505 in the messages, 15 in the completion: max_tokens 10 in whole blocks of " \
+           "8 counted from the prompt's first token)" in e.value.message
     pl = sdar_engine.plan([1, 2, 3], GenerationParams(gen_length=2, block_length=4, algorithm="sdar"))
     assert pl.params.threshold == 0.85 and pl.params.extra["denoising_steps"] == 4
 
@@ -157,3 +159,25 @@ def test_worker_and_balancer_serve_the_family(tmp_path, sdar_golden):
         assert status == 200 and r["model"] == str(TINY_SDAR.resolve())
     finally:
         cl.stop()
+
+
+@pytest.mark.parametrize("family", ["sdar", "llada2"])
+def test_block_causal_rows_fill_the_context_in_whole_blocks_from_the_prompts_start(family, sdar_engine, llada2_engine):
+    """The block-causal algorithms need prompt + max_tokens in whole blocks counted from position 0 (the prompt's last
+    partial block and the generation share one); the generic rule (max_tokens in whole blocks of its own after the
+    prompt) refused up to a block's worth of the context: 500 + 10 in blocks of 8 (512 positions here, all the
+    model has) was a 400 (a review's finding). Such a row runs to its end, and a request without max_tokens gets
+    everything that is left (507 + 5 in blocks of 4, where 4 were given)."""
+    engine = sdar_engine if family == "sdar" else llada2_engine
+    L = engine.max_sequence_length
+    assert L == 512
+    p = GenerationParams(gen_length=10, block_length=8, algorithm=family, ignore_eos=True)
+    r = engine.generate([Request([5 + i % 7 for i in range(500)], p), Request([9, 10, 11], p)])
+    assert [len(x.token_ids) for x in r] == [10, 10] and all(engine.mask_id not in x.token_ids for x in r)
+    from worker.scheduler import RowScheduler
+    from worker.serving import Defaults, Serving
+    import asyncio
+    serving = Serving(engine, RowScheduler(engine, loop=asyncio.new_event_loop()), family,
+                      Defaults(max_tokens=64, algorithm=family, block_length=4))
+    prep = serving.prepare("completion", {"prompt": [5] * 507})
+    assert prep.plans[0].gen_length == 5

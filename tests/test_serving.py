@@ -88,6 +88,19 @@ def test_a_request_past_the_context_says_so_in_openais_words(serving, engine):
         m = re.search(r"maximum context length is (\d+) tokens.*?request has (\d+) input tokens", e.value.message)
         assert e.value.param == "prompt" and e.value.code == "context_length_exceeded" and m
         assert [int(g) for g in m.groups()] == [L, n]
+    # a text so long it is refused before its tokens are counted, and a scoring request (echo) past the context:
+    # the same code and words (they said "cannot fit the model's maximum sequence length", with no code: a review)
+    for kind, body, param in [("completion", {"prompt": "x" * (serving.max_prompt_chars + 1)}, "prompt"),
+                              ("chat", {"messages": [{"role": "user", "content": "x" * (serving.max_prompt_chars + 1)}]},
+                               "messages"),
+                              ("completion", {"prompt": [5] * L, "echo": True, "logprobs": 1, "max_tokens": 1},
+                               "prompt")]:
+        with pytest.raises(APIError) as e:
+            serving.prepare(kind, body)
+        m = re.search(r"maximum context length is (\d+) tokens.*?(request has|you requested) (\d+)", e.value.message)
+        assert e.value.param == param and e.value.code == "context_length_exceeded" and m, e.value.message
+        assert int(m.group(1)) == L and int(m.group(3)) >= L
+        assert re.search(r"\(\d+ in the messages, \d+ in the completion\)|\d+ input tokens", e.value.message)
 
 
 def test_n_choices_are_rows_with_their_own_seeds(serving):
@@ -307,6 +320,7 @@ def test_responses_errors_name_the_responses_fields(serving, engine):
             serving.prepare("responses", body)
         assert e.value.status == 400 and e.value.param == param, (body, e.value.body())
         assert "max_tokens" not in e.value.message and "messages" not in e.value.message
+        assert "input input" not in e.value.message and e.value.code == "context_length_exceeded"
 
 
 @pytest.mark.parametrize("fixture", ["demo", "tiny-llada2"])

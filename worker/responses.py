@@ -27,7 +27,8 @@ class ResponsesEvents:
         return {"id": self.rid, "object": "response", "created_at": self.created, "status": status,
                 "model": self.model, "output": out, "error": None, "incomplete_details": incomplete,
                 "instructions": r.instructions, "max_output_tokens": r.max_output_tokens,
-                "temperature": r.temperature if r.temperature is not None else 0.0, "top_p": 1.0,
+                "temperature": r.temperature if r.temperature is not None else 0.0,
+                "top_p": r.top_p if r.top_p is not None else 1.0,
                 "parallel_tool_calls": False, "tool_choice": "none", "tools": [], "text": {"format": {"type": "text"}},
                 "truncation": "disabled", "metadata": r.metadata or {}, "store": False, "user": r.user,
                 "usage": self._usage() if done else None}

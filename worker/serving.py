@@ -62,7 +62,8 @@ class Serving:
         self._token_texts: dict[int, str] = {}      # id -> its text alone (logprobs)
         # A text longer than this cannot fit the context whatever it holds: refused before the tokenizer spends
         # seconds on it (4x margin for normalisation that merges characters).
-        self.max_prompt_chars = 4 * max_token_chars(self.tok) * engine.max_sequence_length
+        self.chars_per_token = 4 * max_token_chars(self.tok)      # (at most, margin included)
+        self.max_prompt_chars = self.chars_per_token * engine.max_sequence_length
 
     def _messages(self, messages) -> list[dict]:
         """Chat messages as the template gets them: developer as system; text parts as a list for a template that
@@ -119,9 +120,10 @@ class Serving:
         chars = (sum(len(m.text()) for m in req.messages) if kind == "chat"
                  else max((len(p) for p in req.prompts() if isinstance(p, str)), default=0))
         if chars > self.max_prompt_chars:
-            raise APIError(400, f"the prompt ({chars} characters) cannot fit the model's maximum sequence length "
-                                f"({self.engine.max_sequence_length} tokens)",
-                           param="messages" if kind == "chat" else "prompt")
+            # (its tokens are not counted: at least this many, which is past the context)
+            raise APIError(400, context_exceeded(self.engine.max_sequence_length, chars // self.chars_per_token,
+                                                 note=f" or more ({chars} characters)"),
+                           param="messages" if kind == "chat" else "prompt", code="context_length_exceeded")
         if kind == "chat":
             self._check_message_count(len(req.messages), "messages")
             msgs = self._messages(req.messages)
@@ -189,8 +191,8 @@ class Serving:
                 raise APIError(400, "prompt: a scoring prompt needs at least 2 tokens (a context and a continuation)",
                                param="prompt")
             if n + nxt > limit:
-                raise APIError(400, f"prompt: {n} tokens{' + 1 generated' if nxt else ''} exceed the model's maximum "
-                                    f"sequence length ({limit} tokens)", param="prompt")
+                raise APIError(400, context_exceeded(limit, n, int(nxt) or None), param="prompt",
+                               code="context_length_exceeded")
             if req.context_length is not None:
                 if req.context_length >= n:
                     raise APIError(400, f"context_length ({req.context_length}) must be less than the prompt's "
@@ -230,12 +232,15 @@ class Serving:
             if limit < 1:
                 raise APIError(400, context_exceeded(self.engine.max_sequence_length, len(ids)), param=prompt_param,
                                code="context_length_exceeded")
-            # the default: as long as allowed and whole blocks that fit the context (a shorter single block when
-            # not even one full block fits), never a length the context cannot hold
+            # the default: as long as allowed and whole blocks that fit the context by the algorithm's length rule
+            # (a shorter single block when not even one full block fits), never a length the context cannot hold:
+            # at most a block shorter than what is left
             max_new = min(d.max_tokens, limit)
-            b = min(block, max_new)
-            if -(-max_new // b) * b > limit:
-                max_new = (limit // b) * b
+            algorithm = req.generation_algorithm or d.algorithm
+            for _ in range(min(block, max_new) - 1):
+                if self.engine.positions(algorithm, len(ids), max_new, block) <= self.engine.max_sequence_length:
+                    break
+                max_new -= 1
         p = GenerationParams(
             gen_length=max_new, block_length=block, steps=req.steps,
             algorithm=req.generation_algorithm or d.algorithm,

@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 
 from worker.engine import algorithms
-from worker.engine.params import GenerationParams, Plan, plan
+from worker.engine.params import GenerationParams, Plan, canvas_positions, plan
 from worker.engine.engine import Request, Result
 from worker.models.checkpoint import CheckpointError, model_version, read_config
 from worker.tokenizer import load_tokenizer, mask_token_id, stop_token_ids
@@ -59,6 +59,9 @@ class SimulatedEngine:
     def plan(self, prompt_ids: list[int], params: GenerationParams) -> Plan:
         params = algorithms.get(params.algorithm, "llada").take_filters(params)
         return plan(params, len(prompt_ids), self.max_sequence_length)
+
+    def positions(self, algorithm: str | None, prompt_length: int, gen_length: int, block_length: int) -> int:
+        return canvas_positions(prompt_length, gen_length, block_length)[0]     # (planned as a LLaDA model)
 
     def _answer(self, req: Request, p: Plan) -> Result:
         src = [t for t in req.prompt_ids if t not in self.stop_ids and t != self.mask_id] or [0]

@@ -20,7 +20,7 @@ from ..models.checkpoint import (CheckpointError, check_reload, generation_defau
                                 reload_native)
 from ..tokenizer import load_tokenizer, mask_token_id, stop_token_ids
 from . import algorithms
-from .params import GenerationParams, ParamError, Plan, plan, row_cost, with_seed
+from .params import GenerationParams, ParamError, Plan, canvas_positions, plan, row_cost, with_seed
 from .rows import Finisher, Row, StepHooks, TokenLogprobs
 
 log = logging.getLogger(__name__)
@@ -283,12 +283,16 @@ class Engine:
         bad = [t for t in prompt_ids if not (isinstance(t, int) and 0 <= t < vocab)]
         if bad:
             raise ParamError("prompt", f"prompt token ids must be integers in [0, {vocab}); got {bad[:5]}")
-        pl = plan(params, len(prompt_ids), self.max_sequence_length)
-        if alg.check_plan is not None:
-            alg.check_plan(pl, self.max_sequence_length)
+        pl = plan(params, len(prompt_ids), self.max_sequence_length, alg.positions or canvas_positions)
         if alg.check_model is not None:
             alg.check_model(pl, self.model)
         return pl
+
+    def positions(self, algorithm: str | None, prompt_length: int, gen_length: int, block_length: int) -> int:
+        """The positions a row of ``algorithm`` needs for these lengths (its length rule; an unknown algorithm's
+        request fails in :meth:`plan`, with the generic rule until then)."""
+        alg = algorithms.REGISTRY.get(algorithm)
+        return ((alg and alg.positions) or canvas_positions)(prompt_length, gen_length, block_length)[0]
 
     @property
     def default_block_length(self) -> int | None:

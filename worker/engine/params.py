@@ -75,7 +75,28 @@ class Plan:
     steps_per_block: int
 
 
-def plan(params: GenerationParams, prompt_length: int, max_sequence_length: int) -> Plan:
+def canvas_positions(prompt_length: int, gen_length: int, block_length: int) -> tuple[int, str]:
+    """The positions a row needs (and how it counts them, for the 400's message): the prompt, then ``max_tokens``
+    rounded up to whole blocks from the generation's first token (a block no longer than ``max_tokens``)."""
+    block = min(block_length, gen_length)
+    canvas = -(-gen_length // block) * block
+    note = f": max_tokens {gen_length} rounded up to a multiple of block_length {block}" if canvas != gen_length else ""
+    return prompt_length + canvas, note
+
+
+def whole_block_positions(prompt_length: int, gen_length: int, block_length: int) -> tuple[int, str]:
+    """The block-causal algorithms' rule (SDAR, LLaDA2.x): prompt + ``max_tokens`` in whole blocks counted from the
+    prompt's first token, so the prompt's last partial block and the generation share a block."""
+    total = -(-(prompt_length + gen_length) // block_length) * block_length
+    note = (f": max_tokens {gen_length} in whole blocks of {block_length} counted from the prompt's first token"
+            if total != prompt_length + gen_length else "")
+    return total, note
+
+
+def plan(params: GenerationParams, prompt_length: int, max_sequence_length: int,
+         positions=canvas_positions) -> Plan:
+    """The row's schedule; ``positions`` is its algorithm's length rule (:func:`canvas_positions` unless it has
+    its own): a row needing more positions than the model has is a 400 ``context_length_exceeded``."""
     p = params
     if prompt_length < 1:
         raise ParamError("prompt", "the prompt is empty")
@@ -102,11 +123,10 @@ def plan(params: GenerationParams, prompt_length: int, max_sequence_length: int)
     block = min(p.block_length, p.gen_length)
     num_blocks = -(-p.gen_length // block)
     canvas = num_blocks * block
-    if prompt_length + canvas > max_sequence_length:
-        note = (f": max_tokens {p.gen_length} rounded up to a multiple of block_length {block}"
-                if canvas != p.gen_length else "")
-        raise ParamError("max_tokens", context_exceeded(max_sequence_length, prompt_length, canvas, note),
-                         code="context_length_exceeded")
+    needed, note = positions(prompt_length, p.gen_length, p.block_length)
+    if needed > max_sequence_length:
+        raise ParamError("max_tokens", context_exceeded(max_sequence_length, prompt_length, needed - prompt_length,
+                                                        note), code="context_length_exceeded")
     steps = p.gen_length if p.steps is None else p.steps
     spb = min(max(1, -(-steps // num_blocks)), block)
     return Plan(p, prompt_length, p.gen_length, block, canvas, num_blocks, spb)

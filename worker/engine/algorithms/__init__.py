@@ -73,7 +73,9 @@ class Algorithm:
     check: Callable[[GenerationParams], GenerationParams] | None = None  # the algorithm's own rules, after defaults
     stochastic: Callable[[GenerationParams], bool] | None = None         # draws random numbers beyond temperature
     samples_always: bool = False     # samples its tokens whatever ``temperature`` says (its own temperature schedule)
-    check_plan: Callable | None = None                                   # (plan, max positions): its own length rule
+    # (prompt length, max_tokens, block_length) -> (positions a row needs, how they are counted): its own length
+    # rule, else worker.engine.params.canvas_positions
+    positions: Callable | None = None
     check_model: Callable | None = None                                  # (plan, model): rules the checkpoint sets
     cost: Callable | None = None                                         # (plan) -> nominal token-forwards, if not
                                                                          # worker.engine.params.row_cost's rule

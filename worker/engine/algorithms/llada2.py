@@ -25,11 +25,11 @@ import torch
 import torch.nn.functional as F
 
 from ...models.layers import upload
-from ..params import GenerationParams, ParamError
+from ..params import GenerationParams, ParamError, whole_block_positions
 from ..rows import Finisher, Row, read_with, record_block_logprobs
 from . import Algorithm, ParamInfo, register
 from .block_causal import BlockBatch, block_positions, check_common, choose, subset
-from .sdar import check_plan, draw_rows, filtered_probs, sample as sample_filtered, sampling_key, transfer_schedule
+from .sdar import draw_rows, filtered_probs, sample as sample_filtered, sampling_key, transfer_schedule
 
 
 def sample(logits: torch.Tensor, p: GenerationParams, g: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -226,7 +226,7 @@ register(Algorithm(
     name="llada2",
     description="LLaDA2 block diffusion (LLaDA2MoeModelLM.generate): block-causal attention with an exact KV cache, "
                 "threshold decoding within each block",
-    exact=True, run=run, forward="llada2", cfg=False, check=check, check_plan=check_plan,
+    exact=True, run=run, forward="llada2", cfg=False, check=check, positions=whole_block_positions,
     stochastic=lambda p: p.temperature > 0, prefix_blocks=prefix_blocks,
     params=(
         BLOCK,
@@ -258,7 +258,7 @@ register(Algorithm(
     name="llada21",
     description="LLaDA2.1 block diffusion with token editing (its generate): each block unmasked by threshold, then "
                 "generated tokens re-predicted and edited until a step changes nothing; exact KV cache",
-    exact=True, run=run, forward="llada2", cfg=False, check=check21, check_plan=check_plan,
+    exact=True, run=run, forward="llada2", cfg=False, check=check21, positions=whole_block_positions,
     stochastic=lambda p: p.temperature > 0, prefix_blocks=prefix_blocks,
     params=(
         BLOCK,

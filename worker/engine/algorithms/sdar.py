@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from ...models.layers import upload
-from ..params import GenerationParams, ParamError, Plan, context_exceeded
+from ..params import GenerationParams, ParamError, whole_block_positions
 from ..rows import Finisher, Row, read_with, record_block_logprobs
 from ..sampling import PROBABILITIES_INVALID, check_probabilities, multinomial_rows, probabilities_ok
 from . import Algorithm, ParamInfo, register
@@ -216,17 +216,6 @@ def check(p: GenerationParams) -> GenerationParams:
     return replace(p, threshold=threshold, extra={**e, "denoising_steps": steps})
 
 
-def check_plan(pl: Plan, max_positions: int) -> None:
-    """The whole blocks of prompt + generation must fit the model's positions."""
-    bl = pl.params.block_length
-    total = -(-(pl.prompt_length + pl.gen_length) // bl) * bl
-    if total > max_positions:
-        raise ParamError("max_tokens", context_exceeded(
-            max_positions, pl.prompt_length, total - pl.prompt_length,
-            f": max_tokens {pl.gen_length} in whole blocks of {bl} counted from the prompt's first token"),
-            code="context_length_exceeded")
-
-
 def prefix_blocks(plan, cache) -> tuple[int, int]:
     """The prompt's whole blocks but its last (the prefill keeps at least one block, so a row takes the same forwards,
     nfe, as without the cache); none without the KV cache."""
@@ -238,7 +227,7 @@ register(Algorithm(
     name="sdar",
     description="SDAR block diffusion (block_diffusion_generate): block-causal attention with an exact KV cache, "
                 "prompt blocks prefilled once, each block denoised by remasking_strategy then stored",
-    exact=True, run=run, cfg=False, check=check, check_plan=check_plan,
+    exact=True, run=run, cfg=False, check=check, positions=whole_block_positions,
     stochastic=lambda p: True, prefix_blocks=prefix_blocks,
     params=(
         ParamInfo("block_length", None, "block size (default: the checkpoint's block_size, else the server's)"),
