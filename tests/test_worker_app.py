@@ -339,6 +339,9 @@ async def test_responses_objects_as_openai_writes_them(aiohttp_client):
     assert resp["status"] == "incomplete" and resp["output"][0]["status"] == "incomplete"
     assert resp["output"][0]["content"][0]["text"] and resp["metadata"] == {"trace": "abc"}
     assert resp["id"].startswith("resp_") and resp["output"][0]["id"].startswith("msg_")
+    assert resp["top_p"] == 1.0
+    r = await client.post("/v1/responses", json={**body, "top_p": 0.9})      # greedy: the filter changes nothing
+    assert r.status == 200 and (await r.json())["top_p"] == 0.9                # (it was echoed as 1.0)
     r = await client.post("/v1/responses", json={**body, "stream": True})
     events = [orjson.loads(e.split("\n")[1][6:]) for e in (await r.text()).strip().split("\n\n")]
     done = next(e for e in events if e["type"] == "response.output_item.done")
