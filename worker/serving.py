@@ -237,7 +237,7 @@ class Serving:
             # at most a block shorter than what is left
             max_new = min(d.max_tokens, limit)
             algorithm = req.generation_algorithm or d.algorithm
-            for _ in range(min(block, max_new) - 1):
+            for _ in range(min(block, max_new) - 1 if block <= self.engine.max_sequence_length else 0):
                 if self.engine.positions(algorithm, len(ids), max_new, block) <= self.engine.max_sequence_length:
                     break
                 max_new -= 1
