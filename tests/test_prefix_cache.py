@@ -354,3 +354,70 @@ async def test_usage_reports_the_prompt_tokens_the_cache_served(aiohttp_client):
     await wait_ready(plain)
     use = (await (await plain.post("/v1/completions", json={"prompt": [5, 6], "max_tokens": 2})).json())["usage"]
     assert "prompt_tokens_details" not in use          # no prefix cache (LLaDA's prompt sees its answer)
+
+
+def test_diffusion_gemmas_captured_keys_and_values_are_not_held_through_the_steps():
+    """DiffusionGemma's encoder hands every layer's new keys and values of a call to the prefix cache (which copies
+    the whole blocks it stores); the list was a local of the decoding loop, so all of it stayed alive through every
+    denoising step until the next encoder call, outside the cache's budget (a review's finding)."""
+    import weakref
+    from tests.conftest import fixture_path
+    e = Engine.from_pretrained(fixture_path("tiny-diffusion-gemma"), device="cpu", dtype="float32",
+                               prefix_cache_gb=0.01)
+    refs, alive = [], []
+    encode, denoise = e.model.encode, e.model.denoise
+
+    def enc(ids, lengths, cache, slots, capture=None):
+        encode(ids, lengths, cache, slots, capture)
+        if capture:
+            refs.append(weakref.ref(capture[0][0]))
+
+    def den(*a, **k):
+        alive.append(sum(r() is not None for r in refs))
+        return denoise(*a, **k)
+    e.model.encode, e.model.denoise = enc, den
+    p = GenerationParams(gen_length=8, block_length=8, algorithm="diffusion_gemma", seed=1)
+    e.generate([Request(list(range(5, 45)), p)])
+    assert refs and e.prefix_cache.stats()["blocks"] > 0 and len(alive) > 1
+    assert alive == [0] * len(alive)
+
+
+async def test_running_out_of_memory_frees_the_prefix_cache_before_the_retry():
+    """The GPU out of memory: the batch is retried in halves; the prefix cache (1 GiB by default) kept its blocks
+    meanwhile (a review's finding). It is emptied first now, on one rank (tensor-parallel ranks must keep the same
+    blocks). (The out-of-memory error is a test double.)"""
+    import asyncio
+    from worker.scheduler import Job, RowScheduler
+    from tests.conftest import TINY_LLADA2
+    e = Engine.from_pretrained(TINY_LLADA2, device="cpu", dtype="float32", prefix_cache_gb=0.01)
+    p = GenerationParams(gen_length=4, block_length=4, algorithm="llada2")
+    e.generate([Request(list(range(5, 45)), p)])
+    assert e.prefix_cache.bytes > 0
+    real, oom, held = e.generate, [True], []
+
+    def generate(requests, **kw):
+        if oom[0]:
+            oom[0] = False
+            raise torch.cuda.OutOfMemoryError("simulated")
+        held.append(e.prefix_cache.bytes)          # what the cache holds as a retried half starts
+        return real(requests, **kw)
+    e.generate = generate
+    b = RowScheduler(e, batch_size=4, max_wait_time=0.01)
+    b.start()
+    done = asyncio.Event()
+    results = {}
+
+    def sink(i, kind, payload):
+        if kind in ("done", "error"):
+            results[i] = kind
+            if len(results) == 2:
+                done.set()
+    try:
+        for i in range(2):
+            b.submit(Job(list(range(5, 45)), p, sink, index=i))
+        await asyncio.wait_for(done.wait(), 60)
+        assert results == {0: "done", 1: "done"} and not oom[0]
+        assert held[0] == 0                                  # emptied before the retry
+        assert e.prefix_cache.stats()["blocks"] > 0         # and filled again by the retried rows
+    finally:
+        await b.close()

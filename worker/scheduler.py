@@ -366,6 +366,7 @@ class RowScheduler:
             results: list[Result] = self.engine.generate([Request(j.prompt_ids, j.params, j.plan) for j in jobs], hooks=hooks,
                                                          **({"feed": feed} if feed is not None else {}))
         except torch.cuda.OutOfMemoryError:
+            self._free_prefix_cache()
             torch.cuda.empty_cache()
             left = feed.unfinished() if feed is not None else jobs     # rows already answered keep their answer
             if len(left) == 1:
@@ -389,6 +390,15 @@ class RowScheduler:
                     for j in left]
         return [(j, "done", r) for j, r in zip(jobs, results)]
 
+    def _free_prefix_cache(self) -> None:
+        """Device thread, the GPU out of memory: the prefix cache's blocks give their memory back before the rows are
+        retried (it fills again from later prompts). Not with tensor parallelism: every rank must keep the same
+        blocks, and a rank's out-of-memory error is its own."""
+        pc = getattr(self.engine, "prefix_cache", None)
+        if pc is not None and pc.bytes and getattr(self.engine, "ranks", None) is None:
+            log.warning("out of memory: the prefix cache's %.2f GiB are freed", pc.bytes / 2**30)
+            pc.clear()
+
     def _joined(self, job: Job) -> None:        # on the event loop
         self.running.append(job)
         self.rows_joined += 1
@@ -408,6 +418,7 @@ class RowScheduler:
             with freed_memory_returned():
                 results = self.engine.score([j.score for j in jobs], cancelled=lambda i: jobs[i].cancelled)
         except torch.cuda.OutOfMemoryError:
+            self._free_prefix_cache()
             torch.cuda.empty_cache()
             if len(jobs) == 1:
                 return [(jobs[0], "error", (503, "the GPU ran out of memory scoring this prompt alone"))]

@@ -9,9 +9,9 @@ block); entries form a radix tree of blocks (each entry's parent is the entry of
 from the first block. LLaDA's and Dream's prompts are bidirectional (every prompt position sees the answer's
 positions), so nothing there is reusable and the cache is not used (docs/engine.md, "Prefix cache").
 
-Memory: at most ``budget`` bytes of keys and values; past it the least recently used entries go. A lookup touches
-the chain deepest-first, so a block is never used more recently than its parent and eviction takes leaves before
-their ancestors. Recency is a counter, not a clock, so tensor-parallel ranks (each with the cache of its own kv
+Memory: at most ``budget`` bytes of keys and values; past it the least recently used entries go. Only leaves are
+evicted, so a block goes before its ancestors (a lookup touches its chain deepest first, so a chain's blocks keep
+the same order of recency). Recency is a counter, not a clock, so tensor-parallel ranks (each with the cache of its own kv
 heads) make the same decisions."""
 from __future__ import annotations
 
@@ -122,12 +122,13 @@ class PrefixCache:
             parent = keys[j - 1] if j else None
             if parent is not None and parent not in self.entries:
                 return                                    # its parent was evicted meanwhile: unreachable
-            e = Entry(tuple(t.clone() for t in kv(j)), parent, 0)
+            e = Entry(kv(j), parent, 0)                   # (views of the row's cache until there is room)
             if e.nbytes > self.budget:
                 return
             self._make_room(e.nbytes, keep=parent)
             if self.bytes + e.nbytes > self.budget or (parent is not None and parent not in self.entries):
                 return                                    # no room without evicting its own ancestors
+            e.kv = tuple(t.clone() for t in e.kv)
             self.entries[keys[j]] = e
             self._touch(keys[j], e)
             self.bytes += e.nbytes

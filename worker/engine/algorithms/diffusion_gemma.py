@@ -165,6 +165,7 @@ def run(engine, rows: list[Row], fin: Finisher):
                 s.at, s.hist, s.left = None, None, s.N
                 if s.temps is None:
                     s.temps = s.schedule()
+            capture = None          # (every layer's new keys/values of the call: not held through the steps)
         # 2. one denoiser forward for every row
         sts = [r.state for r in active]
         if last is not None and last[0].shape[0] == len(sts) and all(s.at == b for b, s in enumerate(sts)):
