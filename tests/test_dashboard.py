@@ -13,6 +13,7 @@ import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 import urllib.request
 
@@ -97,6 +98,9 @@ class DevTools:
 def test_the_dashboard_in_chromium(chromium, tmp_path):
     c = Cluster(tmp_path, TINY_LLADA, 2, worker_args=["--simulate-device", "0.01,0"])
     browser = None
+    # Chromium's singleton socket goes in a folder of its own under $TMPDIR, removed after the test; not under
+    # tmp_path: a socket's path has at most 107 bytes, and under xdist tmp_path's is longer (Chromium aborted)
+    sock_dir = tempfile.mkdtemp(prefix="chr")
     try:
         c.wait_ready()
         for i in range(12):
@@ -106,7 +110,7 @@ def test_the_dashboard_in_chromium(chromium, tmp_path):
                                     "--disable-dev-shm-usage", "--no-first-run", "--remote-debugging-port=0",
                                     f"--user-data-dir={profile}", "--window-size=1400,1100", "about:blank"],
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
-                                   env={**os.environ, "TMPDIR": str(tmp_path)})    # (its singleton socket's folder)
+                                   env={**os.environ, "TMPDIR": sock_dir})
         deadline = time.monotonic() + 60
         while not (profile / "DevToolsActivePort").exists() or not (profile / "DevToolsActivePort").read_text():
             assert time.monotonic() < deadline and browser.poll() is None, "Chromium did not start"
@@ -160,4 +164,5 @@ def test_the_dashboard_in_chromium(chromium, tmp_path):
         if browser is not None:
             os.killpg(browser.pid, signal.SIGKILL)
             browser.wait()
+        shutil.rmtree(sock_dir, ignore_errors=True)
         c.stop()
