@@ -41,6 +41,11 @@ log = logging.getLogger("dllm.balancer.batcher")
 REJECTED = frozenset({400, 413, 415, 422})
 
 
+def _hash(w: Worker) -> str | None:
+    """The weights ``w`` holds (its last /health's model_version hash), if it named them."""
+    return (w.last_health.get("model_version") or {}).get("hash")
+
+
 def _code(ev: dict) -> str | None:
     """The OpenAI error code of a worker's error event for a row."""
     data = ev.get("data")
@@ -130,7 +135,8 @@ class BatchConfig:
                                       type=click.FloatRange(0))
     call_timeout: float = setting(30.0, "Seconds one of the balancer's own short calls to a worker may take: "
                                         "/worker/cancel, /tokenize, /detokenize, /v1/models, /generation/algorithms, "
-                                        "/tokenizer_info.", flag="--worker-call-timeout",
+                                        "/tokenizer_info; and a batch's stream may stay open once every request of "
+                                        "it is answered (then its place is freed).", flag="--worker-call-timeout",
                                   type=click.FloatRange(0.1))
     max_batch_bytes: int = setting(MAX_BATCH_BYTES // 2, cli=False)   # well under the worker's body limit
     routing_policy: str = setting(DEFAULT_POLICY, "Which free worker gets the next batch (balancer/policy.py): "
@@ -375,16 +381,20 @@ class CentralBatcher:
             self._wake.set()
 
     def _take(self, worker: Worker) -> list[Pending]:
-        healthy = {w.index for w in self.pool.healthy()}
+        # a request goes back to a worker it failed on only when no other could take it: healthy, taking batches
+        # (routable) and, for a request pinned to weights, holding them (it waited for its timeout beside an idle
+        # worker it had failed on while a worker on other weights was healthy: a review)
+        able = [(w.index, _hash(w)) for w in self.pool.healthy() if self.routable(w)]
         batch, keep = [], collections.deque()
         size = 0
         while self.queue and len(batch) < self.cfg.batch_size:
             p = self.queue.popleft()
             if p.cancelled:
                 continue
-            if (worker.index in p.excluded and (healthy - p.excluded)) or (
+            if (worker.index in p.excluded and any(i not in p.excluded and (p.version is None or h == p.version)
+                                                   for i, h in able)) or (
                     batch and (p.solo or size + len(p.body) > self.cfg.max_batch_bytes)) or (
-                    p.version is not None and p.version != (worker.last_health.get("model_version") or {}).get("hash")):
+                    p.version is not None and p.version != _hash(worker)):
                 keep.append(p)
                 continue
             batch.append(p)
@@ -490,7 +500,20 @@ class CentralBatcher:
                 return failure
             else:
                 buf = b""
-                async for data in r.content.iter_any():
+                chunks = r.content.iter_any().__aiter__()
+                while True:
+                    try:
+                        if open_:
+                            data = await chunks.__anext__()
+                        else:       # every row answered: the stream's end is due now; one held open past
+                            async with asyncio.timeout(self.cfg.call_timeout):   # --worker-call-timeout must
+                                data = await chunks.__anext__()                  # not keep the place (a review)
+                    except StopAsyncIteration:
+                        break
+                    except TimeoutError:
+                        log.warning("worker %d kept a batch's stream open %g s after its last answer: closed",
+                                    w.index, self.cfg.call_timeout)
+                        return None
                     buf += data
                     if b"\n" in data:
                         *lines, buf = buf.split(b"\n")
@@ -498,7 +521,9 @@ class CentralBatcher:
                         self._lines(d, lines, open_, attempts)
                 self._lines(d, [buf], open_, attempts)        # a last line without its newline
                 if open_:
-                    return "the worker closed the batch stream early"
+                    failure = "the worker closed the batch stream early"
+                    self.pool.batch_failed(w, failure)        # (a worker's error, as a broken stream is)
+                    return failure
         return None
 
     def _lines(self, d: Dispatch, lines: list[bytes], open_: dict, attempts: dict) -> None:
@@ -514,7 +539,7 @@ class CentralBatcher:
                 continue
             kind = ev.get("event")
             end = ev.get("end", False) or kind == "end"
-            if end and kind == "error" and (ev.get("status") == 429 or (
+            if end and kind == "error" and not p.sent_bytes and (ev.get("status") == 429 or (
                     ev.get("status") == 409 and p.version is not None and _code(ev) == "model_version_unavailable")):
                 # the worker's queue had no room for this request's rows (a batch is counted in requests, a
                 # worker's queue in rows: prompts x n), or the request requires weights the worker no longer holds

@@ -234,11 +234,8 @@ class WorkerPool:
         w.last_health = data
         status = data.get("status")
         w.draining = status == "draining"
-        if status != "ready":
-            w.consecutive_ok = 0
-            if status in ("failed",):
-                w.down = w.ever_ready
-            return
+        # its steps count as progress whatever its status: a draining worker (SIGTERM) finishes the batches it
+        # holds, and a non-streaming row sends nothing until it ends (they were aborted as stalled: a review)
         since = data.get("seconds_since_last_step")
         busy = bool(data.get("busy"))
         if busy and isinstance(since, (int, float)):
@@ -246,8 +243,13 @@ class WorkerPool:
         elif not busy:
             w.last_progress = now
         w.stall_after = self.stall_after(w)
+        w.consecutive_errors = 0                # it answers
+        if status != "ready":
+            w.consecutive_ok = 0
+            if status in ("failed",):
+                w.down = w.ever_ready
+            return
         progressing = (now - w.last_progress) < w.stall_after
-        w.consecutive_errors = 0
         w.consecutive_ok += 1
         if not w.ever_ready:
             w.ever_ready = True
