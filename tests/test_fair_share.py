@@ -262,3 +262,102 @@ def test_a_row_cancelled_after_the_feed_gave_it_never_runs(llada_engine):
     llada_engine.generate([Request([5, 6], GenerationParams(gen_length=16, block_length=8, steps=16))], hooks=hooks,
                           feed=Feed())
     assert [e for e in events if e[0] == 1] == [(1, "done", "cancelled", 0, [])]
+
+
+def test_a_threshold_rows_blocks_count_every_step_they_may_take(llada_engine):
+    """Under a threshold or factor rule a LLaDA-family block runs until it has no mask, whatever ``steps`` says:
+    ``steps: 1`` with ``threshold: 1.0`` was counted one forward a block and ran a block's length of them (a
+    review: 128 choices of a 4,088-token canvas admitted at 523,000 token-forwards, about 2.1 billion run). Each
+    block now counts ``block_length`` forwards for those rules, in every algorithm of that loop."""
+    from worker.engine.params import row_cost
+    for alg in ("basic", "prefix_cache", "dual_cache", "dinfer_blockwise"):
+        for rule in ({"threshold": 1.0}, {"factor": 1.0}, {}):
+            if alg.startswith("dinfer") and "threshold" not in rule:
+                continue                                  # (dInfer's decoders: a threshold, always)
+            p = GenerationParams(gen_length=256, block_length=64, steps=1, algorithm=alg, **rule)
+            pl = llada_engine.plan([5] * 32, p)
+            forwards = 4 * 64 if rule else 4 * 1
+            assert row_cost(pl) == forwards * (32 + 256), (alg, rule)
+    r = llada_engine.generate([Request([5] * 32, GenerationParams(gen_length=64, block_length=64, steps=1,
+                                                                  threshold=1.0, ignore_eos=True))])[0]
+    assert r.nfe > 1 and r.nfe <= 64                 # what it ran: more than its steps, at most what it was counted
+
+
+async def test_a_long_row_waiting_for_token_room_does_not_hold_the_short_rows_behind_it():
+    """--max-batch-tokens 600: a long row runs (260 tokens), a second long row (516) waits for its room, then a
+    short row (12) comes. The second one stopped the taking, so the short row waited for the first long row's end
+    (a review: 0.09 s alone, 1.09 s behind it). A long row that waits for room a long row running holds is passed
+    over now; the short row joins at once. (A simulated device: a test double.)"""
+    import asyncio
+    from worker.scheduler import Job, RowScheduler
+    from worker.simulated import SimulatedEngine
+    eng = SimulatedEngine(str(TINY_LLADA), 0.004, 0.0, per_step=True)
+    b = RowScheduler(eng, batch_size=8, max_wait_time=0.0, max_batch_tokens=600, long_row_cost=10_000,
+                     long_row_share=0.5)
+    b.start()
+    done = {}
+
+    def job(prompt, gen, name):
+        p = GenerationParams(gen_length=gen, block_length=gen, steps=gen)
+        return Job(list(prompt), p, sink=lambda i, k, payload: done.setdefault(name, time.monotonic())
+                   if k == "done" else None, cost=gen * max(64, len(prompt) + gen))
+    try:
+        b.submit(job([5] * 4, 256, "L1"), wait=False)        # 260 tokens, 66,560 token-forwards: long
+        await asyncio.sleep(0.05)
+        b.submit(job([5] * 4, 512, "L2"), wait=False)        # 516 tokens: not beside L1 under 600
+        b.submit(job([6] * 4, 8, "S"), wait=False)           # 12 tokens: short
+        for _ in range(1000):
+            if len(done) == 3:
+                break
+            await asyncio.sleep(0.01)
+        assert sorted(done, key=done.get) == ["S", "L1", "L2"], done
+    finally:
+        await b.close()
+
+
+async def test_a_failure_outside_the_engines_call_answers_the_rows_that_joined_too(monkeypatch):
+    """The scheduler's last resort (an error the batch's own handling did not catch, here the out-of-memory clean-up
+    failing) answered the rows the batch started with: a row that had joined was never answered until its
+    --request-timeout, and one already answered was answered again (a review). Now every row not answered yet gets
+    the 500, once. (A simulated device and a simulated out-of-memory error: test doubles.)"""
+    import asyncio
+
+    import torch
+    from worker.scheduler import Job, RowScheduler
+    from worker.simulated import SimulatedEngine
+    eng = SimulatedEngine(str(TINY_LLADA), 0.002, 0.0, per_step=True)
+    real = eng.generate
+
+    def generate(requests, feed=None, **kw):
+        admit, joined = feed.admit, []
+
+        def admit_then_fail(rows, tokens):
+            if joined:
+                raise torch.cuda.OutOfMemoryError("simulated")
+            got = admit(rows, tokens)
+            joined.extend(got)
+            return got
+        feed.admit = admit_then_fail
+        return real(requests, feed=feed, **kw)
+    eng.generate = generate
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: (_ for _ in ()).throw(RuntimeError("driver gone")))
+    b = RowScheduler(eng, batch_size=4, max_wait_time=0.0)
+    b.start()
+    answers = []
+
+    def sink(i, kind, payload):
+        if kind in ("done", "error"):
+            answers.append((i, kind))
+    p = GenerationParams(gen_length=64, block_length=64, steps=64)
+    try:
+        b.submit(Job([5, 6], p, sink, index=0), wait=False)
+        await asyncio.sleep(0.03)
+        b.submit(Job([7, 8], p, sink, index=1), wait=False)      # joins the running batch
+        for _ in range(500):
+            if len(answers) == 2:
+                break
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.1)
+        assert sorted(answers) == [(0, "error"), (1, "error")], answers
+    finally:
+        await b.close()

@@ -253,7 +253,9 @@ class RowScheduler:
                 outcome = await asyncio.get_running_loop().run_in_executor(self._executor, self._run, batch)
             except Exception as e:   # never lose the scheduler or a row
                 log.exception("batch failed")
-                outcome = [(j, "error", (500, f"internal error: {type(e).__name__}")) for j in batch]
+                # every row not answered yet, the rows that joined too (answers already given are not repeated:
+                # the device thread's answers, posted before this exception, have run; a review)
+                outcome = [(j, "error", (500, f"internal error: {type(e).__name__}")) for j in self.running]
             finally:
                 self.running = []
                 self._in_call = False       # (the statistics below are counted before any other task runs)
@@ -275,7 +277,8 @@ class RowScheduler:
     def _take(self, rows: int, tokens: int, long: int, first: bool = False) -> list[Job]:
         """Under the lock: queued rows, in turns (:func:`_in_turns`), that fit ``batch_size`` rows and ``max_batch_tokens`` beside
         ``rows`` / ``tokens`` running (``long`` of them long), removed from the queue. A long row past its share
-        is passed over (shorter rows overtake it); a row past the token budget stops the taking (in order).
+        is passed over (shorter rows overtake it); a row past the token budget stops the taking (in order), except a
+        long row while another long row runs (passed over, as the rows behind it would wait for that one's end).
         A new batch (``first``) takes scoring rows too (they run first, apart: ``_run``); joining rows pass them
         for ``switch_wait`` seconds, then the batch takes no more and drains."""
         taken, now = [], time.monotonic()
@@ -300,15 +303,20 @@ class RowScheduler:
                 if now - j.enqueued_at > self.switch_wait:
                     break
                 continue
-            if self.is_long(j):
-                if long >= self.long_slots:
-                    continue
-                long += 1
+            long_row = self.is_long(j)
+            if long_row and long >= self.long_slots:
+                continue
             if self.max_batch_tokens:
                 need = canvas_tokens(j)
                 if (taken or rows) and tokens + need > self.max_batch_tokens:
+                    if long_row and long:
+                        # it waits for room a long row running holds: the rows behind it go on meanwhile (they
+                        # waited for the long row's end: a review); once no long row runs it stops the taking again
+                        continue
                     break
                 tokens += need
+            if long_row:
+                long += 1
             taken.append(j)
             if share is not None and j.score is None:
                 share.take(j.prefix_key)

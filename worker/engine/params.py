@@ -148,9 +148,24 @@ def row_cost(pl: Plan) -> int:
     alg = REGISTRY.get(pl.params.algorithm)
     if alg is not None and alg.cost is not None:
         return alg.cost(pl)
-    forwards = max(pl.num_blocks * pl.steps_per_block, pl.params.steps or 0)
+    return schedule_cost(pl, pl.steps_per_block)
+
+
+def schedule_cost(pl: Plan, steps_per_block: int) -> int:
+    """:func:`row_cost`'s formula with ``steps_per_block`` forwards a block."""
+    forwards = max(pl.num_blocks * steps_per_block, pl.params.steps or 0)
     tokens = max(MIN_FORWARD_TOKENS, pl.prompt_length + pl.canvas_length)
     return forwards * tokens * (2 if pl.params.cfg_scale > 0 else 1)
+
+
+def until_unmasked_cost(pl: Plan) -> int:
+    """The cost of the LLaDA-family loops (basic, the Fast-dLLM caches, Nemotron, dInfer): with a threshold or factor
+    rule a block runs until it has no mask, a token at least a step, whatever ``steps`` says, so its blocks count
+    ``block_length`` forwards each (``steps: 1`` with ``threshold: 1.0`` was admitted at 1/256 of what it ran: a
+    review). The rule's safety cap of 4x, reached only by a model that keeps proposing the mask token, is not
+    counted."""
+    unmasked = pl.params.threshold is not None or pl.params.factor is not None
+    return schedule_cost(pl, pl.block_length if unmasked else pl.steps_per_block)
 
 
 # One top alternative of a generated token's log-probability, in token-forwards: the worker finds its text in

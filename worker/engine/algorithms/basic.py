@@ -7,6 +7,7 @@ import torch
 from ...models.layers import upload
 from ..rows import (Canvas, Finisher, Row, Window, between_steps, record_logprobs, wants_logprobs, window,
                     write_chosen)
+from ..params import until_unmasked_cost
 from ..sampling import Layout, Softmax, denoise, fast_dllm_rule
 from . import Algorithm, register
 
@@ -144,6 +145,6 @@ register(Algorithm(
     name="basic",
     description="LLaDA reference sampler: semi-autoregressive blocks, linear transfer schedule, full forward each "
                 "step; with threshold/factor, Fast-dLLM parallel decoding without cache",
-    exact=True,
+    cost=until_unmasked_cost, exact=True,
     run=run,
 ))

@@ -19,6 +19,7 @@ import torch
 from ...models.layers import upload
 from ..rows import Canvas, Finisher, Row, between_steps, window
 from . import Algorithm, register
+from ..params import until_unmasked_cost
 from ..sampling import Layout, Softmax, fast_dllm_rule
 from .basic import candidate_region, commit, mask_counts, start_block, step_done, whole_sequence
 
@@ -187,7 +188,7 @@ register(Algorithm(
     name="prefix_cache",
     description="Fast-dLLM prefix KV cache: one full forward per block, then block+suffix forwards against the "
                 "cached prefix; with threshold/factor, Fast-dLLM parallel decoding",
-    exact=True,
+    cost=until_unmasked_cost, exact=True,
     run=lambda engine, rows, fin: run_cached(engine, rows, fin, dual=False),
     cfg=False,
 ))
@@ -204,7 +205,7 @@ register(Algorithm(
     name="dual_cache",
     description="Fast-dLLM dual KV cache: one full forward per block, then block-only forwards against the cached "
                 "prefix and suffix; with threshold/factor, Fast-dLLM parallel decoding",
-    exact=True,
+    cost=until_unmasked_cost, exact=True,
     run=run_dual, forward="dual_cache",
     cfg=False,
 ))

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ...models.layers import upload
+from ..params import until_unmasked_cost
 from ..sampling import NEG_INF, Rule, Softmax
 from . import COMMON_PARAMS, Algorithm, ParamInfo, register
 from .cached import DUAL_VARIANTS, Variant, run_dual
@@ -217,6 +218,7 @@ register(Algorithm(
     name="dinfer_blockwise",
     description="dInfer block-wise threshold decoding on the dual cache: commit every masked token with confidence "
                 ">= min(threshold, best confidence), so each step commits at least one",
+    cost=until_unmasked_cost,
     exact=False, run=run_dual, forward="dual_cache", cfg=False, defaults={"threshold": 0.9},
     params=DINFER_PARAMS, extra_params=VICINITY,
 ))
@@ -224,6 +226,7 @@ register(Algorithm(
     name="dinfer_hierarchy",
     description="dInfer hierarchical decoding on the dual cache: in each contiguous masked segment the most "
                 "confident token above low_threshold, plus every token above threshold, plus the best one",
+    cost=until_unmasked_cost,
     exact=False, run=run_dual, forward="dual_cache", cfg=False,
     defaults={"threshold": 0.9}, params=DINFER_PARAMS,
     extra_params=(ParamInfo("low_threshold", 0.4, "a segment's best token is committed above this"),) + VICINITY,
@@ -233,6 +236,7 @@ register(Algorithm(
     description="dInfer credit decoding on the dual cache: credit accumulated across a block's steps for each "
                 "position's top-1 token is fused into the logits (logits + credit_alpha * log(1 + credit)) before "
                 "the threshold rule",
+    cost=until_unmasked_cost,
     exact=False, run=run_dual, forward="dual_cache", cfg=False, defaults={"threshold": 0.9},
     params=DINFER_PARAMS,
     # a decay above 1 grows the credit without bound, and a weight past a few thousand carries the logits past

@@ -21,6 +21,7 @@ import torch
 
 from ...models.layers import upload
 from ..rows import Finisher, Row, record_logprobs, wants_logprobs, window, write_chosen
+from ..params import until_unmasked_cost
 from ..sampling import Layout, Softmax, denoise, fast_dllm_rule
 from . import Algorithm, ParamInfo, register
 
@@ -214,7 +215,7 @@ register(Algorithm(
     name="nemotron",
     description="Nemotron-Diffusion block sampler: prompt prefilled into a KV cache, each block denoised against it "
                 "(fixed schedule or threshold rule), then committed to the cache by one more counted forward",
-    exact=True, run=run, cfg=False,
+    cost=until_unmasked_cost, exact=True, run=run, cfg=False,
     extra_params=(ParamInfo("shift_logits", False, "position j uses the logit of position j-1 (the block's first "
                             "position: the last logit of the previous forward)"),),
 ))
