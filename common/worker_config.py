@@ -50,8 +50,9 @@ class WorkerConfig:
     continuous_batching: bool = setting(True, "Rows join the running batch between denoising steps (in turns by "
                                               "request, within --batch-size and --max-batch-tokens) and leave it "
                                               "when done; off: a batch runs to its end before the next starts.")
-    max_batch_tokens: int = setting(0, "Canvas tokens (prompt + max_tokens in whole blocks) of the rows in a batch, "
-                                       "at most (0: no limit beyond --batch-size); bounds device memory.",
+    max_batch_tokens: int = setting(0, "Canvas tokens (prompt + max_tokens in whole blocks; twice with cfg_scale) of "
+                                       "the rows in a batch, at most (0: no limit beyond --batch-size); bounds "
+                                       "device memory.",
                                     type=click.IntRange(0))
     switch_wait: float = setting(1.0, "Continuous batching: seconds a queued likelihood-scoring request (which runs "
                                       "in batches of its own) lets generation rows join the running batch ahead of "

@@ -361,3 +361,14 @@ async def test_a_failure_outside_the_engines_call_answers_the_rows_that_joined_t
         assert sorted(answers) == [(0, "error"), (1, "error")], answers
     finally:
         await b.close()
+
+
+def test_the_token_budget_counts_what_a_row_holds(llada_engine, sdar_engine):
+    """--max-batch-tokens counted prompt + canvas for every row: a row with classifier-free guidance holds twice that
+    (its unconditional copy), and a block-causal row whole blocks from its prompt's first token (a review)."""
+    from worker.scheduler import Job, canvas_tokens
+    assert canvas_tokens(Job([5] * 10, GenerationParams(gen_length=20, block_length=8), None), llada_engine) == 34
+    cfg = GenerationParams(gen_length=20, block_length=8, cfg_scale=1.0)
+    assert canvas_tokens(Job([5] * 10, cfg, None), llada_engine) == 68
+    sdar = GenerationParams(gen_length=1, block_length=32, algorithm="sdar")
+    assert canvas_tokens(Job([5] * 1000, sdar, None), sdar_engine) == 1024

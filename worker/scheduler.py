@@ -20,7 +20,7 @@ from dataclasses import dataclass, field, replace
 
 from worker.engine import Engine, GenerationParams, Request, Result, StepHooks
 from worker.engine.algorithms import needs_rng
-from worker.engine.params import Plan, with_seed
+from worker.engine.params import Plan, held_tokens, with_seed
 
 log = logging.getLogger("dllm.worker.scheduler")
 
@@ -90,13 +90,13 @@ def _in_turns(pending, running=()) -> list[Job] | collections.deque:
     return [j for _, _, j in sorted(zip(ranks, range(len(ranks)), pending), key=lambda t: (t[0], t[1]))]
 
 
-def canvas_tokens(job: Job) -> int:
-    """A row's canvas in tokens (prompt + max_tokens in whole blocks): what it holds of the device's memory."""
+def canvas_tokens(job: Job, engine) -> int:
+    """A row's tokens in a forward (prompt + max_tokens in whole blocks by its algorithm's rule, twice with
+    cfg_scale): what it holds of the device's memory (``params.held_tokens``)."""
     p = job.params
     if p is None:
         return len(job.prompt_ids)
-    block = max(1, min(p.block_length, p.gen_length))
-    return len(job.prompt_ids) + -(-p.gen_length // block) * block
+    return held_tokens(engine.positions(p.algorithm, len(job.prompt_ids), p.gen_length, max(1, p.block_length)), p)
 
 
 class RowScheduler:
@@ -307,7 +307,7 @@ class RowScheduler:
             if long_row and long >= self.long_slots:
                 continue
             if self.max_batch_tokens:
-                need = canvas_tokens(j)
+                need = canvas_tokens(j, self.engine)
                 if (taken or rows) and tokens + need > self.max_batch_tokens:
                     if long_row and long:
                         # it waits for room a long row running holds: the rows behind it go on meanwhile (they

@@ -20,7 +20,7 @@ from ..models.checkpoint import (CheckpointError, check_reload, generation_defau
                                 reload_native)
 from ..tokenizer import load_tokenizer, mask_token_id, stop_token_ids
 from . import algorithms
-from .params import GenerationParams, ParamError, Plan, canvas_positions, plan, row_cost, with_seed
+from .params import GenerationParams, ParamError, Plan, canvas_positions, held_tokens, plan, row_cost, with_seed
 from .rows import Finisher, Row, StepHooks, TokenLogprobs
 
 log = logging.getLogger(__name__)
@@ -476,7 +476,8 @@ class _Batch:
 
     def admit(self) -> None:
         live = [r for g in self.groups.values() for r in g.running + g.inbox if not r.done]
-        tokens = sum(r.plan.prompt_length + r.plan.canvas_length for r in live)
+        tokens = sum(held_tokens(self.engine.positions(r.params.algorithm, r.plan.prompt_length, r.plan.gen_length,
+                                                       r.params.block_length), r.params) for r in live)
         for index, req in self.feed.admit(len(live), tokens):
             row = self.engine.row(index, req, req.plan or self.engine.plan(req.prompt_ids, req.params))
             name = self.key(row)

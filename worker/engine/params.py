@@ -151,6 +151,12 @@ def row_cost(pl: Plan) -> int:
     return schedule_cost(pl, pl.steps_per_block)
 
 
+def held_tokens(positions: int, params: GenerationParams) -> int:
+    """The tokens a row holds in a forward, what ``--max-batch-tokens`` counts: its positions (prompt + canvas by its
+    algorithm's length rule), twice with classifier-free guidance (the unconditional copy runs beside it)."""
+    return positions * (2 if params.cfg_scale > 0 else 1)
+
+
 def schedule_cost(pl: Plan, steps_per_block: int) -> int:
     """:func:`row_cost`'s formula with ``steps_per_block`` forwards a block."""
     forwards = max(pl.num_blocks * steps_per_block, pl.params.steps or 0)
