@@ -31,7 +31,7 @@ from prometheus_client.metrics_core import CounterMetricFamily
 import click
 
 from balancer.batcher import BatchConfig, CentralBatcher, Pending
-from balancer.batches import BatchJobs, add_routes as add_batch_routes
+from balancer.batches import BatchJobs, FolderInUse, add_routes as add_batch_routes
 from balancer.pool import HealthConfig, WorkerPool
 from balancer.stats import Window
 from balancer.weights import MODES, WeightUpdates
@@ -608,7 +608,18 @@ async def serve(cfg: BalancerConfig, stop: asyncio.Event | None = None) -> int:
     app = make_app(cfg)
     runner = AppRunner(app, handler_cancellation=True, access_log=None, keepalive_timeout=cfg.keepalive_timeout,
                        send_timeout=cfg.send_timeout)
-    await runner.setup()
+    try:
+        await runner.setup()
+    except FolderInUse as e:      # (another balancer: on this port, if the folder is the port's own, say that)
+        await runner.cleanup()
+        try:
+            if cfg.port:
+                check_port_free(cfg.host, cfg.port)
+        except OSError as pe:
+            print(f"dllm-serve balancer: cannot listen on {cfg.host}:{cfg.port}: {pe.strerror or pe}", file=sys.stderr)
+            return EXIT_PORT_IN_USE if pe.errno == errno.EADDRINUSE else 1
+        print(f"dllm-serve balancer: {e}", file=sys.stderr)
+        return 1
     try:
         await start_sites(runner, cfg)
     except OSError as e:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import fcntl
 import logging
 import os
 import re
@@ -140,6 +141,10 @@ class _Lines:
             return self.ready.popleft() if self.ready else None
 
 
+class FolderInUse(RuntimeError):
+    """Another balancer holds this files folder (BatchJobs.start)."""
+
+
 class BatchJobs:
     def __init__(self, state, root: Path, max_file_bytes: int, concurrency: int):
         self.state, self.root = state, root
@@ -156,12 +161,29 @@ class BatchJobs:
         self._files: dict[str, tuple[int, str]] = {}       # file id -> (created_at, purpose)
         self._batches: dict[str, int] = {}                 # batch id -> created_at
         self._gone: dict[str, int] = {}                    # deleted file id -> created_at: a page `after` it
+        self._lock = None                                  # the folder's lock file, held while this runs
 
     # ------------------------------------------------------------ storage
     def start(self) -> None:
-        """Create the directories; resume the batches a previous balancer left running."""
+        """Create the directories, lock them for this process (raises FolderInUse if another balancer holds them);
+        resume the batches a previous balancer left running."""
         self.files_dir.mkdir(parents=True, exist_ok=True)
         self.batches_dir.mkdir(parents=True, exist_ok=True)
+        # One balancer a folder: a second one (another port, or the same port before it found the port taken)
+        # resumed the running batches too, rewriting their result files under the first one's open handles (a
+        # review: 13 of 60 answers left on disk). The lock goes with the process, however it ends.
+        self._lock = open(self.root / ".lock", "a+")
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.seek(0)
+            holder = self._lock.read().strip()
+            self._lock.close()
+            raise FolderInUse(f"--files-dir {self.root} is in use by another balancer ({holder or 'pid unknown'}); "
+                              "give this one a folder of its own") from None
+        self._lock.truncate(0)
+        self._lock.write(f"pid {os.getpid()}")
+        self._lock.flush()
         for rec in _load_all(self.files_dir, "file-*.json"):
             self._files[rec["id"]] = (rec["created_at"], rec["purpose"])
         for f in sorted(self.batches_dir.glob("batch_*.json")):
@@ -180,6 +202,9 @@ class BatchJobs:
         for t in self.tasks.values():
             t.cancel()
         await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        if self._lock is not None:
+            self._lock.close()                           # (the lock goes with it)
+            self._lock = None
 
     def _file(self, fid: str) -> dict:
         if not FILE_ID.fullmatch(fid) or not (self.files_dir / f"{fid}.json").is_file():
@@ -308,16 +333,17 @@ class BatchJobs:
     async def delete_file(self, request: web.Request) -> web.Response:
         fid = request.match_info["file_id"]
         rec = self._file(fid)
-        for bid, task in self.tasks.items():     # a running batch reads its input again when it resumes
-            if not task.done():
-                try:
-                    b = self._batch(bid)
-                except APIError:
-                    continue
-                if b.get("input_file_id") == fid and b["status"] in RUNNING:
-                    raise APIError(409, f"file {fid} is the input of batch {bid}, which is {b['status']}: cancel "
-                                        f"the batch or let it end first", param="file_id", code="file_in_use",
-                                   type="invalid_request_error")
+        # a running batch reads its input again when it resumes: its stored status says so, whether or not its task
+        # runs now (a drain stops the tasks and leaves the batches running: a review deleted an input then)
+        for bid in self.tasks:
+            try:
+                b = self._batch(bid)
+            except APIError:
+                continue
+            if b.get("input_file_id") == fid and b["status"] in RUNNING:
+                raise APIError(409, f"file {fid} is the input of batch {bid}, which is {b['status']}: cancel "
+                                    f"the batch or let it end first", param="file_id", code="file_in_use",
+                               type="invalid_request_error")
         self._data(fid).unlink(missing_ok=True)
         (self.files_dir / f"{fid}.json").unlink(missing_ok=True)
         self._files.pop(fid, None)
@@ -384,8 +410,9 @@ class BatchJobs:
             self._cancel.add(b["id"])
             self._save_batch(b)
             task = self.tasks.get(b["id"])
-            if task is None or task.done():          # nothing runs it (it never will): cancelled now
-                b["status"], b["cancelled_at"] = "cancelled", _now()
+            if task is None or task.done():          # nothing runs it now (a drain stopped it): cancelled now, with
+                b["status"], b["cancelled_at"] = "cancelled", _now()     # the answers it has (they were orphaned:
+                self._attach_results(b)                                  # a review)
                 self._save_batch(b)
         return json_response(public(b))
 
@@ -401,15 +428,20 @@ class BatchJobs:
             b["status"], b["failed_at"] = "failed", _now()
             b["errors"] = {"object": "list", "data": [{"code": "server_error", "message": f"{type(e).__name__}: {e}",
                                                        "param": None, "line": None}]}
-            for key, kind in (("_output_file_id", "output"), ("_error_file_id", "error")):   # what it answered
-                fid = b.get(key)
-                path = self._data(fid) if fid else None
-                if path is not None and path.exists() and path.stat().st_size:
-                    self._new_file(fid, f"{bid}_{kind}.jsonl", "batch_output", path.stat().st_size)
-                    b[key[1:]] = fid
-                elif path is not None:
-                    path.unlink(missing_ok=True)
+            self._attach_results(b)          # what it answered
             self._save_batch(b)
+
+    def _attach_results(self, b: dict) -> None:
+        """A batch ending early (failed, or cancelled while nothing runs it): its output and error files so far
+        become files of its own (``output_file_id``, ``error_file_id``); an empty one is removed."""
+        for key, kind in (("_output_file_id", "output"), ("_error_file_id", "error")):
+            fid = b.get(key)
+            path = self._data(fid) if fid else None
+            if path is not None and path.exists() and path.stat().st_size:
+                self._new_file(fid, f"{b['id']}_{kind}.jsonl", "batch_output", path.stat().st_size)
+                b[key[1:]] = fid
+            elif path is not None:
+                path.unlink(missing_ok=True)
 
     def _read_lines(self, input_path: Path, out_path: Path, err_path: Path) -> tuple[int, set, dict]:
         """(On a thread: a file of hundreds of MiB takes seconds.) The batch's line count, the keys of the lines

@@ -23,6 +23,7 @@ from aiohttp import web
 import click
 
 from balancer.app import STATE, BalancerConfig, drain, make_app, start_sites, worker_urls
+from balancer.batches import FolderInUse
 from balancer.batcher import BatchConfig
 from common.config import PORT, setting, to_args
 from common.http import EXIT_PORT_IN_USE, AppRunner, raise_open_files
@@ -415,6 +416,11 @@ class Supervisor:
                         except OSError as e:
                             self.fatal = f"the balancer cannot listen on {self.cfg.host}:{self.cfg.port}: " \
                                          f"{e.strerror or e}"
+                            log.error("giving up: %s", self.fatal)
+                            self.status = "failed"
+                            break
+                        except FolderInUse as e:
+                            self.fatal = str(e)
                             log.error("giving up: %s", self.fatal)
                             self.status = "failed"
                             break

@@ -746,3 +746,76 @@ def test_run_batch_stopped_by_sigterm_stops_the_server_it_started(tmp_path):
     finally:
         if p.poll() is None:
             p.kill()
+
+
+async def test_a_batch_stopped_by_a_drain_keeps_its_input_and_a_cancel_keeps_its_answers(aiohttp_client, tmp_path):
+    """SIGTERM's drain stops a batch's lines and leaves it running (the next balancer resumes it). Meanwhile its
+    input could be deleted (its task had ended: the check looked at the task, not the batch; the restart then
+    failed the batch), and a cancel ended it at once with no output file, orphaning the answers it had (a review).
+    Now the input is refused 409 while the batch says it runs, and a cancel keeps the answers as its output."""
+    import asyncio
+
+    import aiohttp as _aiohttp
+    from aiohttp import web
+
+    from balancer.app import JOBS, STATE
+    from tests.fakes import CHUNK, worker_app, workers
+
+    async def slow(request):               # each line's answer takes 0.1 s
+        body = await request.json()
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        for it in body["requests"]:
+            await asyncio.sleep(0.1)
+            d = dict(CHUNK, choices=[{"index": 0, "text": "x", "finish_reason": "length"}])
+            await resp.write(orjson.dumps({"id": it["id"], "event": "response", "data": d, "end": True}) + b"\n")
+        await resp.write_eof()
+        return resp
+    async with workers(worker_app(slow)) as urls:
+        client = await _files_balancer(aiohttp_client, tmp_path, urls, batch_concurrency=1)
+        form = _aiohttp.FormData()
+        form.add_field("purpose", "batch")
+        form.add_field("file", _lines(40).encode(), filename="in.jsonl")
+        fid = (await (await client.post("/v1/files", data=form)).json())["id"]
+        b = await (await client.post("/v1/batches", json={"input_file_id": fid, "endpoint": "/v1/completions",
+                                                            "completion_window": "24h"})).json()
+        for _ in range(200):
+            cur = await (await client.get(f"/v1/batches/{b['id']}")).json()
+            if cur["request_counts"]["completed"] >= 3:
+                break
+            await asyncio.sleep(0.05)
+        state = client.server.app[STATE]
+        state.draining = True                              # as SIGTERM's drain: the batch's lines stop
+        jobs = client.server.app[JOBS]
+        await asyncio.wait_for(asyncio.gather(*jobs.tasks.values(), return_exceptions=True), 10)
+        assert (await (await client.get(f"/v1/batches/{b['id']}")).json())["status"] == "in_progress"
+        r = await client.delete(f"/v1/files/{fid}")
+        assert r.status == 409 and (await r.json())["error"]["code"] == "file_in_use"
+        state.draining = False
+        cur = await (await client.post(f"/v1/batches/{b['id']}/cancel")).json()
+        assert cur["status"] == "cancelled" and cur["output_file_id"], cur
+        out = await (await client.get(f"/v1/files/{cur['output_file_id']}/content")).read()
+        assert len(out.splitlines()) == cur["request_counts"]["completed"] >= 3
+
+
+def test_a_second_balancer_on_the_same_files_folder_refuses_to_start(tmp_path):
+    """A second balancer given the same --files-dir (another port) resumed the first one's running batches too,
+    rewriting their result files under the first one's open handles (a review: 13 of 60 answers left on disk; the
+    same from a second balancer on the same port, which read the folder before it found the port taken). The folder
+    is locked now: the second one exits 1 saying so, and touches nothing."""
+    w = start_worker(tmp_path, TINY_LLADA, "--simulate-device", "0.001,0")
+    port = free_port()
+    try:
+        w.wait_ready()
+        b = _balancer(tmp_path, [w.url], port)
+        r = subprocess.run([*DLLM, "balancer", "--worker-urls", w.url, "--port", str(free_port()), "--files-dir",
+                            str(tmp_path / "files")], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 1 and "is in use by another balancer (pid" in r.stderr, r.stderr
+        r = subprocess.run([*DLLM, "balancer", "--worker-urls", w.url, "--port", str(port), "--files-dir",
+                            str(tmp_path / "files")], cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert r.returncode == 98 and "cannot listen" in r.stderr, r.stderr      # its port: said as before
+        assert get_json(b.url + "/health")[0] == 200
+    finally:
+        for p in (locals().get("b"), w):
+            if p is not None:
+                p.stop()
