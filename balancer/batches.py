@@ -169,13 +169,14 @@ class BatchJobs:
         resume the batches a previous balancer left running."""
         self.files_dir.mkdir(parents=True, exist_ok=True)
         self.batches_dir.mkdir(parents=True, exist_ok=True)
-        # One balancer a folder: a second one (another port, or the same port before it found the port taken)
-        # resumed the running batches too, rewriting their result files under the first one's open handles (a
-        # review: 13 of 60 answers left on disk). The lock goes with the process, however it ends.
+        # One balancer process a folder: a second one (another port, or the same port before it found the port
+        # taken) resumed the running batches too, rewriting their result files under the first one's open handles
+        # (a review: 13 of 60 answers left on disk). A POSIX lock: it goes with the process however it ends, and
+        # apps in one process (tests) do not exclude each other.
         self._lock = open(self.root / ".lock", "a+")
         try:
-            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            fcntl.lockf(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
             self._lock.seek(0)
             holder = self._lock.read().strip()
             self._lock.close()

@@ -408,20 +408,27 @@ class FrontDoor:
 
 DOOR = web.AppKey("door", FrontDoor)
 PROXY_CHUNK = 1 << 16       # bytes: a proxied answer up to this size is read whole, a larger one streamed in these
+# the headers a proxied request takes to the central and its answer brings back: with the content's, a file
+# download's range and validators (a front answered a Range request 200 with the whole file, the central 206 with
+# the range: a review), and what a 405 or a 503 says
+FORWARDED = ("authorization", "content-type", "accept", "range", "if-range", "if-none-match", "if-modified-since",
+             "if-match", "if-unmodified-since")
+RETURNED = ("content-type", "retry-after", "allow", "content-range", "accept-ranges", "etag", "last-modified",
+            "content-disposition")
 
 
 async def proxy(request: web.Request) -> web.Response:
     """Any other path: the central's own answer, over its Unix socket, to the path exactly as the client sent it
     (never decoded or normalised here: the central routes, checks the key and refuses what it would refuse)."""
     front = request.app[FRONT]
-    headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type", "accept")}
+    headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED}
     # the body goes through as it arrives, never held here: the central applies its own limits to it (a
     # /v1/files upload may be far larger than an OpenAI request)
     body = request.content if request.can_read_body else None
     try:
         async with front.session.request(request.method, yarl.URL("http://central" + request.path_qs, encoded=True),
                                          headers=headers, data=body) as r:
-            keep = {k: v for k, v in r.headers.items() if k.lower() in ("content-type", "retry-after", "allow")}
+            keep = {k: v for k, v in r.headers.items() if k.lower() in RETURNED}
             if r.content_length is not None and r.content_length <= PROXY_CHUNK:
                 resp = web.Response(body=await r.read(), status=r.status, headers=keep)
                 if r.status == 408:          # the central gave up on the body (--body-timeout): so does this end

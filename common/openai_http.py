@@ -124,6 +124,7 @@ async def handle(request: web.Request, kind: str, door: Door) -> web.StreamRespo
         opened: dict = {}
         answer = (answer_stream(request, source, kind == "responses", opened) if stream
                   else answer_single(source))
+        timed_out = False
         if door.timeout is None:
             resp, status = await answer
         else:
@@ -131,8 +132,12 @@ async def handle(request: web.Request, kind: str, door: Door) -> web.StreamRespo
                 async with asyncio.timeout(door.timeout):
                     resp, status = await answer
             except TimeoutError:
-                status = 504
+                status, timed_out = 504, True
                 resp = await _timed_out(opened, door.timeout, kind == "responses")
+        if stream and not timed_out and opened.get("stream") is resp:
+            # the stream's end, outside the timeout: a slow reader's last bytes are --send-timeout's to bound (a
+            # timeout that fell on them wrote an error and a second [DONE] after the stream's end: a review)
+            await _end_stream(resp, kind == "responses")
         return resp
     except APIError as e:
         status = e.status
@@ -250,10 +255,14 @@ async def answer_stream(request: web.Request, source, responses: bool = False,
             break
     if resp is None:
         resp = await _open_stream(request, source, held, responses, opened)
+    return resp, status         # (its end: handle's _end_stream)
+
+
+async def _end_stream(resp: web.StreamResponse, responses: bool) -> None:
+    """A stream's last bytes: ``data: [DONE]`` (not on a Responses stream, as OpenAI's), then its end."""
     if not responses:
         await resp.write(b"data: [DONE]\n\n")
     await resp.write_eof()
-    return resp, status
 
 
 async def _open_stream(request: web.Request, source, held: list, responses: bool = False,

@@ -1,8 +1,17 @@
+import atexit
 import json
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
+
+# Each test process has a cache folder of its own ($DLLM_CACHE: balancers' /v1/files folders, DCP conversions, weight
+# hashes), removed at its exit: tests never write the user's, and two processes (xdist workers) never share a
+# balancer's files folder, which one balancer process holds locked (balancer/batches.py).
+os.environ["DLLM_CACHE"] = _CACHE = tempfile.mkdtemp(prefix="dllm-test-cache-")
+atexit.register(shutil.rmtree, _CACHE, True)
 
 ROOT = Path(__file__).resolve().parent.parent
 # The fixtures are committed (byte-identical copies of ../shared/fixtures); prefer the shared ones when present.

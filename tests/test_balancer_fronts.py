@@ -357,3 +357,30 @@ def test_the_port_check_binds_as_the_server_does():
             check_port_free("::1", port)                  # nothing listens on IPv6 there
     finally:
         other.close()
+
+
+async def test_a_file_download_through_a_front_keeps_its_range_and_validators(tmp_path):
+    """A front forwarded three request headers and returned three: a Range request answered 206 with the range by
+    the central got 200 and the whole file through a front, without Content-Range, ETag or Last-Modified (a review).
+    Every connection now gets the central's answer, whichever process the kernel gives it."""
+    seen = []
+    async with workers(fake_worker("ok", seen)) as urls, \
+            balancer(urls, processes=2, files_dir=str(tmp_path / "files")) as base:
+        data = b"".join(b'{"custom_id": "r%d", "method": "POST", "url": "/v1/completions", "body": {}}\n' % i
+                        for i in range(20))
+        async with aiohttp.ClientSession() as s:
+            form = aiohttp.FormData()
+            form.add_field("purpose", "batch")
+            form.add_field("file", data, filename="in.jsonl")
+            async with s.post(base + "/v1/files", data=form) as r:
+                fid = (await r.json())["id"]
+        answers = set()
+        for _ in range(24):                       # a connection each: the kernel spreads them over both processes
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
+                async with s.get(f"{base}/v1/files/{fid}/content", headers={"Range": "bytes=2-11"}) as r:
+                    body = await r.read()
+                    answers.add((r.status, body, r.headers.get("Content-Range"), bool(r.headers.get("ETag"))))
+                    etag = r.headers.get("ETag")
+                async with s.get(f"{base}/v1/files/{fid}/content", headers={"If-None-Match": etag}) as r:
+                    answers.add((r.status,))
+        assert answers == {(206, data[2:12], f"bytes 2-11/{len(data)}", True), (304,)}, answers

@@ -726,3 +726,74 @@ async def test_generation_routes_taken_directly_behave_as_through_the_router():
             assert routed == ["/v1/completions?x=1", "/v1/completions", "/v1/completions", "/v1/nothing", "/v1/other"]
     finally:
         await runner.cleanup()
+
+
+@pytest.mark.parametrize("where", ["done", "eof"])
+async def test_a_timeout_on_a_streams_last_bytes_does_not_write_after_its_end(where, monkeypatch):
+    """The worker's --request-timeout covered a stream's `data: [DONE]` and its end too: for a slow reader it could
+    fire while they drained, and the 504's error event and a second [DONE] followed the stream's end (after the
+    chunked terminator: a broken connection for keep-alive; a review). The end is outside the timeout now. (The slow
+    reader is a test double: the drains of the last writes wait 1 s past the door's 0.5 s timeout.)"""
+    import asyncio
+
+    from aiohttp import http_writer, web
+
+    from common.http import AppRunner, middlewares
+    from common.openai_http import Event, EventBox, add_routes
+    from common.protocol import guarded_by_api_key
+
+    class Door:
+        timeout = 0.5
+
+        async def open(self, request, kind, body, req):
+            box = EventBox()
+            box.push(Event(None, "chunk", 200, {"id": "c", "object": "text_completion", "choices": [
+                {"index": 0, "text": "hello", "finish_reason": "stop"}]}, True))
+            return box
+
+        def close(self, *a):
+            pass
+    write, write_eof, drain = web.StreamResponse.write, http_writer.StreamWriter.write_eof, http_writer.StreamWriter.drain
+
+    async def slow_write(self, data):
+        await write(self, data)
+        if where == "done" and data == b"data: [DONE]\n\n":
+            await asyncio.sleep(1)
+
+    async def marked_eof(self, chunk=b""):
+        self._in_eof = True
+        return await write_eof(self, chunk)
+
+    async def slow_drain(self):
+        if where == "eof" and getattr(self, "_in_eof", False):
+            self._in_eof = False
+            await asyncio.sleep(1)
+        return await drain(self)
+    monkeypatch.setattr(web.StreamResponse, "write", slow_write)
+    monkeypatch.setattr(http_writer.StreamWriter, "write_eof", marked_eof)
+    monkeypatch.setattr(http_writer.StreamWriter, "drain", slow_drain)
+    app = web.Application(middlewares=middlewares(None, guarded_by_api_key))
+    add_routes(app, Door())
+    runner = AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        port = site._server.sockets[0].getsockname()[1]
+        r, w = await asyncio.open_connection("127.0.0.1", port)
+        body = b'{"prompt":"hi","stream":true}'
+        w.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        out = b""
+        try:
+            async with asyncio.timeout(3):
+                while d := await r.read(65536):
+                    out += d
+        except TimeoutError:
+            pass
+        w.close()
+        events = out.split(b"\r\n\r\n", 1)[1]
+        assert events.count(b"[DONE]") == 1 and b"error" not in events, events
+        assert events.endswith(b"0\r\n\r\n"), events                  # nothing after the stream's end
+    finally:
+        await runner.cleanup()
