@@ -2,6 +2,7 @@
 answering /health and /worker/batch as each test needs). Every request gets one answer, in time, from the right
 attempt; a worker's places are freed."""
 import asyncio
+import contextlib
 import time
 
 import aiohttp
@@ -33,6 +34,22 @@ def _answering(tag: str, seen: list):
         await resp.write_eof()
         return resp
     return batch
+
+
+@contextlib.asynccontextmanager
+async def _batching(urls, session, health: HealthConfig, batch: BatchConfig):
+    """A worker pool over ``urls`` (probed once) and a batcher on it, running; closed after."""
+    pool = WorkerPool(urls, lambda: session, health)
+    for w in pool.workers:
+        await pool.probe(w, session)
+    b = CentralBatcher(pool, lambda: session, batch)
+    pool.start()
+    b.start()
+    try:
+        yield pool, b
+    finally:
+        await b.close()
+        await pool.close()
 
 
 async def _balancer(urls, request_timeout=1800.0) -> TestClient:
@@ -77,22 +94,13 @@ async def test_a_draining_worker_that_keeps_stepping_is_not_stalled():
     app.router.add_get("/health", health)
     app.router.add_post("/worker/batch", batch)
     app.router.add_post("/worker/cancel", cancel)
-    async with workers(app) as urls, aiohttp.ClientSession() as s:
-        pool = WorkerPool(urls, lambda: s, HealthConfig(interval=0.1, stall_floor=1.0))
-        for w in pool.workers:
-            await pool.probe(w, s)
-        b = CentralBatcher(pool, lambda: s, BatchConfig(no_worker_grace=2))
-        pool.start()
-        b.start()
-        try:
-            p = Pending(id="r", kind="completion", body=b"{}", stream=False)
-            b.submit(p)
-            ev = await asyncio.wait_for(p.next(), 10)
-            assert (ev.kind, ev.status, ev.data) == ("response", 200, {"ok": True}) and cancels == []
-            assert not pool.workers[0].stalled
-        finally:
-            await b.close()
-            await pool.close()
+    async with workers(app) as urls, aiohttp.ClientSession() as s, \
+            _batching(urls, s, HealthConfig(interval=0.1, stall_floor=1.0), BatchConfig(no_worker_grace=2)) as (pool, b):
+        p = Pending(id="r", kind="completion", body=b"{}", stream=False)
+        b.submit(p)
+        ev = await asyncio.wait_for(p.next(), 10)
+        assert (ev.kind, ev.status, ev.data) == ("response", 200, {"ok": True}) and cancels == []
+        assert not pool.workers[0].stalled
 
 
 async def test_a_failed_request_goes_back_to_its_worker_when_no_other_could_take_it():
@@ -174,13 +182,8 @@ async def test_a_stream_held_open_after_its_last_answer_frees_the_workers_place(
         await resp.write_eof()                          # a 200 with no line at all
         return resp
     async with workers(worker_app(lingering), worker_app(short)) as urls, aiohttp.ClientSession() as s:
-        pool = WorkerPool(urls[:1], lambda: s, HealthConfig(interval=0.1, stall_floor=0.5))
-        for w in pool.workers:
-            await pool.probe(w, s)
-        b = CentralBatcher(pool, lambda: s, BatchConfig(call_timeout=1.0))
-        pool.start()
-        b.start()
-        try:
+        async with _batching(urls[:1], s, HealthConfig(interval=0.1, stall_floor=0.5),
+                             BatchConfig(call_timeout=1.0)) as (pool, b):
             for i in range(2):
                 p = Pending(id=f"r{i}", kind="completion", body=b"{}", stream=False)
                 b.submit(p)
@@ -188,20 +191,8 @@ async def test_a_stream_held_open_after_its_last_answer_frees_the_workers_place(
             await asyncio.sleep(2)
             w = pool.workers[0]
             assert (w.inflight_batches, w.inflight_rows, w.status) == (0, 0, "idle")
-        finally:
-            await b.close()
-            await pool.close()
-        pool = WorkerPool(urls[1:], lambda: s, HealthConfig(interval=0.1))
-        for w in pool.workers:
-            await pool.probe(w, s)
-        b = CentralBatcher(pool, lambda: s, BatchConfig(max_retries=0))
-        pool.start()
-        b.start()
-        try:
+        async with _batching(urls[1:], s, HealthConfig(interval=0.1), BatchConfig(max_retries=0)) as (pool, b):
             p = Pending(id="r", kind="completion", body=b"{}", stream=False)
             b.submit(p)
             ev = await asyncio.wait_for(p.next(), 5)
             assert ev.kind == "error" and pool.workers[0].errors == 1
-        finally:
-            await b.close()
-            await pool.close()

@@ -349,6 +349,15 @@ async def test_files_and_batches_refuse_bad_input_and_cancel_while_waiting(aioht
     assert cur["model"] is None and cur["usage"] is None
 
 
+async def _upload(client, text: str) -> str:
+    """POST /v1/files of ``text`` as a batch input; its file id."""
+    import aiohttp as _aiohttp
+    form = _aiohttp.FormData()
+    form.add_field("purpose", "batch")
+    form.add_field("file", text.encode(), filename="in.jsonl")
+    return (await (await client.post("/v1/files", data=form)).json())["id"]
+
+
 async def _files_balancer(aiohttp_client, tmp_path, urls: list[str], **settings):
     """A balancer in this process over ``urls`` with its files under tmp_path (and these settings), once it sees
     every worker."""
@@ -433,7 +442,6 @@ async def test_many_batches_hold_no_more_of_the_queue_than_batch_concurrency(aio
     request got 429). A fake worker (tests/fakes.py: a test double) holds each batch 0.1 s."""
     import asyncio
 
-    import aiohttp as _aiohttp
     from aiohttp import web
     from tests.fakes import worker_app, workers
     held, peak = [0], [0]
@@ -455,10 +463,7 @@ async def test_many_batches_hold_no_more_of_the_queue_than_batch_concurrency(aio
 
     async with workers(worker_app(batch)) as urls:
         client = await _files_balancer(aiohttp_client, tmp_path, urls, batch_concurrency=4)
-        form = _aiohttp.FormData()
-        form.add_field("purpose", "batch")
-        form.add_field("file", _lines(12).encode(), filename="in.jsonl")
-        fid = (await (await client.post("/v1/files", data=form)).json())["id"]
+        fid = await _upload(client, _lines(12))
         bids = [(await (await client.post("/v1/batches", json={"input_file_id": fid, "endpoint": "/v1/completions",
                                                                 "completion_window": "24h"})).json())["id"]
                 for _ in range(5)]
@@ -755,7 +760,6 @@ async def test_a_batch_stopped_by_a_drain_keeps_its_input_and_a_cancel_keeps_its
     Now the input is refused 409 while the batch says it runs, and a cancel keeps the answers as its output."""
     import asyncio
 
-    import aiohttp as _aiohttp
     from aiohttp import web
 
     from balancer.app import JOBS, STATE
@@ -773,10 +777,7 @@ async def test_a_batch_stopped_by_a_drain_keeps_its_input_and_a_cancel_keeps_its
         return resp
     async with workers(worker_app(slow)) as urls:
         client = await _files_balancer(aiohttp_client, tmp_path, urls, batch_concurrency=1)
-        form = _aiohttp.FormData()
-        form.add_field("purpose", "batch")
-        form.add_field("file", _lines(40).encode(), filename="in.jsonl")
-        fid = (await (await client.post("/v1/files", data=form)).json())["id"]
+        fid = await _upload(client, _lines(40))
         b = await (await client.post("/v1/batches", json={"input_file_id": fid, "endpoint": "/v1/completions",
                                                             "completion_window": "24h"})).json()
         for _ in range(200):
