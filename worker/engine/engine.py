@@ -347,9 +347,11 @@ class Engine:
 
     def row(self, index: int, req: Request, pl: Plan) -> Row:
         k = pl.params.logprobs
+        held = held_tokens(self.positions(pl.params.algorithm, pl.prompt_length, pl.gen_length,
+                                          pl.params.block_length), pl.params)
         return Row(index=index, prompt=list(req.prompt_ids), plan=pl,
                    generator=self._generator(pl.params.seed) if algorithms.needs_rng(pl.params) else None,
-                   logprobs=None if k is None else TokenLogprobs(k))
+                   logprobs=None if k is None else TokenLogprobs(k), held=held)
 
     @torch.inference_mode()
     def generate(self, requests: list[Request], *, early_exit: bool = True, hooks: StepHooks | None = None,
@@ -476,8 +478,7 @@ class _Batch:
 
     def admit(self) -> None:
         live = [r for g in self.groups.values() for r in g.running + g.inbox if not r.done]
-        tokens = sum(held_tokens(self.engine.positions(r.params.algorithm, r.plan.prompt_length, r.plan.gen_length,
-                                                       r.params.block_length), r.params) for r in live)
+        tokens = sum(r.held for r in live)
         for index, req in self.feed.admit(len(live), tokens):
             row = self.engine.row(index, req, req.plan or self.engine.plan(req.prompt_ids, req.params))
             name = self.key(row)

@@ -112,6 +112,7 @@ class Row:
     cached_tokens: int = 0        # prompt tokens the prefix cache gave it (usage's cached_tokens)
     state: object = None          # its algorithm's own per-row state: kept on the row, so it goes when the row
     #                               goes (a batch under steady load runs for ever: nothing per row may outlive it)
+    held: int = 0                 # tokens it holds in a forward (params.held_tokens: --max-batch-tokens), set once
 
     def __post_init__(self):
         # a plain attribute, not a property: the steps read it for every row, many times a step

@@ -91,7 +91,7 @@ class Compiled:
     the fallback: if compiling or running the compiled code fails (no compiler for the backend, an unsupported op),
     a warning is logged once and the eager function is used from then on. Out-of-memory errors are not swallowed.
 
-    The compiled code's first :attr:`CHECKS` results for each kind of shape (each argument's sizes, 0, 1 or more:
+    The compiled code's first :attr:`CHECKS` results for each kind of shape (its inputs' sizes, 0, 1 or more:
     what a dynamic-shape graph specialises on, so each graph the compiler makes is checked) are also compared with
     ``fn``'s (a pure function) on the same arguments. ``fn`` is a residual step (its first argument plus an update),
     so the difference is measured against the update: a result that is not finite, or whose distance from ``fn``'s
@@ -101,6 +101,7 @@ class Compiled:
     then values off by a third (docs/reliability.md)."""
     CHECKS = 3
     TOLERANCE = 0.05
+    INPUTS = 2          # ``fn``'s leading arguments whose shapes vary (tensors); the others are weights, fixed
 
     def __init__(self, fn, **options):
         self.fn = fn
@@ -118,7 +119,7 @@ class Compiled:
                 self.failed = f"{type(e).__name__}: {str(e)[:300]}"
                 log.warning("torch.compile failed for %s, using the eager path: %s", self.fn.__name__, self.failed)
             else:
-                kind = tuple(tuple(min(n, 2) for n in a.shape) for a in args if isinstance(a, torch.Tensor))
+                kind = tuple(tuple(min(n, 2) for n in a.shape) for a in args[:self.INPUTS])
                 left = self.checks_left.get(kind, self.CHECKS)
                 if not left:
                     return out
