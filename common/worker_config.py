@@ -54,9 +54,11 @@ class WorkerConfig:
                                        "the rows in a batch, at most (0: no limit beyond --batch-size); bounds "
                                        "device memory.",
                                     type=click.IntRange(0))
-    switch_wait: float = setting(1.0, "Continuous batching: seconds a queued likelihood-scoring request (which runs "
-                                      "in batches of its own) lets generation rows join the running batch ahead of "
-                                      "it; then the batch drains and it goes next.", type=click.FloatRange(0))
+    switch_wait: float = setting(1.0, "Continuous batching with tensor parallelism, where a likelihood-scoring "
+                                      "request runs in a batch of its own: seconds a queued one lets generation rows "
+                                      "join the running batch ahead of it; then the batch drains and it goes next "
+                                      "(on one GPU scoring takes turns with generation rows).",
+                                 type=click.FloatRange(0))
     max_request_cost: int = setting(1 << 25, "A request implying more token-forwards than this is refused with 400 "
                                              "naming it (0: no limit). A row's nominal cost: its schedule's forwards "
                                              "x (prompt + canvas tokens, at least 64), x2 with cfg_scale; a scoring request's: "

@@ -372,3 +372,52 @@ def test_the_token_budget_counts_what_a_row_holds(llada_engine, sdar_engine):
     assert canvas_tokens(Job([5] * 10, cfg, None), llada_engine) == 68
     sdar = GenerationParams(gen_length=1, block_length=32, algorithm="sdar")
     assert canvas_tokens(Job([5] * 1000, sdar, None), sdar_engine) == 1024
+
+
+async def test_a_scoring_request_takes_turns_with_generation_rows(llada_engine):
+    """A scoring request ran apart and to its end: a generation request that came meanwhile waited for all of it (a
+    review: a 4-token request waited 3.5 s behind one costing 1.2% of --max-request-cost). Now its forwards take
+    turns with the generation rows' steps in the fair share (each charged its share of the forward's tokens): the
+    8-token request joins, takes its steps and is answered while the scoring request has forwards left, and both
+    equal their runs alone. A second scoring request waits for the first's forwards to end (they share the next
+    group's), and one cancelled there is answered at once, never scored."""
+    import asyncio
+    from worker.scheduler import Job, RowScheduler
+    model, mask = llada_engine.model, llada_engine.mask_id
+    big = likelihood.ScoreRequest(list(range(5, 45)), [20, 30], mc_num=2048, batch_size=64, check_greedy=False)
+    small = likelihood.ScoreRequest(list(range(7, 19)), [6], mc_num=8, batch_size=8)
+    alone = likelihood.score(model, mask, [big])[0], likelihood.score(model, mask, [small])[0]
+    gen = GenerationParams(gen_length=8, block_length=8)
+    gen_alone = llada_engine.generate([Request([7, 8, 9], gen)])[0]
+    rows, real = [], model.forward
+    model.forward = lambda x, *a, **k: rows.append(x.shape[0]) or real(x, *a, **k)
+    b = RowScheduler(llada_engine, batch_size=8, max_wait_time=0.0)
+    got = {}
+
+    def sink(name):
+        return lambda i, kind, payload: got.setdefault(name, (kind, payload, len(rows))) if kind != "progress" else 0
+    b.start()
+    try:
+        b.submit(Job(big.ids, None, sink("big"), score=big), wait=False)
+        while not rows:
+            await asyncio.sleep(0.001)
+        b.submit(Job([7, 8, 9], gen, sink("gen")), wait=False)
+        b.submit(Job(small.ids, None, sink("small"), score=small), wait=False)
+        gone = Job(small.ids, None, sink("gone"), score=small)
+        b.submit(gone, wait=False)
+        while "gen" not in got:
+            await asyncio.sleep(0.001)
+        b.cancel(gone)
+        await asyncio.wait_for(b.idle(), 60)
+    finally:
+        await b.close()
+        del model.forward
+    kind, res, at = got["gen"]
+    assert kind == "done" and (res.token_ids, res.nfe) == (gen_alone.token_ids, gen_alone.nfe)
+    forwards_left = rows[at:].count(64)
+    assert forwards_left >= 10 and rows[:at].count(1) == gen_alone.nfe, (at, rows)   # answered amid the scoring
+    assert got["big"][0] == "done" and got["big"][1].log_likelihoods == alone[0].log_likelihoods
+    assert got["small"][0] == "done" and got["small"][2] >= got["big"][2]          # the next group's
+    assert (got["small"][1].log_likelihoods, got["small"][1].greedy) == (alone[1].log_likelihoods, alone[1].greedy)
+    assert got["gone"][0] == "done" and got["gone"][1].finish_reason == "cancelled" and got["gone"][2] < len(rows)
+    assert b.running == [] and b.rows_retired == 4

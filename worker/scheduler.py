@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
-import ctypes
-import ctypes.util
 import logging
 import random
 import threading
@@ -20,31 +17,10 @@ from dataclasses import dataclass, field, replace
 
 from worker.engine import Engine, GenerationParams, Request, Result, StepHooks
 from worker.engine.algorithms import needs_rng
+from worker.engine.likelihood import returned_memory
 from worker.engine.params import Plan, held_tokens, with_seed
 
 log = logging.getLogger("dllm.worker.scheduler")
-
-
-def _mmap_threshold(nbytes: int) -> None:
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.mallopt(-3, nbytes)        # M_MMAP_THRESHOLD (glibc); fixed from then on
-    except (OSError, AttributeError):   # not glibc
-        pass
-
-
-@contextlib.contextmanager
-def freed_memory_returned():
-    """While likelihood scoring runs (thousands of forwards whose activations are freed and allocated again on the
-    device thread), glibc mmaps blocks of 1 MiB and more and gives them back when freed. Otherwise glibc raises its
-    mmap threshold as such blocks are freed and the device thread's arena keeps their memory: a long scoring request
-    grew a worker by 1.8 GB in 25 s (docs/reliability.md). Afterwards the threshold is 32 MiB (glibc's own ceiling),
-    so generation allocates as before (a low threshold for everything cost CPU generation 10-60%)."""
-    _mmap_threshold(1 << 20)
-    try:
-        yield
-    finally:
-        _mmap_threshold(32 << 20)
 
 
 # ---------------------------------------------------------------- the queue and the device thread
@@ -103,8 +79,10 @@ class RowScheduler:
     """The worker's queue and its device thread. With ``continuous`` (the default) rows also join the running batch
     between denoising steps (worker/engine/engine.py ``Feed``), in queue order, while they fit ``batch_size`` rows
     and ``max_batch_tokens`` canvas tokens; a row whose algorithm is not running starts its own group beside the
-    others (the groups take their steps in turn). Scoring rows run in batches of their own: one queued lets
-    generation rows join ahead of it for at most ``switch_wait`` seconds, then the batch drains and it goes next.
+    others (the groups take their steps in turn). Likelihood-scoring rows join the same way and take their turns
+    too, one forward a turn (worker/engine/engine.py ``_ScoreGroup``). On tensor-parallel ranks they run in batches
+    of their own: one queued lets generation rows join ahead of it for at most ``switch_wait`` seconds, then the
+    batch drains and it goes next.
     Finished rows leave the batch and are answered at once.
 
     Fair share: rows whose nominal cost exceeds ``long_row_cost`` token-forwards hold at most ``long_row_share`` of
@@ -120,7 +98,7 @@ class RowScheduler:
         self.max_queue = max_queue
         self.continuous = continuous
         self.max_batch_tokens = max_batch_tokens       # 0: no limit
-        self.switch_wait = switch_wait                 # seconds a row of another algorithm lets rows join ahead of it
+        self.switch_wait = switch_wait                 # tensor-parallel: seconds a scoring row lets rows join ahead
         self.long_row_cost = long_row_cost             # 0: every row alike
         self.long_slots = max(1, int(batch_size * long_row_share))
         self.pending: collections.deque[Job] = collections.deque()
@@ -271,6 +249,12 @@ class RowScheduler:
             self._retired(job)
             _call(job.sink, job.index, kind, payload)
 
+    @property
+    def scores_beside(self) -> bool:
+        """Scoring rows take turns with generation rows in the running batch (continuous batching on one rank);
+        otherwise they run in batches of their own (tensor-parallel ranks must take the same forwards)."""
+        return self.continuous and getattr(self.engine, "ranks", None) is None
+
     def is_long(self, job: Job) -> bool:
         return bool(self.long_row_cost) and job.score is None and job.cost > self.long_row_cost
 
@@ -279,8 +263,9 @@ class RowScheduler:
         ``rows`` / ``tokens`` running (``long`` of them long), removed from the queue. A long row past its share
         is passed over (shorter rows overtake it); a row past the token budget stops the taking (in order), except a
         long row while another long row runs (passed over, as the rows behind it would wait for that one's end).
-        A new batch (``first``) takes scoring rows too (they run first, apart: ``_run``); joining rows pass them
-        for ``switch_wait`` seconds, then the batch takes no more and drains."""
+        Scoring rows are taken alike where they are scored beside generation (``scores_beside``); otherwise only by
+        a new batch (``first``: they run first, apart, ``_run``), and joining rows pass them for ``switch_wait``
+        seconds, then the batch takes no more and drains."""
         taken, now = [], time.monotonic()
         share = None
         if self.continuous and getattr(self.engine, "prefix_cache", None) is not None:
@@ -299,7 +284,7 @@ class RowScheduler:
                 if share.waits(j.prefix_key, j.prefix_waited):
                     j.prefix_waited = True
                     continue   # a row of this round computes its first prompt block: it joins next round, from the cache
-            if j.score is not None and not first:
+            if j.score is not None and not first and not self.scores_beside:
                 if now - j.enqueued_at > self.switch_wait:
                     break
                 continue
@@ -345,7 +330,7 @@ class RowScheduler:
         import torch
 
         scoring = [j for j in jobs if j.score is not None]
-        if scoring:
+        if scoring and not self.scores_beside:
             jobs = [j for j in jobs if j.score is None]
             out = self._score(scoring)
             if not jobs:
@@ -354,8 +339,12 @@ class RowScheduler:
             self._loop.call_soon_threadsafe(self._answer, out)
             return self._run(jobs)
 
+        if scoring:               # scored beside the generation rows (the feed's index: generation rows first)
+            jobs = [j for j in jobs if j.score is None] + scoring
         feed = _Feed(self, jobs, joins=join) if self.continuous else None
         rows = feed.jobs if feed is not None else jobs        # grows as rows join
+        generating = [j for j in jobs if j.score is None]
+        scored = {"scoring": [(len(generating) + k, j.score) for k, j in enumerate(scoring)]} if scoring else {}
 
         def progress(i, ids):
             if rows[i].wants_progress:
@@ -371,8 +360,9 @@ class RowScheduler:
         hooks = StepHooks(on_progress=progress, is_cancelled=lambda i: rows[i].cancelled, on_step=step,
                           steps_for=lambda i: rows[i].wants_steps)
         try:
-            results: list[Result] = self.engine.generate([Request(j.prompt_ids, j.params, j.plan) for j in jobs], hooks=hooks,
-                                                         **({"feed": feed} if feed is not None else {}))
+            results: list[Result] = self.engine.generate(
+                [Request(j.prompt_ids, j.params, j.plan) for j in generating], hooks=hooks,
+                **({"feed": feed} if feed is not None else {}), **scored)
         except torch.cuda.OutOfMemoryError:
             self._free_prefix_cache()
             torch.cuda.empty_cache()
@@ -423,7 +413,7 @@ class RowScheduler:
         """Device thread: the scoring rows of a batch, their forwards shared (worker.engine.likelihood)."""
         import torch
         try:
-            with freed_memory_returned():
+            with returned_memory():
                 results = self.engine.score([j.score for j in jobs], cancelled=lambda i: jobs[i].cancelled)
         except torch.cuda.OutOfMemoryError:
             self._free_prefix_cache()
@@ -482,8 +472,7 @@ class _Feed:
 
     def admit(self, rows: int, tokens: int) -> list[tuple[int, Request]]:
         """Queued rows, in turns, that fit ``batch_size`` rows and ``max_batch_tokens`` with the ``rows`` /
-        ``tokens`` running. Scoring rows never join (they run in batches of their own): they let generation rows
-        join ahead of them for ``switch_wait`` seconds, then the batch takes no more and drains."""
+        ``tokens`` running: (index, Request), or (index, ScoreRequest) for a scoring row (``_take``)."""
         b = self.b
         out = []
         if not self.joins:
@@ -493,15 +482,18 @@ class _Feed:
             for j in taken:
                 self.long += b.is_long(j)
                 j.queued = False
-                out.append((self.next_index, Request(j.prompt_ids, j.params, j.plan)))
+                out.append((self.next_index, j.score if j.score is not None else
+                            Request(j.prompt_ids, j.params, j.plan)))
                 self.jobs[self.next_index] = j
                 self.next_index += 1
         for j in taken:
             self.post(b._joined, j)
         return out
 
-    def done(self, index: int, result: Result) -> None:
+    def done(self, index: int, result) -> None:
         j = self.jobs.pop(index)
+        if result is None:        # a scoring row whose client went (worker/engine/engine.py _ScoreGroup)
+            result = Result([], "cancelled", 0, [], len(j.prompt_ids))
         self.long -= self.b.is_long(j)
         self.post(self._answer, j, result)
 

@@ -20,6 +20,7 @@ from ..models.checkpoint import (CheckpointError, check_reload, generation_defau
                                 reload_native)
 from ..tokenizer import load_tokenizer, mask_token_id, stop_token_ids
 from . import algorithms
+from .likelihood import ScoreRequest, returned_memory, score_steps
 from .params import GenerationParams, ParamError, Plan, canvas_positions, held_tokens, plan, row_cost, with_seed
 from .rows import Finisher, Row, StepHooks, TokenLogprobs
 
@@ -355,7 +356,7 @@ class Engine:
 
     @torch.inference_mode()
     def generate(self, requests: list[Request], *, early_exit: bool = True, hooks: StepHooks | None = None,
-                 feed: "Feed | None" = None) -> list[Result]:
+                 feed: "Feed | None" = None, scoring: list[tuple[int, ScoreRequest]] = ()) -> list[Result]:
         """Generate for every request in one batch. Raises ParamError before any work if a request is invalid;
         callers that must not fail the others validate with :meth:`plan` first.
 
@@ -368,12 +369,20 @@ class Engine:
         joins its algorithm's running group before that group's next step (every algorithm takes joining rows from
         ``fin.admit`` at the top of its step loop) or starts a group when none of its algorithm runs; every row is
         handed to ``feed.done(index, Result)`` the moment it finishes. A row's tokens and nfe never depend on the
-        rows around it, so joining is exact (tests/test_continuous.py)."""
+        rows around it, so joining is exact (tests/test_continuous.py).
+
+        Likelihood scoring beside generation (one rank, with a feed): ``scoring`` pairs of index and ScoreRequest,
+        and the feed's admitted ScoreRequests, are scored one forward per turn (``_ScoreGroup``), in the same fair
+        share as the algorithm groups; each is handed to ``feed.done(index, ScoreResult or None if cancelled)``."""
         plans = [r.plan or self.plan(r.prompt_ids, r.params) for r in requests]
         if self.ranks is not None:
+            if scoring:
+                raise ValueError("tensor-parallel workers score apart (Engine.score)")
             return self._generate_leader(requests, plans, early_exit, hooks, feed)
+        if scoring and feed is None:
+            raise ValueError("scoring beside generation answers through a feed")
         rows = [self.row(i, req, pl) for i, (req, pl) in enumerate(zip(requests, plans))]
-        _Batch(self, early_exit, hooks, feed).run(rows)
+        _Batch(self, early_exit, hooks, feed).run(rows, list(scoring))
         return [result(r) for r in rows]
 
     def _generate_leader(self, requests, plans, early_exit, hooks, feed) -> list[Result]:
@@ -407,6 +416,89 @@ class _Group:
         if live:
             self.vtime += sum(r.plan.prompt_length + r.plan.canvas_length for r in live) / len(live)
 
+    def held(self) -> tuple[int, int]:
+        """Rows and canvas tokens it holds (running or waiting to join), for the feed's limits."""
+        live = [r for r in self.running + self.inbox if not r.done]
+        return len(live), sum(r.held for r in live)
+
+    def add(self, row: Row) -> None:
+        self.inbox.append(row)
+
+    def sweep(self) -> None:
+        for r in self.running:
+            self.fin.cancelled(r)
+        if self.inbox:
+            self.inbox = [r for r in self.inbox if not self.fin.cancelled(r)]
+
+    def fail(self, fail, message: str) -> None:
+        for r in self.running + self.inbox:
+            if not r.done:
+                r.done, r.finish_reason = True, "error"
+                fail(r.index, message)
+
+
+SCORING = "likelihood"      # the group name of scoring requests (apart for long ones, as algorithm groups)
+
+
+class _ScoreGroup:
+    """Likelihood-scoring requests that started together (worker/engine/likelihood.py ``score_steps``, their
+    forwards shared): one forward is a step, taking its turn among the algorithm groups by the same charge (each
+    request is charged its share of the forward's tokens), so generation rows are not held for a scoring request's
+    whole run and it is not held for theirs. Each request is answered through the feed when its group ends (None:
+    cancelled); requests that come meanwhile wait in ``inbox`` and start the next group (their forwards shared)."""
+
+    def __init__(self, batch: "_Batch", items: list[tuple[int, ScoreRequest]]):
+        hooks = batch.hooks
+        self.is_cancelled = hooks.is_cancelled if hooks is not None and hooks.is_cancelled else (lambda i: False)
+        self.feed = batch.feed
+        self.items = items
+        self.inbox: list[tuple[int, ScoreRequest]] = []
+        self.answered = False
+        self.tokens = 0             # the last forward's tokens
+        self.steps = self._steps(batch.engine)
+        self.vtime = min((g.vtime for g in batch.groups.values()), default=0.0)
+
+    def _steps(self, engine: "Engine"):
+        forwards = score_steps(engine.model, engine.mask_id, [r for _, r in self.items],
+                               cancelled=lambda k: self.is_cancelled(self.items[k][0]))
+        while True:
+            with returned_memory():
+                try:
+                    self.tokens = next(forwards)
+                except StopIteration as end:
+                    results = end.value
+                    break
+            yield
+        self.answered = True
+        for (index, _), res in zip(self.items, results):
+            self.feed.done(index, res)
+
+    def charge(self) -> None:
+        live = sum(1 for index, _ in self.items if not self.is_cancelled(index)) or 1
+        self.vtime += self.tokens / live
+
+    def held(self) -> tuple[int, int]:
+        waiting = self.inbox + ([] if self.answered else self.items)
+        return len(waiting), sum(len(r.ids) for _, r in waiting)
+
+    def add(self, item: tuple[int, ScoreRequest]) -> None:
+        self.inbox.append(item)
+
+    def sweep(self) -> None:
+        """Requests whose client has gone leave the inbox at once (the running ones stop between forwards)."""
+        if self.inbox:
+            flags = [self.is_cancelled(index) for index, _ in self.inbox]
+            if any(flags):
+                gone = [it for it, f in zip(self.inbox, flags) if f]
+                self.inbox = [it for it, f in zip(self.inbox, flags) if not f]
+                for index, _ in gone:
+                    self.feed.done(index, None)
+
+    def fail(self, fail, message: str) -> None:
+        for index, _ in self.inbox + ([] if self.answered else self.items):
+            fail(index, message)
+        self.answered, self.inbox = True, []
+
 
 class _Batch:
     """Drives a batch's algorithm groups step by step and admits rows from the feed between steps.
@@ -421,8 +513,22 @@ class _Batch:
         self.engine, self.early_exit, self.hooks, self.feed = engine, early_exit, hooks, feed
         self.groups: dict[str, _Group] = {}
 
-    def start(self, name: str, rows: list[Row]) -> None:
-        self.groups[name] = _Group(self, algorithms.get(rows[0].params.algorithm, self.engine.family), rows)
+    def start(self, name: str, rows: list) -> None:
+        if name.startswith(SCORING):
+            self.groups[name] = _ScoreGroup(self, rows)
+        else:
+            self.groups[name] = _Group(self, algorithms.get(rows[0].params.algorithm, self.engine.family), rows)
+
+    def join(self, name: str, item) -> None:
+        g = self.groups.get(name)
+        if g is None:
+            self.start(name, [item])
+        else:
+            g.add(item)
+
+    def score_key(self, req: ScoreRequest) -> str:
+        from .likelihood import cost
+        return SCORING + ("/long" if self.engine.long_row_cost and cost(req) > self.engine.long_row_cost else "")
 
     def key(self, r: Row) -> str:
         """The group a row steps in: its algorithm's forward (Algorithm.group: algorithms that share a forward step
@@ -430,10 +536,12 @@ class _Batch:
         long = self.engine.long_row_cost and row_cost(r.plan) > self.engine.long_row_cost
         return algorithms.get(r.params.algorithm, self.engine.family).group + ("/long" if long else "")
 
-    def run(self, rows: list[Row]) -> None:
-        by_key: dict[str, list[Row]] = {}
+    def run(self, rows: list[Row], scoring: list[tuple[int, ScoreRequest]] = ()) -> None:
+        by_key: dict[str, list] = {}
         for r in rows:
             by_key.setdefault(self.key(r), []).append(r)
+        for item in scoring:
+            by_key.setdefault(self.score_key(item[1]), []).append(item)
         for name, group in by_key.items():
             self.start(name, group)
         while self.groups:
@@ -456,10 +564,8 @@ class _Batch:
                 if fail is None or self.engine.ranks is not None:     # (ranks must fail together)
                     raise
                 log.exception("algorithm group %s failed; its rows are answered with an error", name)
-                for r in g.running + g.inbox:
-                    if not r.done:
-                        r.done, r.finish_reason = True, "error"
-                        fail(r.index, f"internal error during generation: {type(e).__name__}: {e}")
+                what = "scoring" if name.startswith(SCORING) else "generation"
+                g.fail(fail, f"internal error during {what}: {type(e).__name__}: {e}")
                 self.groups.pop(name)
             if self.feed is not None:
                 self.sweep()
@@ -471,22 +577,19 @@ class _Batch:
         held their places, their tokens and their answers until then. Its algorithm drops them from its canvas at
         its next step (``between_steps``); rows still waiting to join leave their group's inbox now."""
         for g in self.groups.values():
-            for r in g.running:
-                g.fin.cancelled(r)
-            if g.inbox:
-                g.inbox = [r for r in g.inbox if not g.fin.cancelled(r)]
+            g.sweep()
 
     def admit(self) -> None:
-        live = [r for g in self.groups.values() for r in g.running + g.inbox if not r.done]
-        tokens = sum(r.held for r in live)
-        for index, req in self.feed.admit(len(live), tokens):
+        rows = tokens = 0
+        for g in self.groups.values():
+            n, t = g.held()
+            rows, tokens = rows + n, tokens + t
+        for index, req in self.feed.admit(rows, tokens):
+            if isinstance(req, ScoreRequest):
+                self.join(self.score_key(req), (index, req))
+                continue
             row = self.engine.row(index, req, req.plan or self.engine.plan(req.prompt_ids, req.params))
-            name = self.key(row)
-            g = self.groups.get(name)
-            if g is None:
-                self.start(name, [row])
-            else:
-                g.inbox.append(row)
+            self.join(self.key(row), row)
 
 
 def result(r: Row) -> Result:

@@ -18,6 +18,10 @@ attention), and only the masked positions' logits are computed. The greedy check
 in lockstep, and stops a split at its first wrong token (a committed token is never changed, so the answer is known)."""
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import functools
+import ctypes.util
 from dataclasses import dataclass, field
 
 import torch
@@ -102,6 +106,35 @@ def _draw(req: ScoreRequest, split: int, mask_id: int, seq: torch.Tensor, rows: 
         est.batches.append((which, x))
 
 
+@functools.cache
+def _libc():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")    # (find_library may run ldconfig: once)
+    except OSError:
+        return None
+
+
+def _mmap_threshold(nbytes: int) -> None:
+    try:
+        _libc().mallopt(-3, nbytes)     # M_MMAP_THRESHOLD (glibc); fixed from then on
+    except AttributeError:              # not glibc
+        pass
+
+
+@contextlib.contextmanager
+def returned_memory():
+    """Around each scoring forward (a scoring group's step, beside generation steps): while likelihood scoring runs (thousands of forwards whose activations are freed and allocated again on the
+    device thread), glibc mmaps blocks of 1 MiB and more and gives them back when freed. Otherwise glibc raises its
+    mmap threshold as such blocks are freed and the device thread's arena keeps their memory: a long scoring request
+    grew a worker by 1.8 GB in 25 s (docs/reliability.md). Afterwards the threshold is 32 MiB (glibc's own ceiling),
+    so generation allocates as before (a low threshold for everything cost CPU generation 10-60%)."""
+    _mmap_threshold(1 << 20)
+    try:
+        yield
+    finally:
+        _mmap_threshold(32 << 20)
+
+
 MAX_FORWARD_TOKENS = 32768     # canvas tokens per scoring forward (bounds activation memory on long prompts)
 
 
@@ -109,11 +142,12 @@ MAX_CHUNK_ROWS = 4096         # distinct noisy rows drawn and held at once (boun
 
 
 def _forward_rows(model, mask_id: int, cfg_scale: float, items: list, max_rows: int, cancelled,
-                  max_tokens: int = MAX_FORWARD_TOKENS, reduce=None) -> list:
-    """items: (prefix_len, noisy row [L] long, needed positions [m] long). Returns, per item, the logits at its
-    needed positions (with classifier-free guidance mixed in when cfg_scale > 0), or ``reduce(i, logits)`` of them
-    (kept instead of the logits: memory), in batches of at most ``max_rows`` forward rows and ``max_tokens``
-    tokens, right-padded to the longest row of the batch."""
+                  max_tokens: int = MAX_FORWARD_TOKENS, reduce=None):
+    """items: (prefix_len, noisy row [L] long, needed positions [m] long). Returns (a generator's value: it yields
+    each forward's token count after the forward), per item, the logits at its needed positions (with
+    classifier-free guidance mixed in when cfg_scale > 0), or ``reduce(i, logits)`` of them (kept instead of the
+    logits: memory), in batches of at most ``max_rows`` forward rows and ``max_tokens`` tokens, right-padded to the
+    longest row of the batch."""
     out: list = [None] * len(items)
     per = 2 if cfg_scale > 0 else 1
     order = sorted(range(len(items)), key=lambda i: -len(items[i][1]))
@@ -148,14 +182,12 @@ def _forward_rows(model, mask_id: int, cfg_scale: float, items: list, max_rows: 
                 un_logits = model.logits(h[len(chunk) + j, need])
                 logits = un_logits + (cfg_scale + 1) * (logits - un_logits)
             out[i] = logits if reduce is None else reduce(i, logits)
+        yield ids.numel()
     return out
 
 
-@torch.no_grad()
-
-
 def _monte_carlo(model, mask_id: int, requests: list[ScoreRequest], results: list, live, cancelled,
-                 max_rows: int) -> None:
+                 max_rows: int):
     """The estimates (see the module's docstring); a request cancelled meanwhile gets None."""
     # --- Monte Carlo estimates: distinct noisy rows, forwarded together (one cfg scale per forward), in chunks of
     # at most MAX_CHUNK_ROWS rows (whole splits), each row's logits reduced to its cross entropies at once: host and
@@ -186,8 +218,8 @@ def _monte_carlo(model, mask_id: int, requests: list[ScoreRequest], results: lis
             # (row-major, as logits[mask_index] orders them) divided by the copy's ratio, summed, / batch_size
             ce = lambda k, lg: F.cross_entropy(lg, targets[owners[k]][items[k][2].to(model.device)], reduction="none")
             try:
-                ces = _forward_rows(model, mask_id, cfg, items, max_rows, lambda: not any(live(i) for i in group),
-                                    reduce=ce)
+                ces = yield from _forward_rows(model, mask_id, cfg, items, max_rows,
+                                               lambda: not any(live(i) for i in group), reduce=ce)
             except Cancelled:
                 break
             for i in set(owners):
@@ -211,7 +243,7 @@ def _monte_carlo(model, mask_id: int, requests: list[ScoreRequest], results: lis
 
 
 def _greedy_checks(model, mask_id: int, requests: list[ScoreRequest], results: list, live, cancelled,
-                   max_rows: int) -> None:
+                   max_rows: int):
     """``check_greedy``: is the continuation what greedy decoding of its positions gives?"""
     # --- greedy checks, all splits in lockstep: [request, split index, canvas, steps left]
     states = []
@@ -230,7 +262,7 @@ def _greedy_checks(model, mask_id: int, requests: list[ScoreRequest], results: l
                 break
             items = [(requests[i].splits[k], canvas, (canvas == mask_id).nonzero().squeeze(1))
                      for i, k, canvas, _ in active]
-            logits = _forward_rows(model, mask_id, cfg, items, max_rows, lambda: False)
+            logits = yield from _forward_rows(model, mask_id, cfg, items, max_rows, lambda: False)
             going = []
             for st, item, lg in zip(active, items, logits):
                 i, k, canvas, left = st
@@ -252,7 +284,7 @@ def _greedy_checks(model, mask_id: int, requests: list[ScoreRequest], results: l
 
 
 def _next_tokens(model, mask_id: int, requests: list[ScoreRequest], results: list, live, cancelled,
-                 max_rows: int) -> None:
+                 max_rows: int):
     """``max_tokens`` 1: the token after the prompt and its log-probability."""
     # --- the token after the prompt (max_tokens 1): one masked position, argmax, its log-probability
     nxt = [i for i, r in enumerate(requests) if r.next_token and live(i)]
@@ -260,7 +292,7 @@ def _next_tokens(model, mask_id: int, requests: list[ScoreRequest], results: lis
         group = [i for i in nxt if requests[i].cfg_scale == cfg]
         items = [(len(requests[i].ids), torch.tensor(requests[i].ids + [mask_id]),
                   torch.tensor([len(requests[i].ids)])) for i in group]
-        logits = _forward_rows(model, mask_id, cfg, items, max_rows, lambda: False)
+        logits = yield from _forward_rows(model, mask_id, cfg, items, max_rows, lambda: False)
         for i, lg in zip(group, logits):
             lp = torch.log_softmax(lg[0].to(torch.float32), dim=-1)
             t = int(torch.argmax(lg[0]))
@@ -268,10 +300,12 @@ def _next_tokens(model, mask_id: int, requests: list[ScoreRequest], results: lis
             results[i].forward_rows += 2 if cfg > 0 else 1
 
 
-def score(model, mask_id: int, requests: list[ScoreRequest], *, max_rows: int = 64,
-          cancelled=lambda i: False) -> list[ScoreResult | None]:
-    """Estimates for every request and split (see the module's docstring). ``cancelled(i)`` is asked between
-    forwards; a cancelled request's result is None."""
+@torch.no_grad()          # (on a generator function: around each of its resumptions)
+def score_steps(model, mask_id: int, requests: list[ScoreRequest], *, max_rows: int = 64,
+                cancelled=lambda i: False):
+    """:func:`score` one forward at a time: a generator that yields each forward's token count after the forward
+    (the worker's batch gives generation rows their steps between them: worker/engine/engine.py ``_ScoreGroup``)
+    and returns the results."""
     for r in requests:
         check(r)
     results: list[ScoreResult | None] = [ScoreResult([0.0] * len(r.splits), [None] * len(r.splits))
@@ -279,11 +313,23 @@ def score(model, mask_id: int, requests: list[ScoreRequest], *, max_rows: int = 
     live = lambda i: results[i] is not None and not cancelled(i)
 
     for part in (_monte_carlo, _greedy_checks, _next_tokens):
-        part(model, mask_id, requests, results, live, cancelled, max_rows)
+        yield from part(model, mask_id, requests, results, live, cancelled, max_rows)
     for i in range(len(requests)):
         if results[i] is not None and cancelled(i):
             results[i] = None
     return results
+
+
+def score(model, mask_id: int, requests: list[ScoreRequest], *, max_rows: int = 64,
+          cancelled=lambda i: False) -> list[ScoreResult | None]:
+    """Estimates for every request and split (see the module's docstring). ``cancelled(i)`` is asked between
+    forwards; a cancelled request's result is None."""
+    steps = score_steps(model, mask_id, requests, max_rows=max_rows, cancelled=cancelled)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return done.value
 
 
 def log_likelihood(model, prefix: list[int], target: list[int], mask_id: int, mc_num: int = 128,
