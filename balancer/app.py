@@ -86,7 +86,10 @@ class BalancerConfig:
                                      "the limit (thousands of requests/s) and cores are free: a front's request "
                                      "costs more CPU in all (docs/balancer.md).", type=click.IntRange(1))
     front_timeout: float = setting(10.0, "With --http-processes > 1: seconds a front process may leave pings "
-                                         "unanswered before it is killed and restarted.", type=click.FloatRange(0.1))
+                                         "unanswered before it is killed and restarted; and seconds the balancer "
+                                         "may send a front nothing (it pings four times as often) before that "
+                                         "front answers its open and new requests 503.",
+                                   type=click.FloatRange(0.1))
     front_startup_timeout: float = setting(60.0, "With --http-processes > 1: seconds a starting front process may "
                                                  "take to report (its imports) before it is killed and restarted.",
                                            type=click.FloatRange(0.1))

@@ -16,7 +16,8 @@ seconds; the central releases it and records the metrics), ``ready``. Central to
 
 A front's client disconnect reaches the central as ``d`` with status 499 (the request is cancelled as usual); a
 front that dies is restarted by the central, whose requests from it are cancelled; when the central goes away a
-front answers its open requests 502 and exits. On SIGTERM the central drains (fronts' new requests get 503 from
+front stops listening at once, answers its open requests 502 and exits; while the central sends nothing (not even
+its pings) for longer than --front-timeout, a front answers its open and new requests 503. On SIGTERM the central drains (fronts' new requests get 503 from
 the central), then closes the fronts. Fronts ignore SIGTERM/SIGINT themselves: the central decides.
 
 Run as ``python -m balancer.front`` by the central only (configuration in the ``DLLM_FRONT`` environment
@@ -264,14 +265,19 @@ class Fronts:
     async def _watch(self) -> None:
         """Ping every front; one that answers nothing (a wedged loop, SIGSTOP) for ``timeout`` is killed, and
         restarted by its supervisor like one that crashed."""
+        every = max(0.05, self.timeout / 4)
+        last = time.monotonic()
         while True:
-            await asyncio.sleep(max(0.05, self.timeout / 4))
+            await asyncio.sleep(every)
             now = time.monotonic()
+            # a round that came late (the central itself was paused: SIGSTOP, a long stall) judges nothing: the
+            # fronts' answers to its pings may be waiting to be read, and healthy fronts were killed for it
+            late, last = now - last > every + self.timeout / 2, now
             for link, proc in zip(self.links, self.procs):
                 if link is None or proc is None or proc.returncode is not None:
                     continue
                 limit = self.timeout if link.ready else self.startup_timeout
-                if now - link.last_seen > limit:
+                if now - link.last_seen > limit and not late:
                     log.error("front process %d (pid %d) silent for %.1f s: killing it", link.index, proc.pid,
                               now - link.last_seen)
                     proc.kill()
@@ -343,7 +349,8 @@ class FrontConfig:
     api_key: str | None = None
     index: int = 0
     log_level: int = logging.INFO
-    connect_timeout: float = 10.0        # seconds to open a connection to the central's socket (--front-timeout)
+    connect_timeout: float = 10.0        # --front-timeout: seconds to open a connection to the central's socket, and of
+                                         # the central's silence before this front answers 503 (watch_central)
     max_body_bytes_in_flight: int = MAX_BODY_BYTES_IN_FLIGHT     # this front's own bound (the balancer's setting)
     body_timeout: float = BODY_TIMEOUT                           # the balancer's --body-timeout
     keepalive_timeout: float = KEEPALIVE_TIMEOUT                 # the balancer's --keepalive-timeout (the central's too)
@@ -354,6 +361,7 @@ class FrontConfig:
 class FrontState:
     cfg: FrontConfig
     link: "CentralLink | None" = None
+    silent: float | None = None          # the central has sent nothing since then, past --front-timeout: 503s
     live: dict[int, EventBox] = field(default_factory=dict)
     session: aiohttp.ClientSession | None = None
     ids: itertools.count = field(default_factory=itertools.count)
@@ -363,8 +371,13 @@ class CentralLink(Link):
     def __init__(self, front: FrontState):
         super().__init__()
         self.front = front
+        self.heard = time.monotonic()    # the central's last frame
 
     def on_frame(self, h: dict, body: bytes) -> None:
+        self.heard = time.monotonic()
+        if self.front.silent is not None:
+            log.warning("the central process answers again after %.1f s", self.heard - self.front.silent)
+            self.front.silent = None
         if "t" in h:                     # the central's ping
             self.send({"t": "pong"})
             return
@@ -381,6 +394,32 @@ class CentralLink(Link):
 FRONT = web.AppKey("front", FrontState)
 
 
+def silence(front: FrontState) -> str:
+    return (f"the balancer's central process has not answered for {time.monotonic() - front.silent:.0f} s "
+            f"(--front-timeout {front.cfg.connect_timeout:g} s)")
+
+
+async def watch_central(front: FrontState, link: CentralLink) -> None:
+    """The central pings every front at least four times per --front-timeout (``Fronts._watch``). Silent for longer
+    (stopped, wedged, or gone without closing its socket), it can answer nothing: this front answers its open
+    requests and new ones 503 (never a client left waiting on it) until the central speaks again. A round that
+    came late (this front was paused itself) judges nothing: the central's frames may be waiting to be read."""
+    timeout = front.cfg.connect_timeout
+    every = max(0.05, timeout / 4)
+    last = time.monotonic()
+    while not link.closed.done():
+        await asyncio.sleep(every)
+        now = time.monotonic()
+        late, last = now - last > every + timeout / 2, now
+        if late or front.silent is not None or now - link.heard <= timeout:
+            continue
+        front.silent = link.heard
+        log.error("%s: its %d open requests are answered 503", silence(front), len(front.live))
+        err = error_body(silence(front), "server_error")
+        for box in list(front.live.values()):
+            box.push(Event(None, "error", 503, err, True))
+
+
 class FrontDoor:
     """A front's way in for the OpenAI endpoints (common/openai_http.py): validated here, handed to the central as
     one frame, answered from the events the central sends back (its queue, batching and --request-timeout)."""
@@ -394,6 +433,8 @@ class FrontDoor:
         link = front.link
         if link is None or link.transport is None:
             raise APIError(503, "the balancer is shutting down or restarting")
+        if front.silent is not None:
+            raise APIError(503, silence(front))
         n = request["n"] = next(front.ids)
         box = front.live[n] = EventBox()
         link.send({"t": "r", "n": n, "k": kind, "s": req.stream, "v": req.model_version}, body)
@@ -421,6 +462,8 @@ async def proxy(request: web.Request) -> web.Response:
     """Any other path: the central's own answer, over its Unix socket, to the path exactly as the client sent it
     (never decoded or normalised here: the central routes, checks the key and refuses what it would refuse)."""
     front = request.app[FRONT]
+    if front.silent is not None:
+        raise APIError(503, silence(front))
     headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED}
     # the body goes through as it arrives, never held here: the central applies its own limits to it (a
     # /v1/files upload may be far larger than an OpenAI request)
@@ -474,14 +517,19 @@ async def serve_front(cfg: FrontConfig) -> int:
     runner = AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=4.0,
                        keepalive_timeout=cfg.keepalive_timeout, send_timeout=cfg.send_timeout)
     await runner.setup()
+    site = web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True, reuse_port=True)
     try:
-        await web.TCPSite(runner, cfg.host, cfg.port, reuse_address=True, reuse_port=True).start()
+        await site.start()
     except OSError as e:
         log.error("front process %d cannot listen on %s:%d: %s", cfg.index, cfg.host, cfg.port, e)
         return 1
     settle_gc(HTTP_GC_THRESHOLD)
+    link.heard = time.monotonic()
     link.send({"t": "ready", "pid": os.getpid()})
+    watch = asyncio.create_task(watch_central(front, link), name="watch-central")
     await link.closed                                       # the central closed the link (or died)
+    watch.cancel()
+    await site.stop()       # the port at once (a central restarted by an outside manager binds it); open requests go on
     try:
         async with asyncio.timeout(5):                      # let handlers write what the central sent last
             while front.live:

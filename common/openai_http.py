@@ -203,24 +203,43 @@ def sse(data: dict, responses: bool, seq: int = 0) -> bytes:
     return head + b"data: " + orjson.dumps(data) + b"\n\n"
 
 
+def _output_so_far(opened: dict) -> list:
+    """A failed Responses stream's output: the message it was writing, with the text its deltas carried, marked
+    "incomplete" (its own, whole, when its ``output_item.done`` came); none if no message had started."""
+    item = opened.get("item")
+    if item is None:
+        return []
+    if item.get("status") != "in_progress":
+        return [item]
+    text = "".join(opened.get("text", ()))
+    return [{**item, "status": "incomplete", "content": [{"type": "output_text", "text": text, "annotations": []}]}]
+
+
 def _event(data: dict, responses: bool, opened: dict) -> bytes:
     """:func:`sse` of one event of a stream, numbering an error event after the stream's last (``opened["seq"]``).
     In a Responses stream an error is followed, as on OpenAI's, by ``response.failed``: the response the stream
-    last showed (``opened["response"]``), its status "failed" and its ``error`` set."""
+    last showed (``opened["response"]``), its status "failed", its ``error`` set and its ``output`` what the stream
+    had written (``_output_so_far``: it repeated the created response's empty output)."""
     if not responses:
         return sse(data, False)
     if isinstance(data.get("sequence_number"), int):
         opened["seq"] = data["sequence_number"] + 1
     if isinstance(data.get("response"), dict):
         opened["response"] = data["response"]
+    kind = data.get("type")
+    if kind == "response.output_text.delta":
+        opened.setdefault("text", []).append(data.get("delta") or "")
+    elif kind in ("response.output_item.added", "response.output_item.done") and isinstance(data.get("item"), dict):
+        opened["item"] = data["item"]
     out = sse(data, True, opened.get("seq", 0))
-    if "type" not in data and isinstance(data.get("error"), dict):
+    if kind is None and isinstance(data.get("error"), dict):
         seq = opened["seq"] = opened.get("seq", 0) + 1
         last = opened.get("response")
         if last is not None:
             e = data["error"]
-            failed = {**last, "status": "failed", "error": {"code": e.get("code") or e.get("type") or "server_error",
-                                                            "message": e.get("message") or ""}}
+            failed = {**last, "status": "failed", "output": _output_so_far(opened),
+                      "error": {"code": e.get("code") or e.get("type") or "server_error",
+                                "message": e.get("message") or ""}}
             out += sse({"type": "response.failed", "sequence_number": seq, "response": failed}, True)
             opened["seq"] = seq + 1
     return out

@@ -384,3 +384,59 @@ async def test_a_file_download_through_a_front_keeps_its_range_and_validators(tm
                 async with s.get(f"{base}/v1/files/{fid}/content", headers={"If-None-Match": etag}) as r:
                     answers.add((r.status,))
         assert answers == {(206, data[2:12], f"bytes 2-11/{len(data)}", True), (304,)}, answers
+
+
+async def test_a_front_answers_503_while_the_central_is_silent_and_neither_side_is_killed_for_a_pause():
+    """The central stops answering (its event loop held for 3 s: a stopped or wedged central, a test double for
+    SIGSTOP, which would stop this test too): a front waited with its clients for as long as the central did (a
+    review). Now a front that hears nothing, not even the central's pings, for --front-timeout answers its open and
+    new requests 503 naming it, and serves again once the central speaks. And the central, whose own pause made
+    every front look silent, killed them all when it resumed: a late round of its watch judges nothing now."""
+    import threading
+    import time
+    import urllib.error
+    import urllib.request
+    seen = []
+    async with workers(fake_worker("ok", seen)) as urls, balancer(urls, processes=3, front_timeout=1.0) as base:
+        time.sleep(2.0)                         # a pause with no traffic: every front looks silent for 2 s
+        await asyncio.sleep(0.6)
+        procs = (await get(base + "/stats"))[1]["http_processes"]
+        assert [(p["restarts"], p["status"]) for p in procs[1:]] == [(0, "ready")] * 2, procs
+        results = []
+
+        def one():
+            t0 = time.monotonic()
+            req = urllib.request.Request(base + "/v1/completions", orjson.dumps({"prompt": "p"}),
+                                         {"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(req, timeout=20) as r:
+                    results.append((r.status, time.monotonic() - t0, ""))
+            except urllib.error.HTTPError as e:
+                results.append((e.code, time.monotonic() - t0, orjson.loads(e.read())["error"]["message"]))
+
+        def clients():
+            time.sleep(0.1)
+            threads = [threading.Thread(target=one) for _ in range(8)]
+            for t in threads:                   # each on its own connection: the kernel spreads them
+                t.start()
+            time.sleep(1.4)                     # and more once the fronts have noticed the silence
+            threads += [threading.Thread(target=one) for _ in range(8)]
+            for t in threads[8:]:
+                t.start()
+            for t in threads:
+                t.join()
+        sender = threading.Thread(target=clients)
+        sender.start()
+        time.sleep(3.0)                         # the central (this event loop) answers nothing, pings nobody
+        while sender.is_alive():
+            await asyncio.sleep(0.05)
+        assert len(results) == 16 and {s for s, _, _ in results} <= {200, 503}, results
+        refused = [(t, m) for s, t, m in results if s == 503]
+        assert refused and all("central process has not answered" in m and "--front-timeout 1 s" in m
+                               for _, m in refused), results
+        assert min(t for t, _ in refused) < 2.5, results          # answered while the central was still held
+        await asyncio.sleep(0.5)
+        after = await asyncio.gather(*(post(base, "/v1/completions", {"prompt": f"q{i}"}) for i in range(16)))
+        assert all(s == 200 for s, _ in after), after              # the fronts serve again
+        procs = (await get(base + "/stats"))[1]["http_processes"]
+        assert [p["restarts"] for p in procs[1:]] == [0, 0] and procs[1]["requests"] > 0, procs

@@ -295,7 +295,7 @@ async def test_a_batch_past_the_request_timeout_ends_its_stream_with_504_lines(a
 async def test_a_responses_stream_past_the_timeout_ends_with_openais_error_event(aiohttp_client):
     """A Responses stream that fails once open ends with `event: error` and a typed error (it was an unnamed data
     line holding the chat streams' error body), then `response.failed`, as OpenAI's: the response the stream showed,
-    its status "failed" and its error set (a client reading the events, not the openai client, which raises at the
+    its status "failed", its error set and its output the message written so far (a client reading the events, not the openai client, which raises at the
     error, ended without a terminal event). The model is slowed (a test double: 20 ms a forward), so the 4,000
     tokens cannot finish inside the 5 s while the first block (4 forwards) is streamed well inside it, even on a loaded
     machine (a 1 s timeout failed on one: the first block came later)."""
@@ -323,6 +323,14 @@ async def test_a_responses_stream_past_the_timeout_ends_with_openais_error_event
     r = end["response"]
     assert r["id"] == created["response"]["id"] and r["status"] == "failed"
     assert r["error"]["code"] == "timeout" and "--request-timeout" in r["error"]["message"]
+    # its output is what the stream wrote (it repeated the created response's `output: []`: a review)
+    streamed = "".join(orjson.loads(e.split("\n")[1][6:])["delta"] for e in events
+                       if e.startswith("event: response.output_text.delta"))
+    (item,) = r["output"]
+    assert streamed and item["type"] == "message" and item["status"] == "incomplete" and item["role"] == "assistant"
+    assert item["content"] == [{"type": "output_text", "text": streamed, "annotations": []}]
+    added = next(orjson.loads(e.split("\n")[1][6:]) for e in events if e.startswith("event: response.output_item.added"))
+    assert item["id"] == added["item"]["id"]
 
 
 async def test_responses_objects_as_openai_writes_them(aiohttp_client):
