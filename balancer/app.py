@@ -121,6 +121,12 @@ class BalancerConfig:
     batch_concurrency: int = setting(64, "Lines of /v1/batches batches in the queue at once, over all "
                                            "running batches (they take turns).",
                                      type=click.IntRange(1))
+    max_running_batches: int = setting(16, "/v1/batches batches running at once (each holds its files open and a "
+                                           "chunk of its input parsed); later ones wait 'validating', in order.",
+                                       type=click.IntRange(1))
+    min_free_disk_bytes: int = setting(2**30, "Free bytes /v1/files uploads and new /v1/batches batches leave on "
+                                              "the disk of --files-dir (507 insufficient_storage otherwise).",
+                                       type=click.IntRange(0))
     batch_retry_max: float = setting(5.0, "Longest wait between two tries of a /v1/batches line the balancer "
                                           "cannot take now (queue full, no healthy worker); the wait starts at "
                                           "0.1 s and doubles.", type=FiniteFloatRange(0.1))
@@ -552,7 +558,8 @@ def make_app(cfg: BalancerConfig) -> web.Application:
     app.router.add_get("/dashboard", dashboard)
     app.router.add_get("/metrics", metrics)
     app.router.add_post("/v1/load_weights", load_weights)
-    app[JOBS] = BatchJobs(app[STATE], files_root(cfg), cfg.max_file_bytes, cfg.batch_concurrency)
+    app[JOBS] = BatchJobs(app[STATE], files_root(cfg), cfg.max_file_bytes, cfg.batch_concurrency,
+                          cfg.max_running_batches, cfg.min_free_disk_bytes)
     add_batch_routes(app, app[JOBS])
     return app
 

@@ -19,6 +19,7 @@ import logging
 import os
 import re
 import secrets
+import shutil
 import time
 from pathlib import Path
 
@@ -46,10 +47,29 @@ def _now() -> int:
     return int(time.time())
 
 
+def _fsync_dir(folder: Path) -> None:
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _replace_durably(tmp: Path, path: Path) -> None:
+    """``tmp`` (written, not yet synced) becomes ``path``: its bytes reach the disk before the rename, and the
+    rename before this returns (without it a power loss could leave an empty record, and its batch skipped)."""
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
 def _write_json(path: Path, data: dict) -> None:
+    """A record, whole or not at all, durably (records are written when a file or batch is created or changes
+    status, not as a batch progresses: BatchJobs.counts)."""
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     tmp.write_bytes(orjson.dumps(data))
-    os.replace(tmp, path)
+    _replace_durably(tmp, path)
 
 
 
@@ -57,8 +77,10 @@ def _model_and_usage(path: Path) -> tuple[str | None, dict | None]:
     """A finished batch's ``model`` (its answers') and ``usage`` (theirs summed, in the Responses API's names, as
     OpenAI's batch object gives it), from its output file."""
     model, totals, seen = None, {"input_tokens": 0, "output_tokens": 0, "cached_tokens": 0}, False
-    if path.exists():
-        for raw in path.read_bytes().splitlines():
+    if not path.exists():
+        return model, None
+    with open(path, "rb") as f:           # a line at a time: an output of hundreds of MiB is never held whole
+        for raw in f:
             try:
                 body = orjson.loads(raw)["response"]["body"]
             except (orjson.JSONDecodeError, KeyError, TypeError):
@@ -146,9 +168,17 @@ class FolderInUse(RuntimeError):
 
 
 class BatchJobs:
-    def __init__(self, state, root: Path, max_file_bytes: int, concurrency: int):
+    def __init__(self, state, root: Path, max_file_bytes: int, concurrency: int, max_running: int = 16,
+                 min_free_bytes: int = 1 << 30):
         self.state, self.root = state, root
         self.max_file_bytes, self.concurrency = max_file_bytes, concurrency
+        # --max-running-batches: batches past it wait "validating", in the order they were created; a running batch
+        # holds its files open and a chunk of its parsed lines (up to _Lines.CHUNK_BYTES of input)
+        self.running = asyncio.Semaphore(max_running)
+        self.min_free_bytes = min_free_bytes         # --min-free-disk-bytes: uploads and new batches leave it free
+        # a running batch's request counts, kept here as it progresses (its record is written at each change of
+        # status, durably, not after every answer): shown over the record's
+        self.counts: dict[str, dict] = {}
         # --batch-concurrency: lines in the queue at once over every running batch, taken in turn (FIFO): a client
         # starting many batches gets no more of the queue than one batch (a review filled the 4,096-request queue
         # with 70 batches of 64 lanes each, and every interactive request got 429)
@@ -221,7 +251,26 @@ class BatchJobs:
         return orjson.loads((self.batches_dir / f"{bid}.json").read_bytes())
 
     def _save_batch(self, b: dict) -> None:
-        _write_json(self.batches_dir / f"{b['id']}.json", b)
+        _write_json(self.batches_dir / f"{b['id']}.json", self._shown(b))
+
+    def _shown(self, b: dict) -> dict:
+        """``b`` with its running counts (``counts``), if it runs."""
+        live = self.counts.get(b["id"])
+        if live is not None:
+            b["request_counts"].update(live)
+        return b
+
+    def _room(self) -> int:
+        """Bytes that may still be written under --files-dir leaving --min-free-disk-bytes free (507 if none)."""
+        room = shutil.disk_usage(self.files_dir).free - self.min_free_bytes
+        if room <= 0:
+            raise self._full(room + self.min_free_bytes)
+        return room
+
+    def _full(self, free: int) -> APIError:
+        return APIError(507, f"no room under --files-dir: its disk has {max(0, free) / 2**30:.2f} GiB free and "
+                             f"--min-free-disk-bytes keeps {self.min_free_bytes / 2**30:.2f} GiB of it free",
+                        type="server_error", code="insufficient_storage")
 
     def _new_file(self, fid: str, filename: str, purpose: str, size: int) -> dict:
         rec = {"id": fid, "object": "file", "bytes": size, "created_at": _now(), "filename": filename,
@@ -273,13 +322,18 @@ class BatchJobs:
                         raise APIError(400, "one file part per upload", param="file")
                     filename = part.filename or "upload.jsonl"
                     filename.encode("utf-8")      # (a name that is not UTF-8: UnicodeEncodeError, a 400 below)
+                    room = self._room()
                     with open(data, "wb") as f:
                         while chunk := await body_read(request, part.read_chunk(1 << 20)):
                             size += len(chunk)
                             if size > self.max_file_bytes:
                                 raise APIError(413, f"the file is larger than --max-file-bytes "
                                                     f"({self.max_file_bytes} bytes)", param="file")
+                            if size > room:
+                                raise self._full(room + self.min_free_bytes - size + len(chunk))
                             f.write(chunk)
+                        f.flush()
+                        await asyncio.to_thread(os.fsync, f.fileno())     # its bytes on disk before its record
             if purpose != "batch":
                 raise APIError(400, f"purpose must be 'batch' (the only files this server takes), got {purpose!r}",
                                param="purpose")
@@ -374,6 +428,7 @@ class BatchJobs:
         f = self._file(fid)
         if f["purpose"] != "batch":
             raise APIError(400, f"file {fid} has purpose {f['purpose']!r}, not 'batch'", param="input_file_id")
+        self._room()                      # (its answers need room; a batch that fills the disk fails, its answers kept)
         now = _now()
         b = {"id": "batch_" + secrets.token_hex(12), "object": "batch", "endpoint": endpoint, "errors": None,
              "input_file_id": fid, "completion_window": window, "status": "validating", "output_file_id": None,
@@ -388,7 +443,7 @@ class BatchJobs:
         return json_response(public(b))
 
     async def get_batch(self, request: web.Request) -> web.Response:
-        return json_response(public(self._batch(request.match_info["batch_id"])))
+        return json_response(public(self._shown(self._batch(request.match_info["batch_id"]))))
 
     async def list_batches(self, request: web.Request) -> web.Response:
         try:
@@ -398,12 +453,12 @@ class BatchJobs:
         if not 1 <= limit <= 100:         # (OpenAI's range; as /v1/files refuses its own)
             raise APIError(400, f"limit must be between 1 and 100, got {limit}", param="limit")
         page, more = await self._page(self.batches_dir, self._batches, request.query.get("after"), True, limit)
-        page = [public(b) for b in page]
+        page = [public(self._shown(b)) for b in page]
         return json_response({"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
                               "last_id": page[-1]["id"] if page else None, "has_more": more})
 
     async def cancel(self, request: web.Request) -> web.Response:
-        b = self._batch(request.match_info["batch_id"])
+        b = self._shown(self._batch(request.match_info["batch_id"]))
         # (not once finalizing: its answers are all in, and the run's last write, which follows, would overwrite a
         # "cancelling" it never saw: a review's cancel was told "cancelling" and the batch then said "completed")
         if b["status"] in ("validating", "in_progress"):
@@ -420,12 +475,16 @@ class BatchJobs:
     # ------------------------------------------------------------ running a batch
     async def _run(self, bid: str) -> None:
         try:
-            await self._run_lines(bid)
+            async with self.running:          # (--max-running-batches: it waits "validating" meanwhile)
+                if self.state.draining:
+                    return                    # still "validating": resumed by the next balancer on this folder
+                await self._run_lines(bid)
         except asyncio.CancelledError:
             raise
         except Exception as e:           # a bug must not leave the batch "in_progress" for ever
             log.exception("batch %s failed", bid)
-            b = self._batch(bid)
+            b = self._shown(self._batch(bid))
+            self.counts.pop(bid, None)
             b["status"], b["failed_at"] = "failed", _now()
             b["errors"] = {"object": "list", "data": [{"code": "server_error", "message": f"{type(e).__name__}: {e}",
                                                        "param": None, "line": None}]}
@@ -451,20 +510,21 @@ class BatchJobs:
         (:class:`_Lines`)."""
         done, counts = set(), {}
         for path, name in ((out_path, "completed"), (err_path, "failed")):
-            kept = []
+            kept = 0
             if path.exists():
-                for raw in path.read_bytes().splitlines():
-                    try:
-                        obj = orjson.loads(raw)
-                    except orjson.JSONDecodeError:
-                        continue
-                    if isinstance(obj, dict) and is_final(obj) and result_key(obj) is not None:
-                        done.add(result_key(obj))
-                        kept.append(raw + b"\n")
                 tmp = path.with_name(path.name + ".tmp")        # (a crash here keeps the old file whole)
-                tmp.write_bytes(b"".join(kept))
-                os.replace(tmp, path)
-            counts[name] = len(kept)
+                with open(path, "rb") as old, open(tmp, "wb") as new:      # a line at a time, never the whole file
+                    for raw in old:
+                        try:
+                            obj = orjson.loads(raw)
+                        except orjson.JSONDecodeError:
+                            continue                            # (a line cut short by a crash: sent again)
+                        if isinstance(obj, dict) and is_final(obj) and result_key(obj) is not None:
+                            done.add(result_key(obj))
+                            new.write(raw.rstrip(b"\n") + b"\n")
+                            kept += 1
+                _replace_durably(tmp, path)
+            counts[name] = kept
         with open(input_path, "rb") as f:
             total = sum(1 for raw in f if raw.strip())
         return total, done, counts
@@ -481,18 +541,15 @@ class BatchJobs:
         b.update(status="in_progress" if b["status"] != "cancelling" else "cancelling",
                  in_progress_at=b["in_progress_at"] or _now(), _output_file_id=out_id, _error_file_id=err_id)
         b["request_counts"]["total"] = total
+        self.counts[bid] = counts
         self._save_batch(b)
-        last_save = [time.monotonic()]
         with open(out_path, "ab") as out, open(err_path, "ab") as err, \
                 _Lines(self._data(b["input_file_id"]), b["endpoint"], done) as todo:
             def record(data: bytes, ok: bool) -> None:
                 fh = out if ok else err
                 fh.write(data)
-                fh.flush()
+                fh.flush()                    # (to the kernel; on disk at the batch's end, or by a later resume)
                 counts["completed" if ok else "failed"] += 1
-                if time.monotonic() - last_save[0] > 0.5:
-                    last_save[0] = time.monotonic()
-                    self._progress(bid, counts)
 
             async def lane() -> None:         # --batch-concurrency of these take the lines in order
                 while (line := await todo.next()) is not None:
@@ -515,12 +572,14 @@ class BatchJobs:
                         return
                     record(result_line(line.custom_id, status, data), 200 <= status < 300)
             await asyncio.gather(*(lane() for _ in range(self.concurrency)))
+            await asyncio.to_thread(lambda: (os.fsync(out.fileno()), os.fsync(err.fileno())))
         if self.state.draining and not self._cancelling(bid):
-            self._progress(bid, counts)     # still in_progress: a balancer on the same --files-dir resumes it
+            self._save_batch(self._batch(bid))  # still in_progress: a balancer on the same --files-dir resumes it
+            self.counts.pop(bid, None)
             log.info("batch %s left in progress at shutdown: %s", bid, counts)
             return
-        b = self._batch(bid)
-        b["request_counts"].update(counts)
+        b = self._shown(self._batch(bid))
+        self.counts.pop(bid, None)
         if b["status"] == "cancelling":
             b["status"], b["cancelled_at"] = "cancelled", _now()
         else:
@@ -538,11 +597,6 @@ class BatchJobs:
         b["model"], b["usage"] = await asyncio.to_thread(_model_and_usage, out_path)
         self._save_batch(b)
         log.info("batch %s %s: %s", bid, b["status"], b["request_counts"])
-
-    def _progress(self, bid: str, counts: dict) -> None:
-        b = self._batch(bid)
-        b["request_counts"].update(counts)
-        self._save_batch(b)
 
     def _cancelling(self, bid: str) -> bool:
         return bid in self._cancel

@@ -412,8 +412,8 @@ SERVE_WORKER = ("default_algorithm", "default_max_tokens", "dtype", "score_mc_nu
                             "stop_timeout"))
 @options(BalancerConfig, only=("request_timeout", "max_body_bytes_in_flight", "body_timeout", "keepalive_timeout",
                                "send_timeout",
-                               "files_dir", "max_file_bytes",
-                               "batch_concurrency", "batch_retry_max", "weight_load_timeout", "weight_sync_retry",
+                               "files_dir", "max_file_bytes", "batch_concurrency", "max_running_batches",
+                               "min_free_disk_bytes", "batch_retry_max", "weight_load_timeout", "weight_sync_retry",
                                "weight_sync_retry_max", "models_cache_ttl"))
 @options(HealthConfig)
 @options(BalancerConfig, only=("drain_timeout",))
