@@ -270,7 +270,8 @@ class BatchJobs:
     def _full(self, free: int) -> APIError:
         return APIError(507, f"no room under --files-dir: its disk has {max(0, free) / 2**30:.2f} GiB free and "
                              f"--min-free-disk-bytes keeps {self.min_free_bytes / 2**30:.2f} GiB of it free",
-                        type="server_error", code="insufficient_storage")
+                        type="server_error", code="insufficient_storage",
+                        headers={"x-should-retry": "false"})   # (the openai client retries a 5xx: an upload twice)
 
     def _new_file(self, fid: str, filename: str, purpose: str, size: int) -> dict:
         rec = {"id": fid, "object": "file", "bytes": size, "created_at": _now(), "filename": filename,

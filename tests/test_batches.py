@@ -877,6 +877,7 @@ async def test_batches_beyond_max_running_wait_validating_and_a_full_disk_refuse
         r = await client.post("/v1/files", data=form)
         err = (await r.json())["error"]
         assert r.status == 507 and err["code"] == "insufficient_storage" and "--min-free-disk-bytes" in err["message"]
+        assert r.headers["x-should-retry"] == "false"          # (the openai client would upload it twice more)
         assert len(list((tmp_path / "files" / "files").glob("*.data"))) == 3       # (its bytes removed)
         monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=1 << 29))
         r = await client.post("/v1/batches", json={"input_file_id": fid, "endpoint": "/v1/completions",
