@@ -379,8 +379,10 @@ async def test_a_scoring_request_takes_turns_with_generation_rows(llada_engine):
     review: a 4-token request waited 3.5 s behind one costing 1.2% of --max-request-cost). Now its forwards take
     turns with the generation rows' steps in the fair share (each charged its share of the forward's tokens): the
     8-token request joins, takes its steps and is answered while the scoring request has forwards left, and both
-    equal their runs alone. A second scoring request waits for the first's forwards to end (they share the next
-    group's), and one cancelled there is answered at once, never scored."""
+    equal their runs alone. Scoring requests queued while the first runs wait in the queue for its end (they share
+    the next group's forwards) and hold no place meanwhile: with two places, the second goes to the generation
+    request queued behind them (taken into the running group's inbox, they held it: a review); one cancelled
+    there is answered at once, never scored."""
     import asyncio
     from worker.scheduler import Job, RowScheduler
     model, mask = llada_engine.model, llada_engine.mask_id
@@ -391,7 +393,7 @@ async def test_a_scoring_request_takes_turns_with_generation_rows(llada_engine):
     gen_alone = llada_engine.generate([Request([7, 8, 9], gen)])[0]
     rows, real = [], model.forward
     model.forward = lambda x, *a, **k: rows.append(x.shape[0]) or real(x, *a, **k)
-    b = RowScheduler(llada_engine, batch_size=8, max_wait_time=0.0)
+    b = RowScheduler(llada_engine, batch_size=2, max_wait_time=0.0)
     got = {}
 
     def sink(name):
@@ -401,10 +403,10 @@ async def test_a_scoring_request_takes_turns_with_generation_rows(llada_engine):
         b.submit(Job(big.ids, None, sink("big"), score=big), wait=False)
         while not rows:
             await asyncio.sleep(0.001)
-        b.submit(Job([7, 8, 9], gen, sink("gen")), wait=False)
         b.submit(Job(small.ids, None, sink("small"), score=small), wait=False)
         gone = Job(small.ids, None, sink("gone"), score=small)
         b.submit(gone, wait=False)
+        b.submit(Job([7, 8, 9], gen, sink("gen")), wait=False)
         while "gen" not in got:
             await asyncio.sleep(0.001)
         b.cancel(gone)
@@ -420,4 +422,33 @@ async def test_a_scoring_request_takes_turns_with_generation_rows(llada_engine):
     assert got["small"][0] == "done" and got["small"][2] >= got["big"][2]          # the next group's
     assert (got["small"][1].log_likelihoods, got["small"][1].greedy) == (alone[1].log_likelihoods, alone[1].greedy)
     assert got["gone"][0] == "done" and got["gone"][1].finish_reason == "cancelled" and got["gone"][2] < len(rows)
-    assert b.running == [] and b.rows_retired == 4
+    assert b.running == [] and (b.rows_retired, b.dropped_before_start) == (3, 1)
+
+
+def test_a_scoring_turn_is_one_forward_or_one_mini_batch_of_draws_and_keeps_no_activations(llada_engine):
+    """Beside generation rows a scoring request's turn was a forward plus every random draw of its next chunk (1.5
+    s for one chunk of a 200-token request at mc_num 4,096) and it kept the forward's activations alive while the
+    generation rows took their turns (a review). A turn is now one forward, or one mini-batch of draws, and no
+    forward's hidden states outlive it; the scores are unchanged."""
+    import weakref
+    model, mask = llada_engine.model, llada_engine.mask_id
+    req = likelihood.ScoreRequest(list(range(5, 45)), [20, 30], mc_num=256, batch_size=32, check_greedy=True)
+    alone = likelihood.score(model, mask, [req])[0]
+    hidden, real = [], model.forward
+    model.forward = lambda x, *a, **k: (lambda h: hidden.append(weakref.ref(h)) or h)(real(x, *a, **k))
+    try:
+        steps, turns, results = likelihood.score_steps(model, mask, [req]), 0, None
+        while results is None:
+            seen = len(hidden)
+            try:
+                next(steps)
+            except StopIteration as end:
+                results = end.value
+                break
+            turns += 1
+            assert len(hidden) - seen <= 1                          # at most one forward a turn
+            assert all(h() is None for h in hidden), turns          # its activations gone before the next turn
+    finally:
+        del model.forward
+    assert turns >= len(hidden) + 2 * 256 // 32                     # and a turn for each mini-batch's draws
+    assert (results[0].log_likelihoods, results[0].greedy) == (alone.log_likelihoods, alone.greedy)

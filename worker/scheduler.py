@@ -80,9 +80,10 @@ class RowScheduler:
     between denoising steps (worker/engine/engine.py ``Feed``), in queue order, while they fit ``batch_size`` rows
     and ``max_batch_tokens`` canvas tokens; a row whose algorithm is not running starts its own group beside the
     others (the groups take their steps in turn). Likelihood-scoring rows join the same way and take their turns
-    too, one forward a turn (worker/engine/engine.py ``_ScoreGroup``). On tensor-parallel ranks they run in batches
-    of their own: one queued lets generation rows join ahead of it for at most ``switch_wait`` seconds, then the
-    batch drains and it goes next.
+    too, one forward (or mini-batch of random draws) a turn (worker/engine/engine.py ``_ScoreGroup``). On
+    tensor-parallel ranks they run in batches of their own: one queued lets generation rows join ahead of it for at
+    most ``switch_wait`` seconds, then the batch drains and it goes next; with static batching (``continuous``
+    off) a batch's scoring rows run first, then its generation rows.
     Finished rows leave the batch and are answered at once.
 
     Fair share: rows whose nominal cost exceeds ``long_row_cost`` token-forwards hold at most ``long_row_share`` of
@@ -258,12 +259,13 @@ class RowScheduler:
     def is_long(self, job: Job) -> bool:
         return bool(self.long_row_cost) and job.score is None and job.cost > self.long_row_cost
 
-    def _take(self, rows: int, tokens: int, long: int, first: bool = False) -> list[Job]:
+    def _take(self, rows: int, tokens: int, long: int, first: bool = False, busy=()) -> list[Job]:
         """Under the lock: queued rows, in turns (:func:`_in_turns`), that fit ``batch_size`` rows and ``max_batch_tokens`` beside
         ``rows`` / ``tokens`` running (``long`` of them long), removed from the queue. A long row past its share
         is passed over (shorter rows overtake it); a row past the token budget stops the taking (in order), except a
         long row while another long row runs (passed over, as the rows behind it would wait for that one's end).
-        Scoring rows are taken alike where they are scored beside generation (``scores_beside``); otherwise only by
+        Scoring rows are taken alike where they are scored beside generation (``scores_beside``), except those of
+        a kind whose group runs (``busy``: they wait for its end, holding no place meanwhile); otherwise only by
         a new batch (``first``: they run first, apart, ``_run``), and joining rows pass them for ``switch_wait``
         seconds, then the batch takes no more and drains."""
         taken, now = [], time.monotonic()
@@ -284,10 +286,13 @@ class RowScheduler:
                 if share.waits(j.prefix_key, j.prefix_waited):
                     j.prefix_waited = True
                     continue   # a row of this round computes its first prompt block: it joins next round, from the cache
-            if j.score is not None and not first and not self.scores_beside:
-                if now - j.enqueued_at > self.switch_wait:
-                    break
-                continue
+            if j.score is not None and not first:
+                if not self.scores_beside:
+                    if now - j.enqueued_at > self.switch_wait:
+                        break
+                    continue
+                if busy and self.engine.score_group(j.score) in busy:
+                    continue          # its kind's group runs: it starts the next one (with those queued beside it)
             long_row = self.is_long(j)
             if long_row and long >= self.long_slots:
                 continue
@@ -369,6 +374,8 @@ class RowScheduler:
             left = feed.unfinished() if feed is not None else jobs     # rows already answered keep their answer
             if len(left) == 1:
                 log.error("CUDA out of memory on a single row (prompt %d tokens)", len(left[0].prompt_ids))
+                if left[0].score is not None:
+                    return [(left[0], "error", (503, "the GPU ran out of memory scoring this prompt alone"))]
                 return [(left[0], "error", (503, "the GPU ran out of memory on this request alone; "
                                                  "try a shorter prompt or fewer max_tokens"))]
             half = len(left) // 2
@@ -470,7 +477,7 @@ class _Feed:
         for fn, args in events:
             _call(fn, *args)
 
-    def admit(self, rows: int, tokens: int) -> list[tuple[int, Request]]:
+    def admit(self, rows: int, tokens: int, busy=()) -> list[tuple[int, Request]]:
         """Queued rows, in turns, that fit ``batch_size`` rows and ``max_batch_tokens`` with the ``rows`` /
         ``tokens`` running: (index, Request), or (index, ScoreRequest) for a scoring row (``_take``)."""
         b = self.b
@@ -478,7 +485,7 @@ class _Feed:
         if not self.joins:
             return out
         with b._lock:
-            taken = b._take(rows, tokens, self.long)
+            taken = b._take(rows, tokens, self.long, busy=busy)
             for j in taken:
                 self.long += b.is_long(j)
                 j.queued = False

@@ -346,6 +346,11 @@ class Engine:
             log.exception("tensor-parallel batch failed")
             fatal(f"a tensor-parallel batch failed on rank 0 ({type(e).__name__}: {e})")
 
+    def score_group(self, req: ScoreRequest) -> str:
+        """The group a scoring request steps in beside generation (``_ScoreGroup``): long ones apart, as rows."""
+        from .likelihood import cost
+        return SCORING + ("/long" if self.long_row_cost and cost(req) > self.long_row_cost else "")
+
     def row(self, index: int, req: Request, pl: Plan) -> Row:
         k = pl.params.logprobs
         held = held_tokens(self.positions(pl.params.algorithm, pl.prompt_length, pl.gen_length,
@@ -445,7 +450,9 @@ class _ScoreGroup:
     forwards shared): one forward is a step, taking its turn among the algorithm groups by the same charge (each
     request is charged its share of the forward's tokens), so generation rows are not held for a scoring request's
     whole run and it is not held for theirs. Each request is answered through the feed when its group ends (None:
-    cancelled); requests that come meanwhile wait in ``inbox`` and start the next group (their forwards shared)."""
+    cancelled). Requests of its kind that come meanwhile stay in the worker's queue (``_Batch.admit``'s ``busy``)
+    and start the next group together, their forwards shared; ``inbox`` holds any given to it anyway. Its
+    random draws are turns too, charged their tokens."""
 
     def __init__(self, batch: "_Batch", items: list[tuple[int, ScoreRequest]]):
         hooks = batch.hooks
@@ -526,9 +533,6 @@ class _Batch:
         else:
             g.add(item)
 
-    def score_key(self, req: ScoreRequest) -> str:
-        from .likelihood import cost
-        return SCORING + ("/long" if self.engine.long_row_cost and cost(req) > self.engine.long_row_cost else "")
 
     def key(self, r: Row) -> str:
         """The group a row steps in: its algorithm's forward (Algorithm.group: algorithms that share a forward step
@@ -541,7 +545,7 @@ class _Batch:
         for r in rows:
             by_key.setdefault(self.key(r), []).append(r)
         for item in scoring:
-            by_key.setdefault(self.score_key(item[1]), []).append(item)
+            by_key.setdefault(self.engine.score_group(item[1]), []).append(item)
         for name, group in by_key.items():
             self.start(name, group)
         while self.groups:
@@ -584,9 +588,12 @@ class _Batch:
         for g in self.groups.values():
             n, t = g.held()
             rows, tokens = rows + n, tokens + t
-        for index, req in self.feed.admit(rows, tokens):
+        # scoring requests of a kind whose group runs stay in the queue (the feed passes them over) until it ends:
+        # waiting in its inbox they held places the generation rows behind them could not take (a review)
+        busy = {name for name in self.groups if name.startswith(SCORING)}
+        for index, req in self.feed.admit(rows, tokens, **({"busy": busy} if busy else {})):
             if isinstance(req, ScoreRequest):
-                self.join(self.score_key(req), (index, req))
+                self.join(self.engine.score_group(req), (index, req))
                 continue
             row = self.engine.row(index, req, req.plan or self.engine.plan(req.prompt_ids, req.params))
             self.join(self.key(row), row)
@@ -602,7 +609,9 @@ def result(r: Row) -> Result:
 class Feed(Protocol):
     """Where a running batch takes new rows from and hands finished ones to (the worker's queue). A feed may also
     have ``fail(index, message)``: then a row whose algorithm group raised is answered through it (500) while the
-    batch's other groups go on; without it, the exception ends the batch."""
+    batch's other groups go on; without it, the exception ends the batch. A feed that gives scoring requests
+    (ScoreRequest, scored beside generation) takes ``busy``: the scoring groups running (``Engine.score_group``),
+    whose kind of request it leaves queued; each is answered with its ScoreResult, or None if cancelled."""
 
     def admit(self, rows: int, tokens: int) -> list[tuple[int, Request]]: ...
 

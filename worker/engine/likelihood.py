@@ -83,9 +83,11 @@ class _Estimate:
     batches: list[tuple[list[int], torch.Tensor]] = field(default_factory=list)   # (row per copy, ratio per copy)
 
 
-def _draw(req: ScoreRequest, split: int, mask_id: int, seq: torch.Tensor, rows: dict, est: _Estimate) -> None:
+def _draw(req: ScoreRequest, split: int, mask_id: int, seq: torch.Tensor, rows: dict, est: _Estimate):
     """The reference's random draws for one split, in its order; each copy's noisy row is numbered in ``rows``
-    ((prefix length, row bytes) -> (index, prefix length, row)), identical rows once."""
+    ((prefix length, row bytes) -> (index, prefix length, row)), identical rows once. A generator: it yields the
+    tokens of each mini-batch's copies once drawn (a chunk's draws took 1.5 s of one turn beside generation rows:
+    a review), as a forward over them would be charged."""
     p, n, bs = split, len(req.ids) - split, req.batch_size
     g = torch.Generator().manual_seed(req.seed)
     for _ in range(req.mc_num // bs):
@@ -104,6 +106,7 @@ def _draw(req: ScoreRequest, split: int, mask_id: int, seq: torch.Tensor, rows: 
                 rows[key] = (len(rows), p, noisy[i])
             which.append(rows[key][0])
         est.batches.append((which, x))
+        yield noisy.numel()
 
 
 @functools.cache
@@ -182,7 +185,13 @@ def _forward_rows(model, mask_id: int, cfg_scale: float, items: list, max_rows: 
                 un_logits = model.logits(h[len(chunk) + j, need])
                 logits = un_logits + (cfg_scale + 1) * (logits - un_logits)
             out[i] = logits if reduce is None else reduce(i, logits)
-        yield ids.numel()
+        forwarded = ids.numel()
+        # (nothing of the forward stays alive while generation rows take their turn: its activations held the
+        # device's memory beside theirs, a review)
+        del ids, keys, pos, h, logits, need
+        if per == 2:
+            del un_logits
+        yield forwarded
     return out
 
 
@@ -206,7 +215,7 @@ def _monte_carlo(model, mask_id: int, requests: list[ScoreRequest], results: lis
                 r = requests[i]
                 e = _Estimate(i, s)
                 rows: dict = {}
-                _draw(r, s, mask_id, torch.tensor(r.ids)[None, :].repeat(r.batch_size, 1), rows, e)
+                yield from _draw(r, s, mask_id, torch.tensor(r.ids)[None, :].repeat(r.batch_size, 1), rows, e)
                 base = len(items)
                 for _, p, row in rows.values():
                     items.append((p, row, (row == mask_id).nonzero().squeeze(1)))
@@ -303,9 +312,9 @@ def _next_tokens(model, mask_id: int, requests: list[ScoreRequest], results: lis
 @torch.no_grad()          # (on a generator function: around each of its resumptions)
 def score_steps(model, mask_id: int, requests: list[ScoreRequest], *, max_rows: int = 64,
                 cancelled=lambda i: False):
-    """:func:`score` one forward at a time: a generator that yields each forward's token count after the forward
-    (the worker's batch gives generation rows their steps between them: worker/engine/engine.py ``_ScoreGroup``)
-    and returns the results."""
+    """:func:`score` one forward at a time: a generator that yields each forward's token count after the forward,
+    and the drawn tokens after each mini-batch of random draws (the worker's batch gives generation rows their steps
+    between them: worker/engine/engine.py ``_ScoreGroup``), and returns the results."""
     for r in requests:
         check(r)
     results: list[ScoreResult | None] = [ScoreResult([0.0] * len(r.splits), [None] * len(r.splits))
