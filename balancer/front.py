@@ -270,19 +270,26 @@ class Fronts:
         while True:
             await asyncio.sleep(every)
             now = time.monotonic()
-            # a round that came late (the central itself was paused: SIGSTOP, a long stall) judges nothing: the
-            # fronts' answers to its pings may be waiting to be read, and healthy fronts were killed for it
-            late, last = now - last > every + self.timeout / 2, now
-            for link, proc in zip(self.links, self.procs):
-                if link is None or proc is None or proc.returncode is not None:
-                    continue
-                limit = self.timeout if link.ready else self.startup_timeout
-                if now - link.last_seen > limit and not late:
-                    log.error("front process %d (pid %d) silent for %.1f s: killing it", link.index, proc.pid,
-                              now - link.last_seen)
-                    proc.kill()
-                elif link.ready:
-                    link.send({"t": "ping"})
+            # a round that came late (the central itself was paused: SIGSTOP, a long stall; more than twice the
+            # interval) judges nothing: the fronts' answers to its pings may be waiting to be read, and healthy
+            # fronts were killed for it
+            late, last = now - last > 2 * every, now
+            try:
+                self._round(now, late)
+            except Exception:        # noqa: BLE001  (the fronts need the pings: without them they answer 503s)
+                log.exception("a round of the fronts' watch failed")
+
+    def _round(self, now: float, late: bool) -> None:
+        for link, proc in zip(self.links, self.procs):
+            if link is None or proc is None or proc.returncode is not None:
+                continue
+            limit = self.timeout if link.ready else self.startup_timeout
+            if now - link.last_seen > limit and not late:
+                log.error("front process %d (pid %d) silent for %.1f s: killing it", link.index, proc.pid,
+                          now - link.last_seen)
+                proc.kill()
+            elif link.ready:
+                link.send({"t": "ping"})
 
     async def _supervise(self, i: int) -> None:
         quick = 0                                # exits within 10 s of a start in a row: the delay doubles
@@ -362,6 +369,8 @@ class FrontState:
     cfg: FrontConfig
     link: "CentralLink | None" = None
     silent: float | None = None          # the central has sent nothing since then, past --front-timeout: 503s
+    proxied: set = field(default_factory=set)       # the handler tasks of proxied requests waiting on the central
+    cut: set = field(default_factory=set)           # those of them stopped by the central's silence
     live: dict[int, EventBox] = field(default_factory=dict)
     session: aiohttp.ClientSession | None = None
     ids: itertools.count = field(default_factory=itertools.count)
@@ -402,22 +411,28 @@ def silence(front: FrontState) -> str:
 async def watch_central(front: FrontState, link: CentralLink) -> None:
     """The central pings every front at least four times per --front-timeout (``Fronts._watch``). Silent for longer
     (stopped, wedged, or gone without closing its socket), it can answer nothing: this front answers its open
-    requests and new ones 503 (never a client left waiting on it) until the central speaks again. A round that
-    came late (this front was paused itself) judges nothing: the central's frames may be waiting to be read."""
+    requests, proxied ones among them, and new ones 503 (never a client left waiting on it) until the central speaks
+    again. A round that came late (this front was paused itself: more than twice the rounds' interval since the
+    last) judges nothing: the central's frames may be waiting to be read; a round on time judges a silence that
+    had lasted at most 3/4 of --front-timeout at its previous round, a quarter's margin for the central's pace."""
     timeout = front.cfg.connect_timeout
     every = max(0.05, timeout / 4)
     last = time.monotonic()
     while not link.closed.done():
         await asyncio.sleep(every)
         now = time.monotonic()
-        late, last = now - last > every + timeout / 2, now
+        late, last = now - last > 2 * every, now
         if late or front.silent is not None or now - link.heard <= timeout:
             continue
         front.silent = link.heard
-        log.error("%s: its %d open requests are answered 503", silence(front), len(front.live))
-        err = error_body(silence(front), "server_error")
+        log.error("%s: its %d open requests (%d proxied) are answered 503", silence(front),
+                  len(front.live) + len(front.proxied), len(front.proxied))
+        err = error_body(silence(front), "service_unavailable")
         for box in list(front.live.values()):
             box.push(Event(None, "error", 503, err, True))
+        for task in list(front.proxied):
+            front.cut.add(task)
+            task.cancel()
 
 
 class FrontDoor:
@@ -443,6 +458,9 @@ class FrontDoor:
     def close(self, request: web.Request, box, status: int, seconds: float) -> None:
         n = request.get("n", -1)
         self.front.live.pop(n, None)
+        if n == -1 and self.front.silent is not None:
+            return          # (a request refused here while the central is silent: nothing for it to release, and
+                            # its frames would pile up unread)
         if self.front.link is not None:     # the central records the request (and releases it when it holds it)
             self.front.link.send({"t": "d", "n": n, "p": request.path, "st": status, "s": seconds})
 
@@ -464,6 +482,23 @@ async def proxy(request: web.Request) -> web.Response:
     front = request.app[FRONT]
     if front.silent is not None:
         raise APIError(503, silence(front))
+    task = asyncio.current_task()
+    front.proxied.add(task)
+    try:
+        return await _proxy(request, front)
+    except asyncio.CancelledError:
+        if task not in front.cut:
+            raise                        # (its client went away)
+        task.uncancel()                  # the central fell silent (watch_central): answered, not dropped
+        if request.get("proxy_started"):
+            raise ConnectionResetError("the balancer's central process stopped answering mid-answer") from None
+        raise APIError(503, silence(front)) from None
+    finally:
+        front.proxied.discard(task)
+        front.cut.discard(task)
+
+
+async def _proxy(request: web.Request, front: FrontState) -> web.Response:
     headers = {k: v for k, v in request.headers.items() if k.lower() in FORWARDED}
     # the body goes through as it arrives, never held here: the central applies its own limits to it (a
     # /v1/files upload may be far larger than an OpenAI request)
@@ -480,6 +515,7 @@ async def proxy(request: web.Request) -> web.Response:
             resp = web.StreamResponse(status=r.status, headers=keep)    # a large answer (a file) goes through too
             if r.content_length is not None:
                 resp.content_length = r.content_length
+            request["proxy_started"] = True
             await resp.prepare(request)
             try:
                 async for chunk in r.content.iter_chunked(PROXY_CHUNK):
