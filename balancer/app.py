@@ -122,10 +122,11 @@ class BalancerConfig:
                                            "running batches (they take turns).",
                                      type=click.IntRange(1))
     max_running_batches: int = setting(16, "/v1/batches batches running at once (each holds its files open and a "
-                                           "chunk of its input parsed); later ones wait 'validating', in order.",
+                                           "chunk of its input parsed); later ones wait, in the order they came.",
                                        type=click.IntRange(1))
     min_free_disk_bytes: int = setting(2**30, "Free bytes /v1/files uploads and new /v1/batches batches leave on "
-                                              "the disk of --files-dir (507 insufficient_storage otherwise).",
+                                              "the disk of --files-dir (507 insufficient_storage otherwise); a "
+                                              "running batch that brings the disk under it stops, failed.",
                                        type=click.IntRange(0))
     batch_retry_max: float = setting(5.0, "Longest wait between two tries of a /v1/batches line the balancer "
                                           "cannot take now (queue full, no healthy worker); the wait starts at "

@@ -21,6 +21,7 @@ import re
 import secrets
 import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import orjson
@@ -64,12 +65,61 @@ def _replace_durably(tmp: Path, path: Path) -> None:
     _fsync_dir(path.parent)
 
 
-def _write_json(path: Path, data: dict) -> None:
-    """A record, whole or not at all, durably (records are written when a file or batch is created or changes
-    status, not as a batch progresses: BatchJobs.counts)."""
+def _write(path: Path, raw: bytes, durable: bool) -> None:
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_bytes(orjson.dumps(data))
-    _replace_durably(tmp, path)
+    tmp.write_bytes(raw)
+    if durable:
+        _replace_durably(tmp, path)
+    else:
+        os.replace(tmp, path)
+
+
+def _sync(path: Path) -> None:
+    """``path``'s bytes to the disk (opened again: the writer's descriptor may be closed meanwhile)."""
+    if path.exists():
+        with open(path, "rb") as f:
+            os.fsync(f.fileno())
+
+
+class Records:
+    """The JSON records (a file's, a batch's) and the other small writes of --files-dir, done in order on one
+    thread of their own: a record is written whole and synced to disk with its folder (``durable``), which took
+    2-12 ms a write on the event loop (35-57 ms stalls with 16 batches ending together: a review). A record is read
+    back as last written, before its write is done."""
+
+    def __init__(self):
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="records")
+        self._latest: dict[Path, bytes] = {}
+
+    def write(self, path: Path, data: dict, durable: bool = True) -> asyncio.Future:
+        raw = self._latest[path] = orjson.dumps(data)
+
+        def written(_):
+            if self._latest.get(path) is raw:
+                del self._latest[path]
+        fut = asyncio.get_running_loop().run_in_executor(self._pool, _write, path, raw, durable)
+        fut.add_done_callback(written)
+        return fut
+
+    def run(self, fn, *args) -> asyncio.Future:
+        """``fn(*args)`` on the records' thread, after the writes before it."""
+        return asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    def remove(self, *paths: Path) -> asyncio.Future:
+        """Remove files, in order with the writes (a record's pending write would bring it back)."""
+        for p in paths:
+            self._latest.pop(p, None)
+        return self.run(lambda: [p.unlink(missing_ok=True) for p in paths])
+
+    def exists(self, path: Path) -> bool:
+        return path in self._latest or path.is_file()
+
+    def read(self, path: Path) -> dict:
+        raw = self._latest.get(path)
+        return orjson.loads(raw if raw is not None else path.read_bytes())
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
 
 
 
@@ -179,6 +229,9 @@ class BatchJobs:
         # a running batch's request counts, kept here as it progresses (its record is written at each change of
         # status, durably, not after every answer): shown over the record's
         self.counts: dict[str, dict] = {}
+        self.records = Records()
+        self._started: set[str] = set()         # batches past their wait for a running place (_run_lines)
+        self._full: set[str] = set()            # running batches stopped by a full disk
         # --batch-concurrency: lines in the queue at once over every running batch, taken in turn (FIFO): a client
         # starting many batches gets no more of the queue than one batch (a review filled the 4,096-request queue
         # with 70 batches of 64 lanes each, and every interactive request got 429)
@@ -217,11 +270,8 @@ class BatchJobs:
         self._lock.flush()
         for rec in _load_all(self.files_dir, "file-*.json"):
             self._files[rec["id"]] = (rec["created_at"], rec["purpose"])
-        for f in sorted(self.batches_dir.glob("batch_*.json")):
-            try:
-                b = orjson.loads(f.read_bytes())
-            except (OSError, orjson.JSONDecodeError):
-                continue
+        stored = _load_all(self.batches_dir, "batch_*.json")
+        for b in sorted(stored, key=lambda b: (b["created_at"], b["id"])):     # resumed in the order they came
             self._batches[b["id"]] = b["created_at"]
             if b.get("status") == "cancelling":
                 self._cancel.add(b["id"])
@@ -233,50 +283,69 @@ class BatchJobs:
         for t in self.tasks.values():
             t.cancel()
         await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        await asyncio.to_thread(self.records.close)      # (the writes queued: done)
         if self._lock is not None:
             self._lock.close()                           # (the lock goes with it)
             self._lock = None
 
     def _file(self, fid: str) -> dict:
-        if not FILE_ID.fullmatch(fid) or not (self.files_dir / f"{fid}.json").is_file():
+        path = self.files_dir / f"{fid}.json"
+        if not FILE_ID.fullmatch(fid) or not self.records.exists(path):
             raise APIError(404, f"No such File object: {fid}", param="file_id", code="file_not_found")
-        return orjson.loads((self.files_dir / f"{fid}.json").read_bytes())
+        return self.records.read(path)
 
     def _data(self, fid: str) -> Path:
         return self.files_dir / f"{fid}.data"
 
     def _batch(self, bid: str) -> dict:
-        if not BATCH_ID.fullmatch(bid) or not (self.batches_dir / f"{bid}.json").is_file():
+        path = self.batches_dir / f"{bid}.json"
+        if not BATCH_ID.fullmatch(bid) or not self.records.exists(path):
             raise APIError(404, f"No such Batch object: {bid}", param="batch_id", code="batch_not_found")
-        return orjson.loads((self.batches_dir / f"{bid}.json").read_bytes())
+        return self.records.read(path)
 
-    def _save_batch(self, b: dict) -> None:
-        _write_json(self.batches_dir / f"{b['id']}.json", self._shown(b))
+    async def _save_batch(self, b: dict) -> None:
+        await self.records.write(self.batches_dir / f"{b['id']}.json", self._shown(b))
+
+    def _counts_path(self, bid: str) -> Path:
+        return self.batches_dir / f"{bid}.counts"
 
     def _shown(self, b: dict) -> dict:
-        """``b`` with its running counts (``counts``), if it runs."""
+        """``b`` with its request counts as they stand: a running batch's from memory (``counts``); one left
+        running by an earlier balancer (waiting for its turn to resume) from its last progress note."""
         live = self.counts.get(b["id"])
-        if live is not None:
+        if live is None and b.get("status") in RUNNING:
+            try:
+                live = orjson.loads(self._counts_path(b["id"]).read_bytes())
+            except (OSError, orjson.JSONDecodeError):
+                live = None
+        if isinstance(live, dict):
             b["request_counts"].update(live)
         return b
+
+    def _note_counts(self, bid: str, counts: dict) -> None:
+        """A running batch's counts noted beside its record (not synced; read only if the record still says it
+        runs), so a balancer that crashed shows them while the batch waits to resume."""
+        fut = self.records.write(self._counts_path(bid), counts, durable=False)
+        fut.add_done_callback(lambda f: f.exception() and log.warning("batch %s: counts not noted: %s", bid,
+                                                                      f.exception()))
 
     def _room(self) -> int:
         """Bytes that may still be written under --files-dir leaving --min-free-disk-bytes free (507 if none)."""
         room = shutil.disk_usage(self.files_dir).free - self.min_free_bytes
         if room <= 0:
-            raise self._full(room + self.min_free_bytes)
+            raise self._no_room(room + self.min_free_bytes)
         return room
 
-    def _full(self, free: int) -> APIError:
-        return APIError(507, f"no room under --files-dir: its disk has {max(0, free) / 2**30:.2f} GiB free and "
-                             f"--min-free-disk-bytes keeps {self.min_free_bytes / 2**30:.2f} GiB of it free",
+    def _no_room(self, free: int) -> APIError:
+        return APIError(507, f"no room under --files-dir: its disk has {max(0, free) / 2**20:,.0f} MiB free and "
+                             f"--min-free-disk-bytes keeps {self.min_free_bytes / 2**20:,.0f} MiB of it free",
                         type="server_error", code="insufficient_storage",
                         headers={"x-should-retry": "false"})   # (the openai client retries a 5xx: an upload twice)
 
-    def _new_file(self, fid: str, filename: str, purpose: str, size: int) -> dict:
+    async def _new_file(self, fid: str, filename: str, purpose: str, size: int) -> dict:
         rec = {"id": fid, "object": "file", "bytes": size, "created_at": _now(), "filename": filename,
                "purpose": purpose, "status": "processed", "status_details": None}
-        _write_json(self.files_dir / f"{fid}.json", rec)
+        await self.records.write(self.files_dir / f"{fid}.json", rec)
         self._files[fid] = (rec["created_at"], purpose)
         return rec
 
@@ -299,7 +368,7 @@ class BatchJobs:
             out = []
             for _, i in page:
                 try:
-                    out.append(orjson.loads((folder / f"{i}.json").read_bytes()))
+                    out.append(self.records.read(folder / f"{i}.json"))
                 except (OSError, orjson.JSONDecodeError):      # removed meanwhile
                     continue
             return out
@@ -323,24 +392,24 @@ class BatchJobs:
                         raise APIError(400, "one file part per upload", param="file")
                     filename = part.filename or "upload.jsonl"
                     filename.encode("utf-8")      # (a name that is not UTF-8: UnicodeEncodeError, a 400 below)
-                    room = self._room()
                     with open(data, "wb") as f:
                         while chunk := await body_read(request, part.read_chunk(1 << 20)):
                             size += len(chunk)
                             if size > self.max_file_bytes:
                                 raise APIError(413, f"the file is larger than --max-file-bytes "
                                                     f"({self.max_file_bytes} bytes)", param="file")
-                            if size > room:
-                                raise self._full(room + self.min_free_bytes - size + len(chunk))
+                            # the disk as it is now, each chunk (uploads at once, running batches: a review's
+                            # four uploads, each checked once at its start, went 3.4 MB past the floor)
+                            if self._room() <= len(chunk):
+                                raise self._no_room(self._room() + self.min_free_bytes)
                             f.write(chunk)
-                        f.flush()
-                        await asyncio.to_thread(os.fsync, f.fileno())     # its bytes on disk before its record
+                    await self.records.run(_sync, data)          # its bytes on disk before its record
             if purpose != "batch":
                 raise APIError(400, f"purpose must be 'batch' (the only files this server takes), got {purpose!r}",
                                param="purpose")
             if filename is None:
                 raise APIError(400, "no file part in the upload", param="file")
-            return json_response(self._new_file(fid, filename, purpose, size))
+            return json_response(await self._new_file(fid, filename, purpose, size))
         except (ValueError, LookupError) as e:   # not multipart/form-data after all, a field or name not UTF-8, an
             data.unlink(missing_ok=True)         # unknown charset
             raise APIError(400, f"the upload is not a valid multipart/form-data body: {e}", param="file") from None
@@ -400,9 +469,8 @@ class BatchJobs:
                 raise APIError(409, f"file {fid} is the input of batch {bid}, which is {b['status']}: cancel "
                                     f"the batch or let it end first", param="file_id", code="file_in_use",
                                type="invalid_request_error")
-        self._data(fid).unlink(missing_ok=True)
-        (self.files_dir / f"{fid}.json").unlink(missing_ok=True)
         self._files.pop(fid, None)
+        await self.records.remove(self.files_dir / f"{fid}.json", self._data(fid))
         self._gone[fid] = rec["created_at"]
         return json_response({"id": fid, "object": "file", "deleted": True})
 
@@ -429,7 +497,7 @@ class BatchJobs:
         f = self._file(fid)
         if f["purpose"] != "batch":
             raise APIError(400, f"file {fid} has purpose {f['purpose']!r}, not 'batch'", param="input_file_id")
-        self._room()                      # (its answers need room; a batch that fills the disk fails, its answers kept)
+        self._room()                      # (its answers need room: see _run_lines for a disk that fills meanwhile)
         now = _now()
         b = {"id": "batch_" + secrets.token_hex(12), "object": "batch", "endpoint": endpoint, "errors": None,
              "input_file_id": fid, "completion_window": window, "status": "validating", "output_file_id": None,
@@ -438,7 +506,7 @@ class BatchJobs:
              "cancelling_at": None, "cancelled_at": None,
              "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": metadata, "model": None,
              "usage": None}
-        self._save_batch(b)
+        await self._save_batch(b)
         self._batches[b["id"]] = now
         self.tasks[b["id"]] = asyncio.create_task(self._run(b["id"]), name=f"batch {b['id']}")
         return json_response(public(b))
@@ -462,44 +530,69 @@ class BatchJobs:
         b = self._shown(self._batch(request.match_info["batch_id"]))
         # (not once finalizing: its answers are all in, and the run's last write, which follows, would overwrite a
         # "cancelling" it never saw: a review's cancel was told "cancelling" and the batch then said "completed")
+        bid = b["id"]
+        task = self.tasks.get(bid)
+        idle = task is None or task.done() or bid not in self._started     # (decided before any await)
         if b["status"] in ("validating", "in_progress"):
             b["status"], b["cancelling_at"] = "cancelling", _now()
-            self._cancel.add(b["id"])
-            self._save_batch(b)
-            task = self.tasks.get(b["id"])
-            if task is None or task.done():          # nothing runs it now (a drain stopped it): cancelled now, with
-                b["status"], b["cancelled_at"] = "cancelled", _now()     # the answers it has (they were orphaned:
-                self._attach_results(b)                                  # a review)
-                self._save_batch(b)
+            self._cancel.add(bid)
+            if not idle:
+                await self._save_batch(b)          # its lanes stop; the run ends it "cancelled"
+        if b["status"] == "cancelling" and idle:
+            # nothing runs it now (a drain stopped it; it waits for a running place): cancelled now, with the
+            # answers it has (they were orphaned; it stayed "cancelling" until a place came: reviews)
+            if task is not None and not task.done():
+                task.cancel()
+            b["status"], b["cancelled_at"] = "cancelled", _now()
+            await self._attach_results(b)
+            await self._save_batch(b)
+            self._note_gone(bid)
         return json_response(public(b))
 
     # ------------------------------------------------------------ running a batch
     async def _run(self, bid: str) -> None:
         try:
-            async with self.running:          # (--max-running-batches: it waits "validating" meanwhile)
-                if self.state.draining:
-                    return                    # still "validating": resumed by the next balancer on this folder
+            async with self.running:          # (--max-running-batches: it waits, as it is, meanwhile)
+                if self.state.draining or self._batch(bid)["status"] not in RUNNING:
+                    return                    # resumed by the next balancer on this folder; (ended: cancelled)
+                self._started.add(bid)
                 await self._run_lines(bid)
         except asyncio.CancelledError:
             raise
-        except Exception as e:           # a bug must not leave the batch "in_progress" for ever
+        except Exception as e:           # a bug, or the disk: the batch must not stay "in_progress" for ever
             log.exception("batch %s failed", bid)
-            b = self._shown(self._batch(bid))
-            self.counts.pop(bid, None)
-            b["status"], b["failed_at"] = "failed", _now()
-            b["errors"] = {"object": "list", "data": [{"code": "server_error", "message": f"{type(e).__name__}: {e}",
-                                                       "param": None, "line": None}]}
-            self._attach_results(b)          # what it answered
-            self._save_batch(b)
+            await self._fail(bid, "server_error", f"{type(e).__name__}: {e}")
+        finally:
+            self._started.discard(bid)
 
-    def _attach_results(self, b: dict) -> None:
+    async def _fail(self, bid: str, code: str, message: str) -> None:
+        """The batch ends "failed" with ``errors`` saying why; what it answered stays in its files."""
+        try:
+            b = self._shown(self._batch(bid))
+            b["status"], b["failed_at"] = "failed", _now()
+            b["errors"] = {"object": "list", "data": [{"code": code, "message": message, "param": None,
+                                                       "line": None}]}
+            await self._attach_results(b)
+            await self._save_batch(b)
+        except OSError:               # (the disk is full after all: its record stays as it was, resumed later)
+            log.exception("batch %s: its failure could not be recorded", bid)
+        finally:
+            self.counts.pop(bid, None)
+        self._note_gone(bid)
+
+    def _note_gone(self, bid: str) -> None:
+        """An ended batch's progress note goes (after its record: the same thread, in order)."""
+        self.records.run(lambda: self._counts_path(bid).unlink(missing_ok=True))
+
+    async def _attach_results(self, b: dict) -> None:
         """A batch ending early (failed, or cancelled while nothing runs it): its output and error files so far
         become files of its own (``output_file_id``, ``error_file_id``); an empty one is removed."""
         for key, kind in (("_output_file_id", "output"), ("_error_file_id", "error")):
             fid = b.get(key)
             path = self._data(fid) if fid else None
             if path is not None and path.exists() and path.stat().st_size:
-                self._new_file(fid, f"{b['id']}_{kind}.jsonl", "batch_output", path.stat().st_size)
+                await self.records.run(_sync, path)
+                await self._new_file(fid, f"{b['id']}_{kind}.jsonl", "batch_output", path.stat().st_size)
                 b[key[1:]] = fid
             elif path is not None:
                 path.unlink(missing_ok=True)
@@ -543,7 +636,8 @@ class BatchJobs:
                  in_progress_at=b["in_progress_at"] or _now(), _output_file_id=out_id, _error_file_id=err_id)
         b["request_counts"]["total"] = total
         self.counts[bid] = counts
-        self._save_batch(b)
+        await self._save_batch(b)
+        noted = [time.monotonic()]
         with open(out_path, "ab") as out, open(err_path, "ab") as err, \
                 _Lines(self._data(b["input_file_id"]), b["endpoint"], done) as todo:
             def record(data: bytes, ok: bool) -> None:
@@ -551,17 +645,24 @@ class BatchJobs:
                 fh.write(data)
                 fh.flush()                    # (to the kernel; on disk at the batch's end, or by a later resume)
                 counts["completed" if ok else "failed"] += 1
+                if time.monotonic() - noted[0] > 0.5:
+                    noted[0] = time.monotonic()
+                    self._note_counts(bid, counts)
+                # a disk that fills as it runs: it stops while --min-free-disk-bytes is left for its records (a
+                # review's batches filled a small disk: their last records failed, they stayed in_progress)
+                if shutil.disk_usage(self.files_dir).free < self.min_free_bytes:
+                    self._full.add(bid)
 
             async def lane() -> None:         # --batch-concurrency of these take the lines in order
                 while (line := await todo.next()) is not None:
                     if line.error is not None:
                         record(result_line(line.custom_id, error=line.error), False)
                         continue
-                    if self._cancelling(bid) or self.state.draining:
+                    if self._stopping(bid):
                         return
                     try:
                         async with self.slots:        # (its turn may come after a cancel or a drain)
-                            if self._cancelling(bid) or self.state.draining:
+                            if self._stopping(bid):
                                 return
                             status, data = await self._answer(line, lambda: self._cancelling(bid))
                     except asyncio.CancelledError:
@@ -573,34 +674,46 @@ class BatchJobs:
                         return
                     record(result_line(line.custom_id, status, data), 200 <= status < 300)
             await asyncio.gather(*(lane() for _ in range(self.concurrency)))
-            await asyncio.to_thread(lambda: (os.fsync(out.fileno()), os.fsync(err.fileno())))
+        await asyncio.gather(self.records.run(_sync, out_path), self.records.run(_sync, err_path))
+        if bid in self._full and not self._cancelling(bid) and counts["completed"] + counts["failed"] < total:
+            self._full.discard(bid)
+            free = shutil.disk_usage(self.files_dir).free
+            await self._fail(bid, "insufficient_storage", f"the disk of --files-dir filled up ({free / 2**20:,.0f} "
+                             f"MiB free, --min-free-disk-bytes {self.min_free_bytes / 2**20:,.0f} MiB): stopped "
+                             f"after {counts['completed'] + counts['failed']} answers, kept in its files")
+            return
+        self._full.discard(bid)
         if self.state.draining and not self._cancelling(bid):
-            self._save_batch(self._batch(bid))  # still in_progress: a balancer on the same --files-dir resumes it
+            await self._save_batch(self._batch(bid))  # still in_progress: a balancer on the same --files-dir resumes it
             self.counts.pop(bid, None)
             log.info("batch %s left in progress at shutdown: %s", bid, counts)
             return
         b = self._shown(self._batch(bid))
-        self.counts.pop(bid, None)
         if b["status"] == "cancelling":
             b["status"], b["cancelled_at"] = "cancelled", _now()
         else:
             b["status"], b["finalizing_at"] = "finalizing", _now()
-            self._save_batch(b)
+            await self._save_batch(b)
             b["status"], b["completed_at"] = "completed", _now()
         for fid, path in ((out_id, out_path), (err_id, err_path)):     # as OpenAI's: no file where none is due
             if path.stat().st_size:
-                self._new_file(fid, f"{bid}_{'output' if fid == out_id else 'error'}.jsonl", "batch_output",
-                               path.stat().st_size)
+                await self._new_file(fid, f"{bid}_{'output' if fid == out_id else 'error'}.jsonl", "batch_output",
+                                     path.stat().st_size)
             else:
                 path.unlink(missing_ok=True)
         b["output_file_id"] = out_id if out_path.exists() else None
         b["error_file_id"] = err_id if err_path.exists() else None
         b["model"], b["usage"] = await asyncio.to_thread(_model_and_usage, out_path)
-        self._save_batch(b)
+        await self._save_batch(b)
+        self.counts.pop(bid, None)
+        self._note_gone(bid)
         log.info("batch %s %s: %s", bid, b["status"], b["request_counts"])
 
     def _cancelling(self, bid: str) -> bool:
         return bid in self._cancel
+
+    def _stopping(self, bid: str) -> bool:
+        return bid in self._cancel or bid in self._full or self.state.draining
 
     async def _answer(self, line, cancelled) -> tuple[int | None, object]:
         """One line through the balancer's queue, as its door would take it: (status, body); a line the balancer

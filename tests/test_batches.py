@@ -463,7 +463,7 @@ async def test_many_batches_hold_no_more_of_the_queue_than_batch_concurrency(aio
 
     async with workers(worker_app(batch)) as urls:
         client = await _files_balancer(aiohttp_client, tmp_path, urls, batch_concurrency=4)
-        fid = await _upload(client, _lines(12))
+        fid = await _upload(client, _lines(30))
         bids = [(await (await client.post("/v1/batches", json={"input_file_id": fid, "endpoint": "/v1/completions",
                                                                 "completion_window": "24h"})).json())["id"]
                 for _ in range(5)]
@@ -927,6 +927,83 @@ def test_resuming_and_finishing_a_batch_read_its_output_a_line_at_a_time_and_rec
     assert tmp.endswith("out.data.tmp") and before == [tmp]         # synced, then renamed
     assert synced[-1] == str(tmp_path)                              # then the folder
     synced.clear(), order.clear()
-    batches._write_json(tmp_path / "rec.json", {"a": 1})
+    batches._write(tmp_path / "rec.json", orjson.dumps({"a": 1}), durable=True)
     (tmp, before), = order
     assert before == [tmp] and synced == [tmp, str(tmp_path)]
+
+
+async def test_a_waiting_batch_cancels_at_once_a_filling_disk_fails_a_batch_and_syncs_stay_off_the_loop(
+        aiohttp_client, tmp_path, monkeypatch):
+    """A review of the batch storage: a batch waiting for a running place (--max-running-batches) that was cancelled
+    stayed "cancelling" until a place came, hours maybe, then showed an `in_progress_at`; a disk that filled as
+    batches ran failed their last record writes, so they stayed in_progress with no counts; every record write
+    synced the disk on the event loop (2-12 ms each). Now the cancel ends it at once; a running batch stops while
+    --min-free-disk-bytes is left and ends failed `insufficient_storage` with its answers as its output; records
+    are synced on a thread of their own, in order (a sync taking 0.2 s here stops the loop for none of it). A fake
+    worker (tests/fakes.py: a test double) answers each request after 0.05 s."""
+    import asyncio
+    import os
+    import shutil
+    import time
+
+    from tests.fakes import fake_worker, workers
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (time.sleep(0.2), real_fsync(fd))[1])
+    async with workers(fake_worker("ok", [], delay=0.05)) as urls:
+        client = await _files_balancer(aiohttp_client, tmp_path, urls, max_running_batches=1, batch_concurrency=1)
+        gaps, ticking = [], True
+
+        async def tick():
+            last = time.monotonic()
+            while ticking:
+                await asyncio.sleep(0.005)
+                gaps.append(time.monotonic() - last)
+                last = time.monotonic()
+        ticker = asyncio.create_task(tick())
+        fid = await _upload(client, _lines(30))
+        body = {"input_file_id": fid, "endpoint": "/v1/completions", "completion_window": "24h"}
+        first = (await (await client.post("/v1/batches", json=body)).json())["id"]
+        waiting = (await (await client.post("/v1/batches", json=body)).json())["id"]
+        for _ in range(200):
+            if (await (await client.get(f"/v1/batches/{first}")).json())["request_counts"]["completed"] >= 1:
+                break
+            await asyncio.sleep(0.02)
+        real = shutil.disk_usage
+        monkeypatch.setattr(shutil, "disk_usage", lambda p: real(p)._replace(free=1 << 29))    # under the floor
+        b = await (await client.post(f"/v1/batches/{waiting}/cancel")).json()
+        assert b["status"] == "cancelled" and b["in_progress_at"] is None and b["output_file_id"] is None, b
+        for _ in range(400):
+            cur = await (await client.get(f"/v1/batches/{first}")).json()
+            if cur["status"] not in ("validating", "in_progress"):
+                break
+            await asyncio.sleep(0.02)
+        ticking = False
+        await ticker
+        assert cur["status"] == "failed" and cur["errors"]["data"][0]["code"] == "insufficient_storage", cur
+        done = cur["request_counts"]["completed"]
+        assert 1 <= done < 30 and cur["output_file_id"], cur
+        out = await (await client.get(f"/v1/files/{cur['output_file_id']}/content")).read()
+        assert len(out.splitlines()) == done                   # its answers kept
+        assert max(gaps) < 0.15, max(gaps)                     # (each sync takes 0.2 s)
+    again = (await (await client.get(f"/v1/batches/{waiting}")).json())
+    assert again["status"] == "cancelled"
+
+
+async def test_batches_left_running_resume_in_the_order_they_came(tmp_path):
+    """After a restart the batches left running resumed in the order of their random ids, not the order they came
+    (a review: 0, 1, 2, 5, 4, 3 with --max-running-batches 1)."""
+    from types import SimpleNamespace
+
+    from balancer.batches import BatchJobs
+    root = tmp_path / "files"
+    (root / "batches").mkdir(parents=True)
+    made = {"batch_" + "f" * 24: 1, "batch_" + "0" * 24: 3, "batch_" + "8" * 24: 2, "batch_" + "1" * 24: 4}
+    for bid, created in made.items():
+        (root / "batches" / f"{bid}.json").write_bytes(orjson.dumps(
+            {"id": bid, "created_at": created, "status": "in_progress", "request_counts": {}}))
+    jobs = BatchJobs(SimpleNamespace(draining=True), root, 1 << 20, 4, max_running=1)
+    jobs.start()
+    try:
+        assert list(jobs.tasks) == sorted(made, key=made.get)
+    finally:
+        await jobs.close()
