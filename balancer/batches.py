@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import errno
 import fcntl
 import logging
 import os
@@ -99,11 +100,13 @@ class Records:
                 del self._latest[path]
         fut = asyncio.get_running_loop().run_in_executor(self._pool, _write, path, raw, durable)
         fut.add_done_callback(written)
-        return fut
+        return asyncio.shield(fut)
 
     def run(self, fn, *args) -> asyncio.Future:
-        """``fn(*args)`` on the records' thread, after the writes before it."""
-        return asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+        """``fn(*args)`` on the records' thread, after the writes before it. Once queued it is done, whatever
+        becomes of the one awaiting it (a client that left cancelled its handler, and with it a write still queued:
+        a review's cancel was answered, never written, and the batch ended "completed")."""
+        return asyncio.shield(asyncio.get_running_loop().run_in_executor(self._pool, fn, *args))
 
     def remove(self, *paths: Path) -> asyncio.Future:
         """Remove files, in order with the writes (a record's pending write would bring it back)."""
@@ -111,12 +114,15 @@ class Records:
             self._latest.pop(p, None)
         return self.run(lambda: [p.unlink(missing_ok=True) for p in paths])
 
-    def exists(self, path: Path) -> bool:
-        return path in self._latest or path.is_file()
-
-    def read(self, path: Path) -> dict:
+    def read(self, path: Path) -> dict | None:
+        """The record as last written; None if it is gone (deleted meanwhile)."""
         raw = self._latest.get(path)
-        return orjson.loads(raw if raw is not None else path.read_bytes())
+        if raw is None:
+            try:
+                raw = path.read_bytes()
+            except FileNotFoundError:
+                return None
+        return orjson.loads(raw)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)
@@ -231,6 +237,7 @@ class BatchJobs:
         self.counts: dict[str, dict] = {}
         self.records = Records()
         self._started: set[str] = set()         # batches past their wait for a running place (_run_lines)
+        self._ending: set[str] = set()          # batches whose run is writing their end
         self._full: set[str] = set()            # running batches stopped by a full disk
         # --batch-concurrency: lines in the queue at once over every running batch, taken in turn (FIFO): a client
         # starting many batches gets no more of the queue than one batch (a review filled the 4,096-request queue
@@ -271,7 +278,7 @@ class BatchJobs:
         for rec in _load_all(self.files_dir, "file-*.json"):
             self._files[rec["id"]] = (rec["created_at"], rec["purpose"])
         stored = _load_all(self.batches_dir, "batch_*.json")
-        for b in sorted(stored, key=lambda b: (b["created_at"], b["id"])):     # resumed in the order they came
+        for b in sorted(stored, key=lambda b: (b["created_at"], b.get("_seq", 0), b["id"])):    # in the order they came
             self._batches[b["id"]] = b["created_at"]
             if b.get("status") == "cancelling":
                 self._cancel.add(b["id"])
@@ -290,21 +297,24 @@ class BatchJobs:
 
     def _file(self, fid: str) -> dict:
         path = self.files_dir / f"{fid}.json"
-        if not FILE_ID.fullmatch(fid) or not self.records.exists(path):
+        rec = self.records.read(path) if FILE_ID.fullmatch(fid) else None
+        if rec is None:
             raise APIError(404, f"No such File object: {fid}", param="file_id", code="file_not_found")
-        return self.records.read(path)
+        return rec
 
     def _data(self, fid: str) -> Path:
         return self.files_dir / f"{fid}.data"
 
     def _batch(self, bid: str) -> dict:
         path = self.batches_dir / f"{bid}.json"
-        if not BATCH_ID.fullmatch(bid) or not self.records.exists(path):
+        rec = self.records.read(path) if BATCH_ID.fullmatch(bid) else None
+        if rec is None:
             raise APIError(404, f"No such Batch object: {bid}", param="batch_id", code="batch_not_found")
-        return self.records.read(path)
+        return rec
 
-    async def _save_batch(self, b: dict) -> None:
-        await self.records.write(self.batches_dir / f"{b['id']}.json", self._shown(b))
+    def _save_batch(self, b: dict) -> asyncio.Future:
+        """Its record, written in order (queued now; awaited for its end)."""
+        return self.records.write(self.batches_dir / f"{b['id']}.json", self._shown(b))
 
     def _counts_path(self, bid: str) -> Path:
         return self.batches_dir / f"{bid}.counts"
@@ -368,9 +378,11 @@ class BatchJobs:
             out = []
             for _, i in page:
                 try:
-                    out.append(self.records.read(folder / f"{i}.json"))
+                    rec = self.records.read(folder / f"{i}.json")
                 except (OSError, orjson.JSONDecodeError):      # removed meanwhile
                     continue
+                if rec is not None:
+                    out.append(rec)
             return out
         return await asyncio.to_thread(read), len(order) > limit
 
@@ -505,10 +517,13 @@ class BatchJobs:
              "finalizing_at": None, "completed_at": None, "failed_at": None, "expired_at": None,
              "cancelling_at": None, "cancelled_at": None,
              "request_counts": {"total": 0, "completed": 0, "failed": 0}, "metadata": metadata, "model": None,
-             "usage": None}
-        await self._save_batch(b)
+             "usage": None, "_seq": time.time_ns()}            # (its place among batches made in one second)
+        saved = self._save_batch(b)
+        # known before the write's end: a delete of its input meanwhile is refused (a review's succeeded, and the
+        # batch failed); a client that leaves meanwhile leaves a batch listed and running, not only on disk
         self._batches[b["id"]] = now
         self.tasks[b["id"]] = asyncio.create_task(self._run(b["id"]), name=f"batch {b['id']}")
+        await saved
         return json_response(public(b))
 
     async def get_batch(self, request: web.Request) -> web.Response:
@@ -531,6 +546,8 @@ class BatchJobs:
         # (not once finalizing: its answers are all in, and the run's last write, which follows, would overwrite a
         # "cancelling" it never saw: a review's cancel was told "cancelling" and the batch then said "completed")
         bid = b["id"]
+        if bid in self._ending:
+            return json_response(public(b))        # its run is writing its end (failed, completed): as it is
         task = self.tasks.get(bid)
         idle = task is None or task.done() or bid not in self._started     # (decided before any await)
         if b["status"] in ("validating", "in_progress"):
@@ -561,12 +578,15 @@ class BatchJobs:
             raise
         except Exception as e:           # a bug, or the disk: the batch must not stay "in_progress" for ever
             log.exception("batch %s failed", bid)
-            await self._fail(bid, "server_error", f"{type(e).__name__}: {e}")
+            full = isinstance(e, OSError) and e.errno == errno.ENOSPC
+            await self._fail(bid, "insufficient_storage" if full else "server_error", f"{type(e).__name__}: {e}")
         finally:
             self._started.discard(bid)
+            self._ending.discard(bid)
 
     async def _fail(self, bid: str, code: str, message: str) -> None:
         """The batch ends "failed" with ``errors`` saying why; what it answered stays in its files."""
+        self._ending.add(bid)
         try:
             b = self._shown(self._batch(bid))
             b["status"], b["failed_at"] = "failed", _now()
@@ -674,6 +694,8 @@ class BatchJobs:
                         return
                     record(result_line(line.custom_id, status, data), 200 <= status < 300)
             await asyncio.gather(*(lane() for _ in range(self.concurrency)))
+        if not self.state.draining or self._cancelling(bid):
+            self._ending.add(bid)         # (a cancel from now on is answered as the batch is: it ends as it is)
         await asyncio.gather(self.records.run(_sync, out_path), self.records.run(_sync, err_path))
         if bid in self._full and not self._cancelling(bid) and counts["completed"] + counts["failed"] < total:
             self._full.discard(bid)
@@ -686,6 +708,7 @@ class BatchJobs:
         if self.state.draining and not self._cancelling(bid):
             await self._save_batch(self._batch(bid))  # still in_progress: a balancer on the same --files-dir resumes it
             self.counts.pop(bid, None)
+            self._note_gone(bid)          # (its record holds the counts now: an older note would show fewer)
             log.info("batch %s left in progress at shutdown: %s", bid, counts)
             return
         b = self._shown(self._batch(bid))
