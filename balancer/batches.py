@@ -86,7 +86,9 @@ class Records:
     """The JSON records (a file's, a batch's) and the other small writes of --files-dir, done in order on one
     thread of their own: a record is written whole and synced to disk with its folder (``durable``), which took
     2-12 ms a write on the event loop (35-57 ms stalls with 16 batches ending together: a review). A record is read
-    back as last written, before its write is done."""
+    back as last written (or removed: gone), before that is done."""
+
+    _GONE = b""                      # (in _latest: a removal queued)
 
     def __init__(self):
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="records")
@@ -109,14 +111,26 @@ class Records:
         return asyncio.shield(asyncio.get_running_loop().run_in_executor(self._pool, fn, *args))
 
     def remove(self, *paths: Path) -> asyncio.Future:
-        """Remove files, in order with the writes (a record's pending write would bring it back)."""
+        """Remove files, in order with the writes (a record's pending write would bring it back); read as gone
+        from now on."""
+        gone = self._GONE
         for p in paths:
-            self._latest.pop(p, None)
-        return self.run(lambda: [p.unlink(missing_ok=True) for p in paths])
+            self._latest[p] = gone
+
+        def removed(_):
+            for p in paths:
+                if self._latest.get(p) is gone:
+                    del self._latest[p]
+        fut = asyncio.get_running_loop().run_in_executor(self._pool, lambda: [p.unlink(missing_ok=True)
+                                                                              for p in paths])
+        fut.add_done_callback(removed)
+        return asyncio.shield(fut)
 
     def read(self, path: Path) -> dict | None:
-        """The record as last written; None if it is gone (deleted meanwhile)."""
+        """The record as last written; None if it is gone (deleted, or its removal queued)."""
         raw = self._latest.get(path)
+        if raw is self._GONE:
+            return None
         if raw is None:
             try:
                 raw = path.read_bytes()
@@ -325,7 +339,7 @@ class BatchJobs:
         live = self.counts.get(b["id"])
         if live is None and b.get("status") in RUNNING:
             try:
-                live = orjson.loads(self._counts_path(b["id"]).read_bytes())
+                live = self.records.read(self._counts_path(b["id"]))    # (a note whose removal is queued: gone)
             except (OSError, orjson.JSONDecodeError):
                 live = None
         if isinstance(live, dict):
@@ -601,8 +615,9 @@ class BatchJobs:
         self._note_gone(bid)
 
     def _note_gone(self, bid: str) -> None:
-        """An ended batch's progress note goes (after its record: the same thread, in order)."""
-        self.records.run(lambda: self._counts_path(bid).unlink(missing_ok=True))
+        """An ended batch's progress note goes (after its record: the same thread, in order; read as gone at
+        once: a cancel right after a drain read the older note, a fresh clone's CI run found)."""
+        self.records.remove(self._counts_path(bid))
 
     async def _attach_results(self, b: dict) -> None:
         """A batch ending early (failed, or cancelled while nothing runs it): its output and error files so far
