@@ -839,22 +839,8 @@ async def test_batches_beyond_max_running_wait_validating_and_a_full_disk_refuse
     import asyncio
     import shutil
 
-    from aiohttp import web
-    from tests.fakes import worker_app, workers
-
-    async def batch(request):
-        items = (await request.json())["requests"]
-        resp = web.StreamResponse(headers={"Content-Type": "application/x-ndjson"})
-        await resp.prepare(request)
-        await asyncio.sleep(0.3)
-        for item in items:
-            data = {"object": "text_completion", "model": "m",
-                    "choices": [{"index": 0, "text": "t", "finish_reason": "length"}]}
-            await resp.write(orjson.dumps({"id": item["id"], "event": "response", "data": data, "end": True}) + b"\n")
-        await resp.write_eof()
-        return resp
-
-    async with workers(worker_app(batch)) as urls:
+    from tests.fakes import fake_worker, workers
+    async with workers(fake_worker("ok", [], delay=0.3)) as urls:
         client = await _files_balancer(aiohttp_client, tmp_path, urls, max_running_batches=1, batch_concurrency=1)
         fid = await _upload(client, _lines(3))
         bids = [(await (await client.post("/v1/batches", json={"input_file_id": fid, "endpoint": "/v1/completions",
