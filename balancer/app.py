@@ -388,8 +388,8 @@ async def health(request: web.Request) -> web.Response:
     state = request.app[STATE]
     healthy = len(state.pool.healthy())
     status = "draining" if state.draining else ("ok" if healthy else "no_healthy_workers")
-    versions = sorted({h for w in state.pool.workers if w.healthy and (h := (w.last_health.get("model_version")
-                                                                              or {}).get("hash"))})
+    versions = sorted({h for w in state.pool.workers if w.healthy and state.batcher.routable(w)
+                       and (h := (w.last_health.get("model_version") or {}).get("hash"))})   # (what a request may get)
     return json_response({"status": status, "healthy_workers": healthy, "total_workers": len(state.pool.workers),
                           "model_versions": versions}, 200 if healthy and not state.draining else 503)
 

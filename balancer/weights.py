@@ -10,7 +10,9 @@ common/dcp_cache.py) and a mode:
   worker loads at once, the queue resumes.
 
 A load the first worker refuses (a bad path, another family, config, shapes or tokenizer) changes nothing; a worker
-that fails later has its predecessors put back on their old weights, so a failed update leaves the fleet as it was.
+that fails later has its predecessors put back on their old weights, so a failed update leaves the fleet as it was;
+one that cannot be put back (its old checkpoint deleted since, a load past the wait) takes no batch until it holds
+them again (the sync keeps trying), and the failure says so.
 Only one update runs at a time. Workers report their weights (``model_version``: the checkpoint's path and content
 hash) on /health and with every answer; once an update has succeeded, a worker that comes back on other weights (a
 restarted process starts from its launch checkpoint) is brought to the update's weights before it gets requests; one
@@ -62,17 +64,34 @@ class WeightUpdates:
         # the worker processes ((index, instance id): a process id alone may be unknown) the sync could not bring
         # onto the target: {"target": its hash, "failures" in a row, "next" try (monotonic), "error"}
         self._sync_failed: dict[tuple, dict] = {}
+        # the worker processes a failed update could not put back on their previous weights (a checkpoint deleted
+        # since, a load that outlasted the balancer's wait): the version each must hold again before it takes a
+        # batch (the sync tries, as for the target); a later update that succeeds clears them
+        self._stranded: dict[tuple, dict] = {}
+        self.syncing: dict | None = None     # the sync's load running: {"worker", "path", "started"}
 
     # ------------------------------------------------------------ what the batcher asks
     def routable(self, w: Worker) -> bool:
         """May ``w`` take batches now: not while it loads, and, once an update has succeeded, only on that update's
         weights (or those of the update running), so no answer comes from weights an update has replaced."""
-        if w.updating:
+        if w.updating or self._astray(w):
             return False
         if self.target is None:
             return True
         h = hash_of(w)
         return h is None or h == self.target["hash"] or h == self.toward
+
+    def _astray(self, w: Worker) -> bool:
+        """A failed update left ``w`` on its weights (it could not be put back): it takes nothing until it is."""
+        if not self._stranded:
+            return False                 # (the batcher asks for every dispatch: none is the usual case)
+        want = self._stranded.get(_process(w))
+        return want is not None and hash_of(w) != want["hash"]
+
+    def _wanted(self, w: Worker) -> dict | None:
+        """The weights ``w`` must hold to take batches: those it had before a failed update that could not put it
+        back, else the last update's (None: any)."""
+        return (self._stranded.get(_process(w)) if self._stranded else None) or self.target
 
     def allowed_versions(self) -> list[str] | None:
         """The hashes a worker must hold to answer rows that require no version (None: any), sent with each batch so
@@ -90,7 +109,7 @@ class WeightUpdates:
             return True
         if self.target is not None and wanted != self.target["hash"]:
             return False
-        return any(hash_of(w) == wanted for w in self.pool.workers if w.healthy)
+        return any(hash_of(w) == wanted for w in self.pool.workers if w.healthy and not self._astray(w))
 
     def snapshot(self) -> dict:
         versions: dict[str, dict] = {}
@@ -102,12 +121,19 @@ class WeightUpdates:
         failed = [{"worker": w.index, "failures": f["failures"], "error": f["error"],
                    "next_try_in": round(max(0.0, f["next"] - now), 1)}
                   for w in self.pool.workers if (f := self._sync_failed.get(_process(w))) is not None]
+        stranded = [{"worker": w.index, "must_hold": want} for w in self.pool.workers
+                     if (want := self._stranded.get(_process(w))) is not None]
         return {"target": self.target, "versions": list(versions.values()),
-                "update": self.current, "last_update": self.last, "sync_failures": failed}
+                "update": self.current, "last_update": self.last, "sync_failures": failed, "sync": self.syncing,
+                "stranded": stranded}
 
     # ------------------------------------------------------------ the update
     async def load(self, path: str, mode: str, timeout: float) -> dict:
         if self._lock.locked():
+            if self.current is None and self.syncing is not None:
+                raise APIError(409, f"worker {self.syncing['worker']} is being brought onto the weights it must hold "
+                                    f"({self.syncing['path']}: the sync, /stats weights.sync); try again when it is "
+                                    f"done", code="update_in_progress")
             raise APIError(409, f"a weight update is already running ({self.current})", code="update_in_progress")
         async with self._lock:
             workers = [w for w in self.pool.workers if w.healthy]
@@ -125,6 +151,10 @@ class WeightUpdates:
                     version = await self._pause(workers, path, timeout)
                 else:
                     version = await self._rolling(workers, path, timeout)
+                # the target before the queue hears the update is over: requests pinned to the incoming weights
+                # were judged against the old target then, and got 409 (a review)
+                self.target = version
+                self._stranded.clear()
             except APIError as e:
                 self.last = {"path": path, "mode": mode, "ok": False, "error": e.message, "ended": time.time()}
                 log.warning("weight update to %s failed: %s", path, e.message)
@@ -132,7 +162,6 @@ class WeightUpdates:
             finally:
                 self.current, self.toward = None, None
                 self.batcher.versions_changed()
-            self.target = version
             self.last = {"path": path, "mode": mode, "ok": True, "model_version": version, "ended": time.time(),
                          "seconds": round(time.monotonic() - t0, 3)}
             log.info("weight update done: %s (%s) in %.1f s", version["hash"], version["path"],
@@ -156,8 +185,9 @@ class WeightUpdates:
             except APIError as e:
                 # a worker that did not answer in time may still be loading them (a client leaving does not stop
                 # a worker's load): it goes back too, once it has settled
-                await self._put_back(done + ([(w, old)] if e.status == 502 else []))
-                raise APIError(e.status, self._failure(w, e.message, done), param=e.param,
+                moved = done + ([(w, old)] if e.status == 502 else [])
+                stuck = await self._put_back(moved)
+                raise APIError(_during_load(e.status), self._failure(w, e.message, moved, stuck), param=e.param,
                                code=e.code) from None
             finally:
                 w.updating = False
@@ -174,17 +204,24 @@ class WeightUpdates:
         try:
             await self._drained(workers, timeout)
             olds = [version_of(w) for w in workers]
-            results = await asyncio.gather(*(self._load_one(w, path, timeout) for w in workers),
-                                           return_exceptions=True)
+            for w in workers:
+                w.updating = True             # (/worker-status says so while they load)
+            try:
+                results = await asyncio.gather(*(self._load_one(w, path, timeout) for w in workers),
+                                               return_exceptions=True)
+            finally:
+                for w in workers:
+                    w.updating = False
             failed = [(w, r) for w, r in zip(workers, results) if isinstance(r, BaseException)]
             if failed:
                 ok = [(w, old) for w, old, r in zip(workers, olds, results) if not isinstance(r, BaseException)]
                 unanswered = [(w, old) for w, old, r in zip(workers, olds, results)
                               if isinstance(r, APIError) and r.status == 502]      # (maybe loading on: back too)
-                await self._put_back(ok + unanswered)
+                stuck = await self._put_back(ok + unanswered)
                 w, e = failed[0]
                 msg = e.message if isinstance(e, APIError) else f"{type(e).__name__}: {e}"
-                raise APIError(getattr(e, "status", 502), self._failure(w, msg, ok), param=getattr(e, "param", None))
+                raise APIError(_during_load(getattr(e, "status", 502)), self._failure(w, msg, ok + unanswered, stuck),
+                               param=getattr(e, "param", None), code=getattr(e, "code", None))
             self.current["done"] = [w.index for w in workers]
             return results[0]
         finally:
@@ -209,36 +246,43 @@ class WeightUpdates:
                                             timeout=aiohttp.ClientTimeout(total=timeout + self.load_timeout)) as r:
                 data = await r.json(content_type=None)
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError) as e:
-            raise APIError(502, f"worker {w.index} ({w.url}) did not answer the load: {type(e).__name__}: {e}")
+            why = str(e) or f"no answer within {timeout + self.load_timeout:g} s (timeout + --weight-load-timeout)"
+            raise APIError(502, f"worker {w.index} ({w.url}) did not answer the load: {type(e).__name__}: {why}")
         if r.status != 200:
             err = data.get("error", {}) if isinstance(data, dict) else {}
             raise APIError(r.status if r.status in (400, 409, 503, 504) else 502,
-                           f"worker {w.index} ({w.url}): {err.get('message', data)}", param=err.get("param"))
+                           f"worker {w.index} ({w.url}): {err.get('message', data)}", param=err.get("param"),
+                           code=err.get("code"))
         version = data["model_version"]
         if not check_only:
             w.last_health = {**w.last_health, "model_version": version}
         return version
 
-    async def _put_back(self, done: list[tuple[Worker, dict | None]]) -> None:
-        """A failed update: the workers it already moved go back to their previous weights (best effort, logged)."""
+    async def _put_back(self, done: list[tuple[Worker, dict | None]]) -> list[tuple[Worker, str]]:
+        """A failed update: the workers it already moved go back to their previous weights. Those that cannot (their
+        previous checkpoint deleted since, a load still running past the wait) take no batch until they hold them
+        again (``_stranded``: the sync keeps trying, as for an update's target): the workers and why."""
+        stuck = []
         for w, old in done:
             if not old:
                 continue
             w.updating = True
             try:
                 if not await self._settled(w):
-                    log.error("worker %d is still loading new weights: it could not be put back on %s", w.index,
-                              old["path"])
-                    continue
+                    raise APIError(504, "it is still loading the new weights")
                 if hash_of(w) == old.get("hash"):
                     continue                    # (a load that never happened: nothing to put back)
                 await self._drained([w], self.drain_timeout)
                 await self._load_one(w, old["path"], self.drain_timeout)
                 log.info("worker %d put back on %s", w.index, old["path"])
             except APIError as e:
-                log.error("worker %d could not be put back on %s: %s", w.index, old["path"], e.message)
+                log.error("worker %d could not be put back on %s: %s; it takes no requests until it holds them",
+                          w.index, old["path"], e.message)
+                self._stranded[_process(w)] = old
+                stuck.append((w, e.message))
             finally:
                 w.updating = False
+        return stuck
 
     async def _settled(self, w: Worker) -> bool:
         """Wait until ``w``'s /health no longer says "updating" (a load it was asked for and did not answer in time
@@ -260,9 +304,17 @@ class WeightUpdates:
         return False
 
     @staticmethod
-    def _failure(w: Worker, message: str, done: list) -> str:
-        back = f"; workers {[x.index for x, _ in done]} were put back on their previous weights" if done else ""
-        return f"the weight update failed on worker {w.index}: {message}{back}"
+    def _failure(w: Worker, message: str, moved: list, stuck: list = ()) -> str:
+        """The failed update's message: what failed, and what became of the workers it had moved (it said "put back"
+        of workers that could not be: a review)."""
+        out = f"the weight update failed on worker {w.index}: {message}"
+        back = [x.index for x, _ in moved if all(x is not y for y, _ in stuck)]
+        if back:
+            out += f"; workers {back} are on their previous weights again"
+        for x, why in stuck:
+            out += (f"; worker {x.index} could not be put back ({why}): it takes no requests until it holds its "
+                    f"previous weights again (/stats weights.stranded)")
+        return out
 
     # ------------------------------------------------------------ workers that come back on other weights
     def start(self) -> None:
@@ -278,14 +330,14 @@ class WeightUpdates:
         f = self._sync_failed.get(_process(w))
         return f is None or now >= f["next"]
 
-    def _sync_failure(self, process: tuple, index: int, message: str) -> None:
+    def _sync_failure(self, process: tuple, index: int, message: str, target: str) -> None:
         """Try the worker ``process`` again after --weight-sync-retry seconds, doubled for each failure in a row (up
         to --weight-sync-retry-max): a load that timed out or ran out of memory may succeed later; until then the
         worker takes no batch (:meth:`routable`)."""
         f = self._sync_failed.get(process) or {"failures": 0}
         f["failures"] += 1
         wait = min(self.sync_retry_max, self.sync_retry * 2.0 ** min(f["failures"] - 1, 60))
-        f.update(target=self.target["hash"], error=message, next=time.monotonic() + wait)
+        f.update(target=target, error=message, next=time.monotonic() + wait)
         self._sync_failed[process] = f
         log.error("worker %d could not load the update's weights (failure %d in a row; next try in %.0f s): %s",
                   index, f["failures"], wait, message)
@@ -301,29 +353,37 @@ class WeightUpdates:
                 log.exception("weights sync")
 
     async def _sync_round(self) -> None:
-        if self.target is None or self._lock.locked():
+        if self._lock.locked():
             return
-        now, target = time.monotonic(), self.target["hash"]
+        now = time.monotonic()
+        live = {_process(w) for w in self.pool.workers}
+        for k in [k for k in self._stranded if k not in live]:
+            del self._stranded[k]               # (a process replaced since starts from its launch weights)
         # forget processes replaced since, those that reached the weights after all (a load that answered too
-        # late), and failures to reach an earlier target
-        pending = {_process(w) for w in self.pool.workers if hash_of(w) != target}
-        for gone in [k for k, f in self._sync_failed.items() if k not in pending or f["target"] != target]:
+        # late), and failures to reach weights they no longer must hold
+        pending = {_process(w): want["hash"] for w in self.pool.workers
+                   if (want := self._wanted(w)) is not None and hash_of(w) != want["hash"]}
+        for gone in [k for k, f in self._sync_failed.items() if pending.get(k) != f["target"]]:
             del self._sync_failed[gone]
         for w in self.pool.workers:
-            if not (w.healthy and not w.updating and hash_of(w) not in (None, target) and self._sync_due(w, now)):
+            want = self._wanted(w)
+            if want is None or not (w.healthy and not w.updating and hash_of(w) not in (None, want["hash"])
+                                    and self._sync_due(w, now)):
                 continue
             async with self._lock:
-                if self.target is None or not w.healthy or hash_of(w) in (None, self.target["hash"]):
+                want = self._wanted(w)
+                if want is None or not w.healthy or hash_of(w) in (None, want["hash"]):
                     continue                    # (an update ran while this round waited for the lock)
                 process = _process(w)           # the process asked (health may show its successor by the end)
-                log.info("worker %d serves %s, not the update's %s: loading %s", w.index, hash_of(w),
-                         self.target["hash"], self.target["path"])
+                log.info("worker %d serves %s, not the %s it must hold: loading %s", w.index, hash_of(w),
+                         want["hash"], want["path"])
                 w.updating = True
+                self.syncing = {"worker": w.index, "path": want["path"], "started": time.time()}
                 self.batcher.versions_changed()
                 error = None
                 try:
                     await self._drained([w], self.drain_timeout)
-                    await self._load_one(w, self.target["path"], self.drain_timeout)
+                    await self._load_one(w, want["path"], self.drain_timeout)
                 except APIError as e:
                     error = e.message
                 except Exception as e:
@@ -331,12 +391,21 @@ class WeightUpdates:
                     error = f"{type(e).__name__}: {e}"
                 finally:
                     w.updating = False
+                    self.syncing = None
                     self.batcher.versions_changed()
                 if error is None:
                     self._sync_failed.pop(process, None)
+                    if hash_of(w) == want["hash"]:
+                        self._stranded.pop(process, None)
                 elif _process(w) == process:    # (a process replaced meanwhile starts with a clean slate)
-                    self._sync_failure(process, w.index, error)
+                    self._sync_failure(process, w.index, error, want["hash"])
 
 
 def _process(w: Worker) -> tuple:
     return (w.index, w.instance_id)
+
+
+def _during_load(status: int) -> int:
+    """A worker's refusal of a load it was asked to make after the checkpoint was checked (a read error half-way, a
+    file gone): the update failed on the server's side (502), not the client's (400: it would not try again)."""
+    return 502 if status == 400 else status

@@ -498,7 +498,7 @@ def test_the_sync_retry_waits_double_up_to_the_cap():
     waits = []
     for _ in range(4):
         t0 = time.monotonic()
-        updates._sync_failure((3, "p1"), 3, "no")
+        updates._sync_failure((3, "p1"), 3, "no", "NEW")
         waits.append(round(updates._sync_failed[(3, "p1")]["next"] - t0))
         assert not updates._sync_due(w, time.monotonic())
     assert waits == [10, 20, 35, 35]
@@ -506,7 +506,7 @@ def test_the_sync_retry_waits_double_up_to_the_cap():
     (listed,) = updates.snapshot()["sync_failures"]
     assert listed.pop("next_try_in") > 30 and listed == {"worker": 3, "failures": 4, "error": "no"}
     for _ in range(2000):
-        updates._sync_failure((3, "p1"), 3, "no")
+        updates._sync_failure((3, "p1"), 3, "no", "NEW")
     assert updates._sync_failed[(3, "p1")]["next"] - time.monotonic() <= 35
 
     async def rounds():
@@ -517,3 +517,140 @@ def test_the_sync_retry_waits_double_up_to_the_cap():
         await updates._sync_round()
         assert updates._sync_failed == {}
     asyncio.run(rounds())
+
+
+async def test_a_request_pinned_to_the_incoming_weights_is_served_when_a_later_update_ends(aiohttp_client):
+    """A review: when an update after the first ended, the queue heard it before the target changed, so a request
+    pinned to the weights it brought was judged against the old target and got 409 `model_version_unavailable`.
+    The load is slowed to 1 s (a test double) so the pinned request waits for it."""
+    from worker.models import checkpoint
+    auth = {"Authorization": "Bearer k"}
+    async with _balancer_over_one_worker(aiohttp_client, delay=lambda path: 1.0) as (client, worker):
+        r = await client.post("/v1/load_weights", json={"model_path": str(B)}, headers=auth)
+        assert r.status == 200, await r.text()
+        update = asyncio.ensure_future(client.post("/v1/load_weights", json={"model_path": str(A)}, headers=auth))
+        await asyncio.sleep(0.5)
+        pinned = await client.post("/v1/completions", headers=auth, json={
+            "prompt": [5, 6], "max_tokens": 4, "model_version": checkpoint.model_version(A)["hash"]})
+        assert (await update).status == 200
+        assert pinned.status == 200, await pinned.text()
+        assert (await pinned.json())["model_version"]["path"] == str(A)
+
+
+async def test_a_worker_that_cannot_be_put_back_takes_no_requests_and_the_failure_says_so(aiohttp_client, tmp_path):
+    """A review: worker 1 could not read the new weights (an I/O error half-way, a test double), and worker 0, already
+    on them, could not be put back (its previous checkpoint deleted since its load, as RL runs do): the failure said
+    "were put back", a 400 `model_path` (the client's fault, not to be retried), and unpinned requests were answered
+    from both weights. Now a 502 saying worker 0 could not be put back; it takes no request until it holds its
+    previous weights again (/stats weights.stranded), so every answer comes from the one version."""
+    import shutil
+
+    from aiohttp.test_utils import TestServer
+    from balancer.app import BalancerConfig, make_app as balancer_app
+    from worker.app import STATE, WorkerConfig, make_app as worker_app
+    step = tmp_path / "step_1"
+    shutil.copytree(A, step)
+    servers = [TestServer(worker_app(WorkerConfig(model_path=str(step), device="cpu"))) for _ in range(2)]
+    for s in servers:
+        await s.start_server()
+    try:
+        client = await aiohttp_client(balancer_app(BalancerConfig(
+            worker_urls=[str(s.make_url("")).rstrip("/") for s in servers], api_key="k")))
+        for _ in range(600):
+            if (await (await client.get("/health")).json()).get("healthy_workers") == 2:
+                break
+            await asyncio.sleep(0.05)
+        second = servers[1].app[STATE].engine
+        real = second.reload_weights
+        second.reload_weights = lambda path: (_ for _ in ()).throw(OSError("Input/output error")) \
+            if Path(path) == B else real(path)
+        shutil.rmtree(step)
+        auth = {"Authorization": "Bearer k"}
+        r = await client.post("/v1/load_weights", json={"model_path": str(B)}, headers=auth)
+        err = (await r.json())["error"]
+        assert r.status == 502 and "worker 0 could not be put back" in err["message"], err
+        assert "are on their previous weights again" not in err["message"]
+        assert [s.app[STATE].engine.version["path"] for s in servers] == [str(B), str(step)]
+        weights = (await (await client.get("/stats")).json())["weights"]
+        assert [x["worker"] for x in weights["stranded"]] == [0]
+        answered = set()
+        for i in range(8):
+            a = await client.post("/v1/completions", json={"prompt": [1, 2 + i], "max_tokens": 2}, headers=auth)
+            answered.add((await a.json())["model_version"]["path"])
+        assert answered == {str(step)}
+        health = await (await client.get("/health")).json()
+        assert len(health["model_versions"]) == 1          # what a request may get
+    finally:
+        for s in servers:
+            await s.close()
+
+
+@pytest.mark.slow          # (6 s: the fast tier stays under 3 minutes)
+async def test_a_load_that_outlasts_the_wait_is_put_back_by_the_sync(aiohttp_client):
+    """A review: a load past the balancer's whole wait (the worker's own load goes on) ended a "failed" update with
+    the worker on the new weights, serving everyone. It is now stranded: no request until the sync has put it back.
+    The load of B is slowed to 4 s (a test double)."""
+    from worker.app import STATE
+    auth = {"Authorization": "Bearer k"}
+    async with _balancer_over_one_worker(aiohttp_client, delay=lambda p: 4 if Path(p) == B else 0,
+                                         worker_server={"handler_cancellation": True}, weight_load_timeout=0.5,
+                                         request_timeout=1, weight_sync_retry=0.5) as (client, worker):
+        r = await client.post("/v1/load_weights", json={"model_path": str(B), "timeout": 0.2}, headers=auth)
+        err = (await r.json())["error"]
+        assert r.status == 502 and "could not be put back" in err["message"], err
+        assert "no answer within" in err["message"]                     # (it said "TimeoutError: ")
+        meanwhile = await client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}, headers=auth)
+        assert meanwhile.status == 504          # it waited (--request-timeout 1 s): never an answer from B
+        for _ in range(300):
+            if (await (await client.get("/stats")).json())["weights"]["stranded"] == []:
+                break
+            await asyncio.sleep(0.1)
+        assert worker[STATE].engine.version["path"] == str(A)        # put back by the sync once its load ended
+        for _ in range(20):                     # (its backoff after the refusals of the load it was busy with)
+            a = await client.post("/v1/completions", json={"prompt": [1, 2], "max_tokens": 2}, headers=auth)
+            if a.status == 200:
+                break
+        assert a.status == 200 and (await a.json())["model_version"]["path"] == str(A)
+
+
+async def test_an_update_refused_while_the_sync_runs_names_the_sync():
+    """A review: while the sync brought a worker onto the update's weights it held the update lock, and a new update
+    was refused "a weight update is already running (None)", /stats showing none. It names the sync now, and /stats
+    shows it (`weights.sync`)."""
+    from types import SimpleNamespace
+
+    from balancer.weights import WeightUpdates
+    from common.protocol import APIError
+    updates = WeightUpdates(SimpleNamespace(workers=[]), None, None, {})
+    async with updates._lock:
+        updates.syncing = {"worker": 2, "path": "/ckpt/step_9", "started": 0.0}
+        with pytest.raises(APIError) as refused:
+            await updates.load("/ckpt/step_10", "rolling", 1.0)
+    e = refused.value
+    assert e.status == 409 and e.code == "update_in_progress" and "worker 2 is being brought" in e.message
+    assert "/ckpt/step_9" in e.message and updates.snapshot()["sync"]["worker"] == 2
+
+
+async def test_a_batch_whose_rows_were_checked_against_weights_replaced_meanwhile_is_refused(aiohttp_client):
+    """A review: /worker/batch checked the batch's allowed weights, then prepared its rows (on a thread for a large
+    body), and a load that ended meanwhile let the rows run on weights never checked. The weights are compared again
+    after the rows are prepared: a 409 naming the new ones (the balancer re-queues it). The load is a test double:
+    the engine's version replaced while the rows are prepared."""
+    from tests.test_worker_app import ready_client
+    from worker.app import STATE
+    client, _ = await ready_client(aiohttp_client)
+    state = client.server.app[STATE]
+    have, prepare = state.engine.version, state.serving.prepare
+
+    def prepare_as_a_load_ends(kind, body):
+        state.engine.version = {"path": "/ckpt/new", "hash": "f" * 32}
+        return prepare(kind, body)
+    state.serving.prepare = prepare_as_a_load_ends
+    try:
+        r = await client.post("/worker/batch", json={"model_versions": [have["hash"]], "requests": [
+            {"id": "r1", "kind": "completion", "body": {"prompt": [5, 6], "max_tokens": 4}}]})
+        body = await r.json()
+        assert r.status == 409 and body["model_version"]["hash"] == "f" * 32, body
+        assert body["error"]["code"] == "model_version_unavailable"
+    finally:
+        state.serving.prepare, state.engine.version = prepare, have

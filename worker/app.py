@@ -148,6 +148,13 @@ class WorkerDoor:
 
 
 # ---------------------------------------------------------------- the balancer's door
+def _other_weights(have: dict, allowed: list) -> web.Response:
+    """The 409 of a batch for weights this worker does not hold (the balancer sends its rows elsewhere or again)."""
+    return json_response({**APIError(409, f"this worker holds weights {have['hash']} ({have['path']}), not "
+                                          f"{allowed}", code="model_version_unavailable").body(),
+                          "model_version": have}, 409)
+
+
 async def worker_batch(request: web.Request) -> web.StreamResponse:
     """One call carries a whole batch; per-request events come back as NDJSON lines (docs/api.md), written as they
     happen. Each request's last line carries ``"end": true``. Metrics: the call under ``/worker/batch`` with its
@@ -189,9 +196,7 @@ async def _worker_batch(request: web.Request, t0: float) -> web.StreamResponse:
     allowed = body.get("model_versions")      # the balancer's: the weights it may route these rows to
     have = getattr(state.engine, "version", None)
     if isinstance(allowed, list) and have is not None and have["hash"] not in allowed:
-        return json_response({**APIError(409, f"this worker holds weights {have['hash']} ({have['path']}), not "
-                                              f"{allowed}", code="model_version_unavailable").body(),
-                              "model_version": have}, 409)
+        return _other_weights(have, allowed)
     lines: list[bytes] = []           # NDJSON lines not yet written
     wake = asyncio.Event()
     unanswered = set(ids)             # requests without their last line yet
@@ -233,6 +238,10 @@ async def _worker_batch(request: web.Request, t0: float) -> web.StreamResponse:
     runs = {}
     preps = await off_loop(len(raw), prepare_rows)
     require_ready(state)
+    now = getattr(state.engine, "version", None)
+    if now is not have and now is not None:     # a load ended while a large body was prepared: the rows were
+        # checked against the weights before it (a review); the balancer sends the batch again, elsewhere or here
+        return _other_weights(now, allowed if isinstance(allowed, list) else [have["hash"]] if have else [])
     for rid, prep in zip(ids, preps):
         emit = emitter(rid)
         try:
