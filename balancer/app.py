@@ -206,6 +206,8 @@ class BalancerState:
             raise APIError(503, "the balancer is shutting down")
         if not self.pool.any_healthy():
             raise APIError(503, "no healthy worker", type="service_unavailable")
+        if (why := self.weights.stranded_fleet()) is not None:
+            raise APIError(503, why, type="service_unavailable")
         if version is not None and not self.weights.servable(version):
             served = sorted({v["hash"] for v in self.weights.snapshot()["versions"]})
             raise APIError(409, f"no worker serves model_version {version!r} (served: {served})",
@@ -387,11 +389,14 @@ async def _ask_workers(state: BalancerState, path: str) -> web.Response:
 async def health(request: web.Request) -> web.Response:
     state = request.app[STATE]
     healthy = len(state.pool.healthy())
-    status = "draining" if state.draining else ("ok" if healthy else "no_healthy_workers")
+    stranded = state.weights.stranded_fleet() if healthy and not state.draining else None
+    status = "draining" if state.draining else ("ok" if healthy and not stranded else
+                                                "no_routable_workers" if healthy else "no_healthy_workers")
     versions = sorted({h for w in state.pool.workers if w.healthy and state.batcher.routable(w)
                        and (h := (w.last_health.get("model_version") or {}).get("hash"))})   # (what a request may get)
     return json_response({"status": status, "healthy_workers": healthy, "total_workers": len(state.pool.workers),
-                          "model_versions": versions}, 200 if healthy and not state.draining else 503)
+                          "model_versions": versions, **({"reason": stranded} if stranded else {})},
+                         200 if healthy and not state.draining and not stranded else 503)
 
 
 def _system_status(state: BalancerState) -> str:

@@ -81,17 +81,39 @@ class WeightUpdates:
         h = hash_of(w)
         return h is None or h == self.target["hash"] or h == self.toward
 
-    def _astray(self, w: Worker) -> bool:
-        """A failed update left ``w`` on its weights (it could not be put back): it takes nothing until it is."""
+    def _stranded_on(self, w: Worker) -> dict | None:
+        """The weights a failed update could not put ``w`` back on, while they are what it must hold: with no
+        update's target yet, or the target itself (a worker stranded off the target needs the target: a second
+        review found the sync chasing weights that would not have made it routable)."""
         if not self._stranded:
-            return False                 # (the batcher asks for every dispatch: none is the usual case)
+            return None                  # (the batcher asks for every dispatch: none is the usual case)
         want = self._stranded.get(_process(w))
+        if want is None or (self.target is not None and want["hash"] != self.target["hash"]):
+            return None
+        return want
+
+    def _astray(self, w: Worker) -> bool:
+        """A failed update left ``w`` on other weights (it could not be put back): it takes nothing until it is."""
+        want = self._stranded_on(w)
         return want is not None and hash_of(w) != want["hash"]
 
     def _wanted(self, w: Worker) -> dict | None:
         """The weights ``w`` must hold to take batches: those it had before a failed update that could not put it
         back, else the last update's (None: any)."""
-        return (self._stranded.get(_process(w)) if self._stranded else None) or self.target
+        return self._stranded_on(w) or self.target
+
+    def stranded_fleet(self) -> str | None:
+        """Why no healthy worker can take a batch for good, if so: every one is stranded (no update or sync runs
+        to change it). Admission answers 503 with it and /health says so (a one-worker fleet waited its requests'
+        --request-timeout and /health said "ok": a second review)."""
+        if not self._stranded:
+            return None                  # (asked at every admission: none is the usual case)
+        healthy = [w for w in self.pool.workers if w.healthy]
+        if not healthy or self._lock.locked() or not all(self._astray(w) for w in healthy):
+            return None
+        return ("no worker can take requests: a failed weight update left workers "
+                f"{[w.index for w in healthy]} on other weights than they must hold, and they could not be put back "
+                f"(/stats weights.stranded; the sync keeps trying; a weight update that succeeds ends it)")
 
     def allowed_versions(self) -> list[str] | None:
         """The hashes a worker must hold to answer rows that require no version (None: any), sent with each batch so
@@ -264,6 +286,10 @@ class WeightUpdates:
         again (``_stranded``: the sync keeps trying, as for an update's target): the workers and why."""
         stuck = []
         for w, old in done:
+            process = _process(w)            # (a process restarted meanwhile starts from its launch weights)
+            # a worker a failed update had already stranded goes back to what it must hold, not to the weights it
+            # was stranded on (a second failure recorded those, and the sync then made it routable on them)
+            old = self._stranded_on(w) or old
             if not old:
                 continue
             w.updating = True
@@ -278,7 +304,7 @@ class WeightUpdates:
             except APIError as e:
                 log.error("worker %d could not be put back on %s: %s; it takes no requests until it holds them",
                           w.index, old["path"], e.message)
-                self._stranded[_process(w)] = old
+                self._stranded[process] = old
                 stuck.append((w, e.message))
             finally:
                 w.updating = False
@@ -339,7 +365,7 @@ class WeightUpdates:
         wait = min(self.sync_retry_max, self.sync_retry * 2.0 ** min(f["failures"] - 1, 60))
         f.update(target=target, error=message, next=time.monotonic() + wait)
         self._sync_failed[process] = f
-        log.error("worker %d could not load the update's weights (failure %d in a row; next try in %.0f s): %s",
+        log.error("worker %d could not load the weights it must hold (failure %d in a row; next try in %.0f s): %s",
                   index, f["failures"], wait, message)
 
     async def _sync_loop(self) -> None:
@@ -383,7 +409,10 @@ class WeightUpdates:
                 error = None
                 try:
                     await self._drained([w], self.drain_timeout)
-                    await self._load_one(w, want["path"], self.drain_timeout)
+                    got = await self._load_one(w, want["path"], self.drain_timeout)
+                    if got["hash"] != want["hash"]:        # (rewritten in place since: loaded every round before)
+                        raise APIError(409, f"{want['path']} now holds other weights ({got['hash']}), not "
+                                            f"{want['hash']}")
                 except APIError as e:
                     error = e.message
                 except Exception as e:
@@ -395,8 +424,7 @@ class WeightUpdates:
                     self.batcher.versions_changed()
                 if error is None:
                     self._sync_failed.pop(process, None)
-                    if hash_of(w) == want["hash"]:
-                        self._stranded.pop(process, None)
+                    self._stranded.pop(process, None)
                 elif _process(w) == process:    # (a process replaced meanwhile starts with a clean slate)
                     self._sync_failure(process, w.index, error, want["hash"])
 

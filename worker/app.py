@@ -239,8 +239,9 @@ async def _worker_batch(request: web.Request, t0: float) -> web.StreamResponse:
     preps = await off_loop(len(raw), prepare_rows)
     require_ready(state)
     now = getattr(state.engine, "version", None)
-    if now is not have and now is not None:     # a load ended while a large body was prepared: the rows were
-        # checked against the weights before it (a review); the balancer sends the batch again, elsewhere or here
+    if now is not None and (have is None or now["hash"] != have["hash"]):    # a load ended while a large body was
+        # prepared: the rows were checked against the weights before it (a review); the balancer sends the batch
+        # again, elsewhere or here (the same weights loaded again are the same: a second review)
         return _other_weights(now, allowed if isinstance(allowed, list) else [have["hash"]] if have else [])
     for rid, prep in zip(ids, preps):
         emit = emitter(rid)
@@ -374,8 +375,8 @@ async def worker_load_weights(request: web.Request) -> web.Response:
                 while state.batcher.pending or state.batcher.running:
                     await asyncio.sleep(0.01)
         except TimeoutError:
-            raise APIError(503, f"rows were still running after {timeout:g} s: the weights were not changed",
-                           headers={"Retry-After": "5"})
+            raise APIError(504, f"rows were still running after {timeout:g} s: the weights were not changed",
+                           type="timeout")        # (a timeout, as the balancer's own drain wait says it)
         log.info("loading new weights from %s", path)
         # on the device thread, like every forward; shielded: a client that leaves does not end it
         load = loop.run_in_executor(state.batcher._executor, engine.reload_weights, path)
