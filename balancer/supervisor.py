@@ -5,6 +5,7 @@ server-info file of KEY="VAL" lines, and on SIGINT/SIGTERM drains and stops ever
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import logging
 import os
@@ -194,6 +195,7 @@ class Supervisor:
         self.app: web.Application | None = None
         self.fatal: str | None = None
         self._held_port: socket.socket | None = None      # the balancer's port until it listens (_reserve)
+        self._hurry = asyncio.Event()   # a second signal: the shutdown stops waiting (_signalled)
 
     # ------------------------------------------------------------ server-info file
     @property
@@ -288,7 +290,8 @@ class Supervisor:
             async with session.get(f"http://{self.worker_address()}:{w.port}/health", headers=headers,
                                    timeout=aiohttp.ClientTimeout(total=2)) as r:
                 data = await r.json(content_type=None)
-            if data.get("launch_id") != w.launch_id:       # another server on our port: never "ready"
+            if not isinstance(data, dict) or data.get("launch_id") != w.launch_id:   # another server on our port
+                return False
                 return False
             return r.status == 200 and data.get("status") == "ready"
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
@@ -296,10 +299,13 @@ class Supervisor:
 
     def _on_exit(self, w: WorkerProc) -> None:
         code = w.proc.returncode
-        if code == EXIT_PORT_IN_USE:
+        if code == EXIT_PORT_IN_USE and self.status == "initializing" and not w.ever_ready:
             self.fatal = (f"worker {w.index} cannot listen on {self.cfg.worker_host}:{w.port}: address already in "
                           f"use (another server?); choose other ports with --worker-base-port")
             return
+        if code == EXIT_PORT_IN_USE:    # serving already: its restart backs off and tries again (the whole server
+            log.error("worker %d cannot listen on %s:%d again: address already in use (another server took it?)",
+                      w.index, self.cfg.worker_host, w.port)      # was stopped for it: a review)
         if self.app is not None:       # the balancer's view follows at once
             self.app[STATE].pool.process_exited(self.app[STATE].pool.workers[w.index],
                                                 f"its process exited (code {code})")
@@ -312,17 +318,30 @@ class Supervisor:
         delay = min(self.cfg.restart_backoff * 2 ** min(w.in_a_row - 1, 62), self.cfg.restart_backoff_max)
         w.restart_at = now + delay
         tail = log_tail(w.log_path)
-        if len(w.crashes) >= self.cfg.crash_loop:
-            log.error("worker %d is in a crash loop (%d exits in %.0f s, last code %s); restarting in %.0f s. "
-                      "Last lines of %s:\n%s", w.index, len(w.crashes), self.cfg.crash_window, code, delay,
-                      w.log_path, tail)
+        if self._looping(w):
+            log.error("worker %d is in a crash loop (%d exits in %.0f s, %d since it was last ready, last code %s); "
+                      "restarting in %.1f s. Last lines of %s:\n%s", w.index, len(w.crashes),
+                      self.cfg.crash_window, w.in_a_row, code, delay, w.log_path, tail)
         else:
             log.warning("worker %d exited with code %s; restarting in %.1f s. Last lines of %s:\n%s",
                         w.index, code, delay, w.log_path, log_tail(w.log_path, 10))
-        if not any(x.ever_ready for x in self.workers) and all(len(x.crashes) >= self.cfg.crash_loop
-                                                                for x in self.workers):
-            self.fatal = (f"every worker crashed {self.cfg.crash_loop} times before becoming ready; "
-                          f"last lines of {w.log_path}:\n{tail}")
+        # at startup: give up once too few workers can still become ready (a worker that crashes after a load longer
+        # than --crash-window / --crash-loop never made a crash loop, and the launch waited out --startup-timeout:
+        # a review)
+        if self.status == "initializing":
+            need = min(self.cfg.min_workers, len(self.workers))
+            hopeful = sum(1 for x in self.workers if x.ready or not self._looping(x))
+            if hopeful < need:
+                self.fatal = (f"{len(self.workers) - hopeful} of {len(self.workers)} workers crashed "
+                              f"{self.cfg.crash_loop} times in a row without becoming ready (--crash-loop), fewer "
+                              f"than --min-workers {need} can start; worker {w.index} last exited with code {code}; "
+                              f"last lines of {w.log_path}:\n{tail}")
+
+    def _looping(self, w: WorkerProc) -> bool:
+        """In a crash loop: --crash-loop exits within --crash-window, or as many in a row without becoming ready."""
+        now = time.monotonic()
+        recent = [t for t in w.crashes if now - t < self.cfg.crash_window]
+        return not w.ready and (len(recent) >= self.cfg.crash_loop or w.in_a_row >= self.cfg.crash_loop)
 
     def taken_ports(self) -> str | None:
         """One line naming the first port this launch needs that something else already holds, else None."""
@@ -372,7 +391,9 @@ class Supervisor:
         stop = stop or asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):   # SIGHUP: its terminal or SSH session closed
-            loop.add_signal_handler(sig, stop.set)
+            if sig == signal.SIGHUP and signal.getsignal(sig) == signal.SIG_IGN:
+                continue                # started under nohup: a session that closes leaves it serving (a review)
+            loop.add_signal_handler(sig, self._signalled, stop)
         taken = self.taken_ports()
         if taken:                       # before anything starts: one line, no worker, never "ready"
             self.fatal, self.status = taken, "failed"
@@ -381,76 +402,91 @@ class Supervisor:
             return 1
         self.write_info()
         async with aiohttp.ClientSession() as session:
-            next_start = time.monotonic()
-            pending_start = list(self.workers)
-            t0 = time.monotonic()
-            while not stop.is_set():
-                now = time.monotonic()
-                if pending_start and now >= next_start:         # staggered starts
-                    self._spawn(pending_start.pop(0))
-                    next_start = now + self.cfg.stagger
-                for w in self.workers:
-                    if w.proc is None:
-                        continue
-                    if w.proc.poll() is not None and w.restart_at is None:
-                        self._on_exit(w)
-                    elif w.restart_at is not None and now >= w.restart_at:
-                        self._spawn(w)
-                    elif w.proc.poll() is None and not w.ready and await self._probe(session, w):
-                        w.ready = w.ever_ready = True
-                        w.in_a_row = 0
-                        log.info("worker %d ready after %.1f s", w.index, time.monotonic() - w.started_at)
-                    elif (w.proc.poll() is None and not w.ready and not w.killed
-                          and now - w.started_at > self.cfg.worker_start_timeout):
-                        self._kill_unready(w, now)
-                if self.fatal:
-                    log.error("giving up: %s", self.fatal)
-                    self.status = "failed"
-                    break
-                ready = sum(w.ready for w in self.workers)
-                if self.status == "initializing":
-                    if ready >= min(self.cfg.min_workers, len(self.workers)) or (not self.workers and not
-                                                                                  self.cfg.no_balancer):
-                        try:
-                            await self._start_balancer()
-                        except OSError as e:
-                            self.fatal = f"the balancer cannot listen on {self.cfg.host}:{self.cfg.port}: " \
-                                         f"{e.strerror or e}"
-                            log.error("giving up: %s", self.fatal)
-                            self.status = "failed"
-                            break
-                        except FolderInUse as e:
-                            self.fatal = str(e)
-                            log.error("giving up: %s", self.fatal)
-                            self.status = "failed"
-                            break
-                        self.status = "running"
-                        self.write_info()
-                        log.info("serving on %s (%d/%d workers ready)", self.base_url, ready, len(self.workers))
-                    elif now - t0 > self.cfg.startup_timeout:
-                        self.fatal = f"fewer than {self.cfg.min_workers} workers ready after " \
-                                     f"{self.cfg.startup_timeout:g} s"
-                        self.status = "failed"
-                        log.error(self.fatal)
-                        break
-                try:
-                    await asyncio.wait_for(stop.wait(), 0.25)
-                except asyncio.TimeoutError:
-                    pass
+            try:
+                await self._serve(session, stop)
+            except Exception as e:      # noqa: BLE001  (a bug, the system: never a stale "initializing" left behind)
+                log.exception("the supervisor failed")
+                self.fatal, self.status = f"the supervisor failed: {type(e).__name__}: {e}", "failed"
             await self._shutdown()
         return 1 if self.fatal else 0
 
+    def _signalled(self, stop: asyncio.Event) -> None:
+        """SIGINT/SIGTERM/SIGHUP: drain and stop; a second one: stop now (the workers killed, no more drain)."""
+        if stop.is_set():
+            log.warning("a second signal: stopping now")
+            self._hurry.set()
+        stop.set()
+
+    async def _serve(self, session: aiohttp.ClientSession, stop: asyncio.Event) -> None:
+        next_start = time.monotonic()
+        pending_start = list(self.workers)
+        t0 = time.monotonic()
+        while not stop.is_set():
+            now = time.monotonic()
+            if pending_start and now >= next_start:         # staggered starts
+                self._spawn(pending_start.pop(0))
+                next_start = now + self.cfg.stagger
+            for w in self.workers:
+                if w.proc is None:
+                    continue
+                if w.proc.poll() is not None and w.restart_at is None:
+                    self._on_exit(w)
+                elif w.restart_at is not None and now >= w.restart_at:
+                    self._spawn(w)
+                elif w.proc.poll() is None and not w.ready and await self._probe(session, w):
+                    w.ready = w.ever_ready = True
+                    w.in_a_row = 0
+                    log.info("worker %d ready after %.1f s", w.index, time.monotonic() - w.started_at)
+                elif (w.proc.poll() is None and not w.ready and not w.killed
+                      and now - w.started_at > self.cfg.worker_start_timeout):
+                    self._kill_unready(w, now)
+            if self.fatal:
+                log.error("giving up: %s", self.fatal)
+                self.status = "failed"
+                break
+            ready = sum(w.ready for w in self.workers)
+            if self.status == "initializing":
+                if ready >= min(self.cfg.min_workers, len(self.workers)) or (not self.workers and not
+                                                                              self.cfg.no_balancer):
+                    try:
+                        await self._start_balancer()
+                    except OSError as e:
+                        self.fatal = f"the balancer cannot listen on {self.cfg.host}:{self.cfg.port}: " \
+                                     f"{e.strerror or e}"
+                        log.error("giving up: %s", self.fatal)
+                        self.status = "failed"
+                        break
+                    except FolderInUse as e:
+                        self.fatal = str(e)
+                        log.error("giving up: %s", self.fatal)
+                        self.status = "failed"
+                        break
+                    self.status = "running"
+                    self.write_info()
+                    log.info("serving on %s (%d/%d workers ready)", self.base_url, ready, len(self.workers))
+                elif now - t0 > self.cfg.startup_timeout:
+                    unready = [f"worker {w.index}: " + (f"{w.exits} exits, the last with code {w.last_exit}"
+                                                        if w.exits else "no answer yet") + f" ({w.log_path})"
+                               for w in self.workers if not w.ready]
+                    self.fatal = f"fewer than {self.cfg.min_workers} workers ready after " \
+                                 f"{self.cfg.startup_timeout:g} s; " + "; ".join(unready)
+                    self.status = "failed"
+                    log.error(self.fatal)
+                    break
+            try:
+                await asyncio.wait_for(stop.wait(), 0.25)
+            except asyncio.TimeoutError:
+                pass
+
     def process_info(self, w: WorkerProc) -> dict:
         """Worker ``w``'s process as /worker-status shows it: its pid, exits since the launch and the last one's code,
-        whether it is in a crash loop (--crash-loop exits within --crash-window), the seconds to its restart (None
-        while it runs) and its log."""
+        whether it is in a crash loop (``_looping``), the seconds to its restart (None while it runs) and its log."""
         now = time.monotonic()
-        recent = [t for t in w.crashes if now - t < self.cfg.crash_window]
         running = w.proc is not None and w.proc.poll() is None
         wait = None if running or w.restart_at is None else round(max(0.0, w.restart_at - now), 1)
         return {"pid": w.proc.pid if running else None, "exits": w.exits, "last_exit_code": w.last_exit,
-                "crash_loop": len(recent) >= self.cfg.crash_loop and not w.ready, "restart_in_seconds": wait,
-                "log": str(w.log_path)}
+                "crash_loop": self._looping(w), "restart_in_seconds": wait,
+                "log": os.path.abspath(w.log_path)}
 
     async def _start_balancer(self) -> None:
         if self.cfg.no_balancer:
@@ -476,21 +512,32 @@ class Supervisor:
         if self.status != "failed":
             self.status = "stopping"
             self.write_info()
-        log.info("stopping: draining the balancer, then the workers")
+        log.info("stopping: draining the balancer, then the workers (a second Ctrl-C or signal: at once)")
         if self.app is not None:
-            await drain(self.app)
+            draining = asyncio.ensure_future(drain(self.app))
+            hurry = asyncio.ensure_future(self._hurry.wait())
+            await asyncio.wait([draining, hurry], return_when=asyncio.FIRST_COMPLETED)
+            hurry.cancel()
+            if not draining.done():     # (a second signal: the requests still open are cut off)
+                draining.cancel()
+                await asyncio.gather(draining, return_exceptions=True)
             await self.runner.cleanup()
         live = [w for w in self.workers if w.proc is not None and w.proc.poll() is None]
         for w in live:
             w.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + self.cfg.stop_timeout
-        for w in live:
-            try:
-                w.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                log.warning("worker %d did not stop in %.0f s: SIGKILL", w.index, self.cfg.stop_timeout)
-                os.killpg(w.proc.pid, signal.SIGKILL)
-                w.proc.wait()
+        while any(w.proc.poll() is None for w in live):     # (the loop goes on: a second signal is heard)
+            if time.monotonic() > deadline or self._hurry.is_set():
+                for w in live:
+                    if w.proc.poll() is None:
+                        log.warning("worker %d did not stop %s: SIGKILL", w.index, "at once" if self._hurry.is_set()
+                                    else f"in {self.cfg.stop_timeout:.0f} s")
+                        with contextlib.suppress(ProcessLookupError):
+                            os.killpg(w.proc.pid, signal.SIGKILL)
+                for w in live:
+                    w.proc.wait()
+                break
+            await asyncio.sleep(0.05)
         if self.status != "failed":
             self.status = "stopped"
         self.write_info()

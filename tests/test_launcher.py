@@ -566,3 +566,94 @@ def test_load_weights_waits_at_most_its_answer_timeout(tmp_path):
                            text=True, timeout=60)
     assert r.returncode == 1 and "within --answer-timeout (1 s)" in r.stderr, r.stderr
     assert time.monotonic() - t0 < 30
+
+
+def _supervisor(tmp_path, **kw):
+    from balancer.supervisor import ServeConfig, Supervisor
+    return Supervisor(ServeConfig(model_path="x", port=free_port(), worker_base_port=free_port(), log_dir=tmp_path,
+                                  server_info_file=tmp_path / "server.env", **kw))
+
+
+def test_crashes_in_a_row_before_ready_are_a_crash_loop_and_a_port_lost_later_is_not_fatal(tmp_path):
+    """A review of the supervisor: a worker whose load outlasts --crash-window / --crash-loop and then crashes never
+    made a crash loop, and the launch waited out --startup-timeout (30 min) to say only "fewer than 1 workers
+    ready". --crash-loop exits in a row without becoming ready are a crash loop now, and the launch gives up naming
+    the exit code and the log. And a worker whose restart found its port taken while the server was serving stopped
+    the whole server: only at launch is that fatal now. (Processes are test doubles: exits are simulated.)"""
+    from types import SimpleNamespace
+    sup = _supervisor(tmp_path, crash_loop=3, crash_window=0.001)
+    w = sup.workers[0]
+    (tmp_path / "worker-0.log").write_text("RuntimeError: CUDA error at warmup\n")
+    for i in range(3):
+        w.proc, w.restart_at = SimpleNamespace(returncode=1, pid=0, poll=lambda: 1), None
+        time.sleep(0.01)                          # (each exit outside the window: the window never counts 3)
+        sup._on_exit(w)
+        assert (sup.fatal is None) == (i < 2), (i, sup.fatal)
+    assert "crashed 3 times in a row" in sup.fatal and "code 1" in sup.fatal and "CUDA error at warmup" in sup.fatal
+    assert sup.process_info(w)["crash_loop"] is True
+    assert os.path.isabs(sup.process_info(w)["log"])
+
+    from balancer.supervisor import EXIT_PORT_IN_USE
+    sup = _supervisor(tmp_path)
+    w = sup.workers[0]
+    sup.status, w.ever_ready, w.ready = "running", True, True
+    w.proc, w.restart_at = SimpleNamespace(returncode=EXIT_PORT_IN_USE, pid=0), None
+    sup._on_exit(w)
+    assert sup.fatal is None and w.restart_at is not None          # it backs off and tries again
+
+
+async def test_a_supervisor_failure_is_written_and_nohup_and_a_second_signal_are_honoured(tmp_path):
+    """A review of the supervisor: an unexpected error in its loop (a foreign server answering `null` on a worker's
+    port raised one) skipped the shutdown and left the server-info file "initializing", so a job waiting for
+    running|failed waited for ever; under nohup a closing session (SIGHUP) still stopped the server; a second
+    Ctrl-C did nothing while the drain and the stop ran (up to 90 s). Now the failure is written and everything
+    stopped, an ignored SIGHUP stays ignored, and a second signal stops at once (a worker that ignores SIGTERM is
+    killed without waiting --stop-timeout). The worker process is a test double."""
+    import asyncio
+    import signal
+    import sys
+
+    import aiohttp
+    from aiohttp import web
+    sup = _supervisor(tmp_path)
+    w = sup.workers[0]
+
+    async def null(request):
+        return web.Response(text="null", content_type="application/json")
+    app = web.Application()
+    app.router.add_get("/health", null)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", w.port).start()
+    try:
+        async with aiohttp.ClientSession() as s:
+            assert await sup._probe(s, w) is False                   # (it raised AttributeError)
+    finally:
+        await runner.cleanup()
+
+    async def broken(session, stop):
+        raise OSError("EAGAIN: no process could be started")
+    sup._serve = broken
+    before = signal.getsignal(signal.SIGHUP)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)                       # as nohup leaves it
+    try:
+        assert await sup.run() == 1
+        loop = asyncio.get_running_loop()
+        assert signal.SIGHUP not in getattr(loop, "_signal_handlers", {}) and signal.SIGTERM in loop._signal_handlers
+    finally:
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            asyncio.get_running_loop().remove_signal_handler(sig)
+        signal.signal(signal.SIGHUP, before)
+    info = (tmp_path / "server.env").read_text()
+    assert 'SERVER_STATUS="failed"' in info and "EAGAIN" in info
+
+    sup = _supervisor(tmp_path, stop_timeout=30)
+    w = sup.workers[0]
+    w.proc = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(15, signal.SIG_IGN); "
+                               "time.sleep(60)"], start_new_session=True)
+    stop = asyncio.Event()
+    sup._signalled(stop)
+    sup._signalled(stop)                                               # the second one
+    t0 = time.monotonic()
+    await sup._shutdown()
+    assert w.proc.poll() is not None and time.monotonic() - t0 < 5
