@@ -410,6 +410,17 @@ class Supervisor:
             await self._shutdown()
         return 1 if self.fatal else 0
 
+    async def _seen_ready(self, ready: int) -> None:
+        """Until the balancer's own probes have found the workers this supervisor found ready (its first ones take a
+        moment), at most 10 s: "running" in the server-info file means a request is taken (an eval job that sent
+        one at once got 503 "no healthy worker": a fresh-clone CI run of the SLURM test)."""
+        if self.app is None:
+            return
+        pool = self.app[STATE].pool
+        deadline = time.monotonic() + 10
+        while sum(w.healthy for w in pool.workers) < min(ready, 1) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+
     def _signalled(self, stop: asyncio.Event) -> None:
         """SIGINT/SIGTERM/SIGHUP: drain and stop; a second one: stop now (the workers killed, no more drain)."""
         if stop.is_set():
@@ -461,6 +472,7 @@ class Supervisor:
                         log.error("giving up: %s", self.fatal)
                         self.status = "failed"
                         break
+                    await self._seen_ready(ready)
                     self.status = "running"
                     self.write_info()
                     log.info("serving on %s (%d/%d workers ready)", self.base_url, ready, len(self.workers))
