@@ -76,9 +76,10 @@ class ServeConfig:
                                           "up to --restart-backoff-max.", type=click.FloatRange(0))
     restart_backoff_max: float = setting(60.0, "Longest wait before a crashed worker is restarted.",
                                          type=click.FloatRange(0))
-    crash_loop: int = setting(3, "Crashes of one worker within --crash-window seconds that make a crash loop "
-                                 "(logged with its log's last lines; restarts go on with the back-off, but when "
-                                 "every worker is in one before any was ready, serve gives up).",
+    crash_loop: int = setting(3, "Crashes of one worker within --crash-window seconds, or in a row without "
+                                 "becoming ready, that make a crash loop (logged with its log's last lines; restarts "
+                                 "go on with the back-off, but while the launch waits for --min-workers, serve gives "
+                                 "up once too few workers can still become ready).",
                               type=click.IntRange(1))
     crash_window: float = setting(120.0, "Seconds over which --crash-loop crashes are counted.",
                                   type=click.FloatRange(0, min_open=True))
@@ -196,6 +197,7 @@ class Supervisor:
         self.fatal: str | None = None
         self._held_port: socket.socket | None = None      # the balancer's port until it listens (_reserve)
         self._hurry = asyncio.Event()   # a second signal: the shutdown stops waiting (_signalled)
+        self._stop_asked = False        # a first signal came
 
     # ------------------------------------------------------------ server-info file
     @property
@@ -291,7 +293,6 @@ class Supervisor:
                                    timeout=aiohttp.ClientTimeout(total=2)) as r:
                 data = await r.json(content_type=None)
             if not isinstance(data, dict) or data.get("launch_id") != w.launch_id:   # another server on our port
-                return False
                 return False
             return r.status == 200 and data.get("status") == "ready"
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError):
@@ -418,7 +419,8 @@ class Supervisor:
             return
         pool = self.app[STATE].pool
         deadline = time.monotonic() + 10
-        while sum(w.healthy for w in pool.workers) < min(ready, 1) and time.monotonic() < deadline:
+        while (sum(w.healthy for w in pool.workers) < min(ready, 1) and time.monotonic() < deadline
+               and not self._hurry.is_set() and not self.stopping and not self._stop_asked):
             await asyncio.sleep(0.02)
 
     def _signalled(self, stop: asyncio.Event) -> None:
@@ -426,6 +428,7 @@ class Supervisor:
         if stop.is_set():
             log.warning("a second signal: stopping now")
             self._hurry.set()
+        self._stop_asked = True
         stop.set()
 
     async def _serve(self, session: aiohttp.ClientSession, stop: asyncio.Event) -> None:
@@ -530,9 +533,13 @@ class Supervisor:
             hurry = asyncio.ensure_future(self._hurry.wait())
             await asyncio.wait([draining, hurry], return_when=asyncio.FIRST_COMPLETED)
             hurry.cancel()
-            if not draining.done():     # (a second signal: the requests still open are cut off)
-                draining.cancel()
+            if not draining.done():     # (a second signal: the requests still open are answered 503 at once, as a
+                draining.cancel()       # drain timeout does: their handlers held the cleanup 10 s: a review)
                 await asyncio.gather(draining, return_exceptions=True)
+                state = self.app[STATE]
+                for p in [p for p in state.live.values() if not p.done]:
+                    state.batcher.cancel(p)
+                    p.fail(503, "the balancer is stopping at once (a second signal)", "service_unavailable")
             await self.runner.cleanup()
         live = [w for w in self.workers if w.proc is not None and w.proc.poll() is None]
         for w in live:

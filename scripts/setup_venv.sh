@@ -7,7 +7,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 stamp=.venv/.dllm-serve-installed
 # the checkout's own path too: a .venv copied or moved with a checkout runs the other checkout's code (its scripts and
 # the editable install name that one's paths), so it is refreshed here (a review)
-want="$(sha256sum pyproject.toml | cut -d' ' -f1) $PWD"
+want="$(sha256sum pyproject.toml | cut -d' ' -f1) $(pwd -P)"    # (-P: the same through any symlinked path)
 current() { [ -x .venv/bin/python ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; }
 current && exit 0
 exec 9>.venv.lock
