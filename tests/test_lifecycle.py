@@ -174,7 +174,10 @@ def test_sighup_stops_serve_as_sigterm_does(tmp_path):
     p = subprocess.Popen([*DLLM, "serve", "--local", "--model-path", str(TINY_LLADA), "--port", str(free_port()),
                           "--worker-base-port", str(free_port()), "--stagger", "0", "--log-dir", str(tmp_path / "l"),
                           "--server-info-file", str(info)], cwd=ROOT, stdout=subprocess.DEVNULL,
-                         stderr=subprocess.STDOUT)
+                         stderr=subprocess.STDOUT,
+                         # (SIGHUP as a terminal leaves it: a test run under nohup would hand its ignore on, which
+                         # serve keeps on purpose)
+                         preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 90
         while 'SERVER_STATUS="running"' not in (info.read_text() if info.exists() else ""):
